@@ -1,0 +1,110 @@
+"""The attention backend interface and the per-step batch metadata.
+
+One call per layer and step::
+
+    out = backend.forward(q, k, v, layer, meta, kv_cache, sinks=None)
+
+Shapes (``T`` = tokens packed over the batch this step):
+
+* ``q``  ``[T, Hq, Dqk]``, ``k`` ``[T, Hkv, Dqk]``, ``v`` ``[T, Hkv, Dv]``
+* ``kv_cache`` = ``(key_cache, value_cache)`` in FastDeploy's layout:
+  ``key_cache [num_blocks, Hkv, block_size, Dqk]``,
+  ``value_cache [num_blocks, Hkv, block_size, Dv]``
+* ``sinks`` ``[Hq]`` float (this rank's slice) for ``learnable`` layers;
+  ``off-by-one`` layers use a zero sink and need none; ``vanilla`` none.
+* returns ``out [T, Hq * Dv]``.
+
+The backend first writes this step's K/V into the cache slots of the tokens'
+positions, then attends over the cache (so a token sees itself and every
+earlier token of its request that is visible under the layer's window).
+
+Head-wise block tables (``meta.block_tables_headwise``) index *pages*, not
+blocks: page ``p`` is slice ``p`` of the cache viewed as
+``[num_blocks * Hkv, block_size, D]``, i.e. page ``block * Hkv + head``.
+Any free page can serve any request's any kv head, so pages a sliding head
+releases become capacity for everyone. Row ``b * Hkv + h`` of the table is
+request ``b``'s kv head ``h``; ``-1`` marks a page that is not there (released
+or never allocated) and must never be read.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..spec.layer import LayerAttention
+
+
+@dataclass
+class BatchMeta:
+    """FastDeploy's ForwardMeta fields that attention reads (names kept).
+
+    All per-request arrays have length ``bsz``; tensors may be paddle or torch
+    (backends convert at their boundary) and are int32.
+
+    * ``seq_lens_encoder [bsz]``: prefill tokens this step (0 for decode)
+    * ``seq_lens_decoder [bsz]``: tokens already in the cache before this step
+    * ``seq_lens_this_time [bsz]``: tokens this step (prefill chunk or 1)
+    * ``cu_seqlens_q [bsz + 1]``: prefix sums of ``seq_lens_this_time``
+    * ``batch_id_per_token [T]``: request index of each packed token
+    * ``block_tables [bsz, max_blocks]``: logical block -> physical block, -1 absent
+    * ``block_tables_headwise``: ``[bsz * Hkv, max_pages]`` page tables (see
+      module doc), or a mapping ``layer index -> table`` when layers differ,
+      or ``None`` (head-wise layers then derive pages from ``block_tables``)
+    * ``block_size``: tokens per block
+    * ``max_seq_len_this_time`` / ``max_context_len``: host-side maxima (ints)
+      kernels use to size their grids without a device sync.
+    """
+
+    seq_lens_encoder: Any
+    seq_lens_decoder: Any
+    seq_lens_this_time: Any
+    cu_seqlens_q: Any
+    batch_id_per_token: Any
+    block_tables: Any
+    block_size: int
+    block_tables_headwise: Any = None
+    max_seq_len_this_time: int | None = None
+    max_context_len: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens_this_time.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.batch_id_per_token.shape[0])
+
+    def headwise_table(self, layer_index: int) -> Any:
+        """The page table for ``layer_index`` (``None`` when there is none)."""
+        t = self.block_tables_headwise
+        if isinstance(t, Mapping):
+            return t.get(layer_index)
+        return t
+
+
+class AttentionBackend(abc.ABC):
+    """Runs one layer's attention on the paged KV cache."""
+
+    #: short name used by ``FDFLEET_BACKEND`` and the CLI
+    name: str = "base"
+    #: whether ``v_head_dim != qk_head_dim`` runs natively (else the adapter pads V)
+    supports_unequal_v_dim: bool = True
+
+    def check_layer(self, layer: LayerAttention) -> None:  # noqa: B027 - optional hook
+        """Raise ``ValueError`` at patch time if this backend cannot run ``layer``."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        layer: LayerAttention,
+        meta: BatchMeta,
+        kv_cache: tuple[Any, Any],
+        sinks: Any = None,
+    ) -> Any:
+        """Write this step's K/V into ``kv_cache`` and attend; see module doc for shapes."""

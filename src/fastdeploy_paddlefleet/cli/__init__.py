@@ -1,0 +1,50 @@
+"""``fdfleet``: the command-line front end.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)``
+and ``run(args) -> int``; this module only dispatches, so ``fdfleet plan``
+never imports paddle, torch or triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS = ("plan", "verify", "bench")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line on stderr, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fdfleet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..envs import log_level
+
+    try:
+        logging.basicConfig(level=log_level(), format="%(levelname)s %(name)s: %(message)s")
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except (CliError, ValueError, TypeError, FileNotFoundError, OSError) as e:
+        print(f"fdfleet: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
