@@ -1,0 +1,85 @@
+"""The plugin's environment switches, parsed strictly (stdlib only).
+
+Every getter reads ``os.environ`` when called, never at import, so a test or
+a launcher may set a variable after the package was imported.
+
+* ``FDFLEET_BACKEND``: ``auto`` (default) | ``reference`` | ``triton``
+* ``FDFLEET_HEADWISE_KV``: boolean, default ``False``
+* ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
+
+Values are case-insensitive and may carry surrounding whitespace. An empty
+value counts as unset (so ``FDFLEET_BACKEND= cmd`` gives the default); any
+other value outside the accepted set raises ``ValueError`` naming the variable
+and the value.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
+FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off")
+BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
+LOG_LEVELS: dict[str, int] = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
+
+
+def parse_bool(name: str, value: str | bool) -> bool:
+    """Parse ``value`` of variable ``name``: ``1/true/yes/on`` or ``0/false/no/off`` (any case)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+    v = value.strip().lower()
+    if v in TRUE_VALUES:
+        return True
+    if v in FALSE_VALUES:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; use one of {', '.join(TRUE_VALUES + FALSE_VALUES)}")
+
+
+def _raw(name: str) -> str | None:
+    """The stripped value of ``name``, or ``None`` when unset or empty."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    return value
+
+
+def get_bool(name: str, default: bool) -> bool:
+    """Boolean variable ``name`` (``default`` when unset or empty)."""
+    value = _raw(name)
+    return default if value is None else parse_bool(name, value)
+
+
+def backend_name() -> str:
+    """``FDFLEET_BACKEND``: which attention backend to use (default ``auto``)."""
+    value = _raw("FDFLEET_BACKEND")
+    if value is None:
+        return "auto"
+    v = value.strip().lower()
+    if v not in BACKENDS:
+        raise ValueError(f"FDFLEET_BACKEND={value!r} is not one of {', '.join(BACKENDS)}")
+    return v
+
+
+def headwise_kv() -> bool:
+    """``FDFLEET_HEADWISE_KV``: use head-wise KV pages with sliding-window recycling (default off)."""
+    return get_bool("FDFLEET_HEADWISE_KV", False)
+
+
+def log_level() -> int:
+    """``FDFLEET_LOG_LEVEL`` as a ``logging`` level number (default ``logging.WARNING``)."""
+    value = _raw("FDFLEET_LOG_LEVEL")
+    if value is None:
+        return logging.WARNING
+    level = LOG_LEVELS.get(value.strip().upper())
+    if level is None:
+        raise ValueError(f"FDFLEET_LOG_LEVEL={value!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level

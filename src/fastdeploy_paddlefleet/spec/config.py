@@ -1,0 +1,368 @@
+"""Build the per-layer attention plan from a model config (stdlib only).
+
+``plan_from_config(config, tp_size, tp_rank)`` reads a dict, a ``config.json``
+path (or a preset name) or any attribute object (a PaddleFleet
+``TransformerConfig``, a PaddleFormers / HF ``PretrainedConfig``) and returns an
+:class:`AttentionPlan` with one :class:`LayerAttention` per layer for that
+rank. The mapping from config fields to the plan is documented in
+``docs/plan.md``; the semantics are DESIGN.md's "Canonical attention
+semantics". Impossible configs raise ``ValueError`` naming the field and value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .layer import SINK_KINDS, AttentionPlan, LayerAttention, MLADims
+
+CONVENTIONS: tuple[str, ...] = ("hf", "paddlefleet-tuple", "paddlefleet-int")
+
+# canonical name -> names read, first non-None wins (new name first, then old ones)
+ALIASES: dict[str, tuple[str, ...]] = {
+    "num_hidden_layers": ("num_hidden_layers", "num_layers"),
+    "num_key_value_heads": ("num_key_value_heads", "num_query_groups"),
+    "head_dim": ("head_dim", "kv_channels"),
+    "sliding_window": ("sliding_window", "window_size", "sliding_window_size"),
+    "window_attn_skip_freq": ("window_attn_skip_freq", "hybrid_layer_pattern"),
+}
+
+
+class _Fields:
+    """Uniform, alias-aware read access to a dict or an attribute object."""
+
+    def __init__(self, config: Any):
+        if isinstance(config, Mapping):
+            self._read: Callable[[str], Any] = config.get
+            self.origin = "dict"
+        else:
+            self._read = lambda name: getattr(config, name, None)
+            is_pretrained = any(c.__name__.lower() == "pretrainedconfig" for c in type(config).__mro__)
+            self.origin = "pretrained" if is_pretrained else "object"
+
+    def named(self, name: str) -> tuple[str, Any]:
+        """``(field name actually found, value)``; ``(name, None)`` when absent."""
+        for alias in ALIASES.get(name, (name,)):
+            value = self._read(alias)
+            if value is not None:
+                return alias, value
+        return name, None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.named(name)[1]
+        return default if value is None else value
+
+
+def _int(value: Any, field: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{field} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{field} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _required(f: _Fields, name: str, why: str = "") -> tuple[str, int]:
+    field, value = f.named(name)
+    if value is None:
+        raise ValueError(f"missing required field {name!r}{why}")
+    return field, _int(value, field)
+
+
+def load_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """Read a config as a dict: a mapping (copied), a ``config.json`` path, a model
+    directory holding ``config.json``, or a preset name (see ``presets``).
+
+    An existing path wins over a preset of the same name.
+    """
+    if isinstance(source, Mapping):
+        return dict(source)
+    if not isinstance(source, str | Path):
+        raise TypeError(f"config source must be a path, preset name or mapping, got {type(source).__name__}")
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        return data
+    name = str(source)
+    if "/" not in name and "\\" not in name and not name.endswith(".json"):
+        from ..presets import list_presets, load_preset
+
+        if name in list_presets():
+            return load_preset(name)
+        raise ValueError(
+            f"config {name!r}: no such file and no such preset (presets: {', '.join(list_presets())})"
+        )
+    raise ValueError(f"config {name!r}: no such file")
+
+
+def _window(f: _Fields, convention: str | None) -> tuple[int | None, bool, str]:
+    """``(window_left, window_set, convention)``; ``window_left`` None means no window.
+
+    ``window_set`` is True when the config names a window at all (infinite
+    ``-1`` included), used to reject ``layer_types`` that slide without one.
+    """
+    if convention is not None and convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {', '.join(CONVENTIONS)}, got {convention!r}")
+    field, raw = f.named("sliding_window")
+    if raw is None or f.get("use_sliding_window") is False:
+        return None, False, "none"
+    if isinstance(raw, list | tuple):
+        if len(raw) != 2:
+            raise ValueError(f"{field} as a sequence must be (left, right), got {raw!r}")
+        left, right = raw
+        if right != 0:
+            raise ValueError(f"{field}={raw!r}: a right window must be 0 for causal attention")
+        if convention not in (None, "paddlefleet-tuple"):
+            raise ValueError(f"{field}={raw!r} is a (left, right) tuple but convention={convention!r}")
+        conv, value = "paddlefleet-tuple", left
+    else:
+        conv = convention or f.get("window_convention")
+        if conv is None:
+            conv = "paddlefleet-int" if f.origin == "object" else "hf"
+        if conv not in ("hf", "paddlefleet-int"):
+            raise ValueError(f"window_convention={conv!r} does not apply to an int {field}={raw!r}")
+        value = raw
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field} must be an int or (left, right) ints, got {raw!r}")
+    if value == -1:
+        return None, True, "none"  # infinite window: nothing slides
+    if value == 0 or value < -1:
+        raise ValueError(f"{field}={raw!r}: a window must be positive or -1 (infinite)")
+    return (value - 1 if conv == "hf" else value), True, conv
+
+
+def _sliding_flags(f: _Fields, n: int, window_set: bool) -> list[bool]:
+    """Whether each layer is a sliding-window layer (before the window is known finite)."""
+    layer_types = f.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list | tuple) or len(layer_types) != n:
+            raise ValueError(f"layer_types must list {n} entries (num_hidden_layers), got {layer_types!r}")
+        flags = [t == "sliding_attention" for t in layer_types]
+        if any(flags) and not window_set:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        return flags
+    if not window_set:
+        return [False] * n
+    field, skip = f.named("window_attn_skip_freq")
+    if skip is None:
+        pattern = f.get("sliding_window_pattern")
+        if pattern is None:
+            return [True] * n
+        p = _int(pattern, "sliding_window_pattern")
+        return [(i + 1) % p != 0 for i in range(n)]
+    if isinstance(skip, list | tuple):
+        if len(skip) != n:
+            raise ValueError(f"{field} has {len(skip)} entries but num_hidden_layers={n}: {list(skip)!r}")
+        if any(v not in (0, 1) for v in skip):
+            raise ValueError(f"{field} entries must be 0 or 1, got {list(skip)!r}")
+        return [v == 1 for v in skip]
+    freq = _int(skip, field)
+    return [i % freq != 0 for i in range(n)]
+
+
+def _ratios(f: _Fields, n: int) -> list[float]:
+    raw = f.get("head_wise_swa_ratio", 0.0)
+    values = list(raw) if isinstance(raw, list | tuple) else [raw] * n
+    if len(values) != n:
+        raise ValueError(f"head_wise_swa_ratio has {len(values)} entries but num_hidden_layers={n}: {raw!r}")
+    for r in values:
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"head_wise_swa_ratio must be in [0, 1], got {raw!r}")
+    return [float(r) for r in values]
+
+
+def _mla(f: _Fields) -> tuple[MLADims, int] | None:
+    """``(MLADims, v_head_dim)`` for an MLA model, else None."""
+    kv_lora = f.get("kv_lora_rank")
+    nope, rope = f.get("qk_nope_head_dim"), f.get("qk_rope_head_dim")
+    if not f.get("multi_latent_attention") and (kv_lora is None or (nope is None and rope is None)):
+        return None
+    why = " for multi-latent attention"
+    for name, value in (("kv_lora_rank", kv_lora), ("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope)):
+        if value is None:
+            raise ValueError(f"missing required field {name!r}{why}")
+    q_lora = f.get("q_lora_rank")
+    dims = MLADims(
+        kv_lora_rank=_int(kv_lora, "kv_lora_rank"),
+        qk_nope_head_dim=_int(nope, "qk_nope_head_dim", 0),
+        qk_rope_head_dim=_int(rope, "qk_rope_head_dim", 0),
+        q_lora_rank=None if q_lora is None else _int(q_lora, "q_lora_rank"),
+    )
+    _int(dims.qk_head_dim, "qk_nope_head_dim + qk_rope_head_dim")
+    return dims, _required(f, "v_head_dim", why)[1]
+
+
+def _yarn_mscale_sq(f: _Fields) -> float:
+    """DeepSeek-V3's yarn correction of the softmax scale: ``mscale(factor, mscale_all_dim) ** 2``
+    with ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1`` (1 when factor <= 1)."""
+    rope = f.get("rope_scaling") or f.get("rope_parameters")
+    if not isinstance(rope, Mapping) or (rope.get("type") or rope.get("rope_type")) != "yarn":
+        return 1.0
+    mscale_all_dim, factor = rope.get("mscale_all_dim"), rope.get("factor", 1.0)
+    if not mscale_all_dim or factor <= 1.0:
+        return 1.0
+    return (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+
+
+def _shard(
+    index: int, hq: int, hkv: int, names: tuple[str, str], tp: int, rank: int
+) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
+    """Per-rank ``(q heads, kv heads, q_head_range, kv_head_range)`` of one layer."""
+    q_name, kv_name = names
+    if hq % hkv:
+        raise ValueError(f"layer {index}: {q_name}={hq} is not divisible by {kv_name}={hkv}")
+    if hq % tp:
+        raise ValueError(f"layer {index}: {q_name}={hq} is not divisible by tp_size={tp}")
+    hq_l = hq // tp
+    if hkv >= tp:
+        if hkv % tp:
+            raise ValueError(f"layer {index}: {kv_name}={hkv} is not divisible by tp_size={tp}")
+        kv_l = hkv // tp
+        kv_range = (rank * kv_l, (rank + 1) * kv_l)
+    else:  # fewer kv heads than ranks: each rank holds one replicated kv head
+        if tp % hkv:
+            raise ValueError(f"layer {index}: tp_size={tp} is not a multiple of {kv_name}={hkv}")
+        kv_l = 1
+        kv_index = rank * hkv // tp
+        kv_range = (kv_index, kv_index + 1)
+    return hq_l, kv_l, (rank * hq_l, (rank + 1) * hq_l), kv_range
+
+
+def plan_from_config(
+    config: Any, tp_size: int = 1, tp_rank: int = 0, convention: str | None = None
+) -> AttentionPlan:
+    """The attention plan of ``config`` on TP rank ``tp_rank`` of ``tp_size``.
+
+    ``config``: a dict, a ``config.json`` path / model directory / preset name
+    (``str`` or ``Path``), or an attribute object. ``convention`` forces how an
+    int ``sliding_window`` is read (``hf``: ``W - 1``; ``paddlefleet-int``: ``W``).
+    """
+    tp = _int(tp_size, "tp_size")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank must be an integer in [0, {tp}), got {tp_rank!r}")
+    if isinstance(config, str | Path):
+        source, config = str(config), load_config(config)
+    else:
+        source = "<dict>" if isinstance(config, Mapping) else f"<{type(config).__name__}>"
+    f = _Fields(config)
+
+    _, n = _required(f, "num_hidden_layers")
+    heads_field, heads = _required(f, "num_attention_heads")
+    mla = _mla(f)
+    kv_field, kv = f.named("num_key_value_heads")
+    kv = heads if kv is None else _int(kv, kv_field)
+    head_dim_field, head_dim = f.named("head_dim")
+    if head_dim is None:
+        if mla is None:
+            _, hidden = _required(f, "hidden_size", " (head_dim is not set)")
+            head_dim = hidden // heads
+    else:
+        head_dim = _int(head_dim, head_dim_field)
+    v_dim = f.get("v_head_dim")
+    v_dim = None if v_dim is None else _int(v_dim, "v_head_dim")
+
+    softmax_type = f.get("softmax_type", "vanilla")
+    if softmax_type not in SINK_KINDS:
+        raise ValueError(f"softmax_type must be one of {', '.join(SINK_KINDS)}, got {softmax_type!r}")
+    model_type = f.get("model_type")
+    hf_sinks = model_type == "gpt_oss" or bool(f.get("use_sinks")) or bool(f.get("attention_sinks"))
+    scale = f.get("softmax_scale")
+    if scale is not None:
+        scale = _positive(scale, "softmax_scale")
+    elif f.get("query_pre_attn_scalar") is not None:
+        scale = _positive(f.get("query_pre_attn_scalar"), "query_pre_attn_scalar") ** -0.5
+
+    window_left, window_set, conv = _window(f, convention)
+    flags = _sliding_flags(f, n, window_set)
+    ratios = _ratios(f, n)
+    per_layer_ratio = isinstance(f.get("head_wise_swa_ratio"), list | tuple)
+
+    layers = []
+    for i in range(n):
+        sliding = flags[i] and window_left is not None
+        if sliding:
+            hq_field, hq = f.named("swa_num_attention_heads")
+            hq_field, hq = (heads_field, heads) if hq is None else (hq_field, _int(hq, hq_field))
+            hkv_field, hkv = f.named("swa_num_key_value_heads")
+            hkv_field, hkv = (kv_field, kv) if hkv is None else (hkv_field, _int(hkv, hkv_field))
+            qk = f.get("swa_head_dim")
+            qk = head_dim if qk is None else _int(qk, "swa_head_dim")
+            vd = f.get("swa_v_head_dim")
+            vd = (v_dim if v_dim is not None else qk) if vd is None else _int(vd, "swa_v_head_dim")
+        else:
+            hq_field, hq, hkv_field, hkv = heads_field, heads, kv_field, kv
+            qk, vd = head_dim, (head_dim if v_dim is None else v_dim)
+        if mla is not None:  # core attention sees one kv head per query head
+            qk, vd, hkv, hkv_field = mla[0].qk_head_dim, mla[1], hq, hq_field
+
+        # global sliding kv-head range [start, hkv): the LAST n_slide kv heads slide
+        slide: tuple[int, int] | None = None
+        if sliding:
+            r = ratios[i]
+            n_slide = hkv if r in (0.0, 1.0) else int(r * hkv)
+            if n_slide == 0:
+                raise ValueError(
+                    f"layer {i}: head_wise_swa_ratio={r!r} gives no sliding head of {hkv_field}={hkv}"
+                )
+            slide = (hkv - n_slide, hkv)
+        elif per_layer_ratio and not flags[i] and ratios[i] not in (0.0, 1.0):
+            raise ValueError(f"layer {i} is not a sliding layer but head_wise_swa_ratio[{i}]={ratios[i]!r}")
+
+        flag = f.get("add_swa_attention_sink_bias" if sliding else "add_full_attention_sink_bias")
+        sink = "learnable" if flag or hf_sinks else softmax_type
+        if scale is not None:
+            layer_scale = scale
+        else:
+            layer_scale = qk**-0.5 * (_yarn_mscale_sq(f) if mla is not None else 1.0)
+
+        hq_l, kv_l, q_range, kv_range = _shard(i, hq, hkv, (hq_field, hkv_field), tp, tp_rank)
+        local = None
+        if slide is not None:  # intersect with this rank's kv heads, shift to local indices
+            lo, hi = max(slide[0], kv_range[0]), min(slide[1], kv_range[1])
+            if lo < hi:
+                local = (lo - kv_range[0], hi - kv_range[0])
+        if local is None:
+            kind = "full"
+        else:
+            kind = "sliding" if local == (0, kv_l) else "headwise"
+        layers.append(
+            LayerAttention(
+                index=i,
+                kind=kind,
+                num_q_heads=hq_l,
+                num_kv_heads=kv_l,
+                qk_head_dim=qk,
+                v_head_dim=vd,
+                softmax_scale=layer_scale,
+                window_left=None if local is None else window_left,
+                sliding_kv_heads=local,
+                sink=sink,
+                mla=None if mla is None else mla[0],
+                q_head_range=q_range,
+                kv_head_range=kv_range,
+            )
+        )
+
+    any_sliding = any(flags[i] and window_left is not None for i in range(n))
+    extras = {"model_type": model_type} if model_type else {}
+    return AttentionPlan(
+        layers=tuple(layers),
+        convention=conv if any_sliding else "none",
+        tp_size=tp,
+        tp_rank=tp_rank,
+        source=source,
+        extras=extras,
+    )
