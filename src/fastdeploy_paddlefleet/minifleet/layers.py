@@ -1,0 +1,116 @@
+"""minifleet's pipeline layers: each takes a dict and returns a dict, as PaddleFleet's do.
+
+The dict carries ``input_ids`` / ``hidden_states`` ``[b, s, h]``,
+``position_ids [b, s]``, ``attention_mask``, ``attn_mask_startend_row_indices``;
+the LM head adds ``logits [b, s, vocab]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+
+from .attention import MLASelfAttention, SelfAttention, default_position_ids
+from .config import MiniFleetConfig, is_window_layer
+from .norm import RMSNorm
+
+Carry = dict[str, Any]
+
+
+class SwiGLUMLP(paddle.nn.Layer):
+    """Dense ``down(silu(gate(x)) * up(x))`` with ``ffn_hidden_size`` inner width."""
+
+    def __init__(self, config: MiniFleetConfig) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.up_gate_proj = paddle.nn.Linear(h, 2 * f, bias_attr=False)
+        self.down_proj = paddle.nn.Linear(f, h, bias_attr=False)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        gate, up = paddle.chunk(self.up_gate_proj(x), 2, axis=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class GPTEmbedding(paddle.nn.Layer):
+    """``input_ids [b, s]`` -> ``hidden_states [b, s, h]`` (fills default ``position_ids``)."""
+
+    def __init__(self, config: MiniFleetConfig) -> None:
+        super().__init__()
+        self.word_embeddings = paddle.nn.Embedding(config.vocab_size, config.hidden_size)
+
+    def forward(self, x: Carry) -> Carry:
+        ids = x["input_ids"]
+        out = dict(x)
+        out["hidden_states"] = self.word_embeddings(ids)
+        if out.get("position_ids") is None:
+            out["position_ids"] = default_position_ids(ids.shape[0], ids.shape[1])
+        return out
+
+
+class TransformerLayer(paddle.nn.Layer):
+    """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
+
+    def __init__(self, config: MiniFleetConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.layer_number = layer_index + 1
+        is_swa = is_window_layer(config, layer_index)
+        attn_cls = MLASelfAttention if config.multi_latent_attention else SelfAttention
+        self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.self_attn = attn_cls(config, layer_index, is_swa)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        if int(config.num_experts or 0) > 0:
+            from .moe import MoEMLP  # lazily: only MoE configs need it
+
+            self.mlp = MoEMLP(config, layer_index)
+        else:
+            self.mlp = SwiGLUMLP(config)
+
+    def forward(self, x: Carry) -> Carry:
+        h = x["hidden_states"]
+        h = h + self.self_attn(
+            self.input_layernorm(h),
+            x["position_ids"],
+            x.get("attention_mask"),
+            x.get("attn_mask_startend_row_indices"),
+        )
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        out = dict(x)
+        out["hidden_states"] = h
+        return out
+
+
+class FinalNorm(paddle.nn.Layer):
+    def __init__(self, config: MiniFleetConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+
+    def forward(self, x: Carry) -> Carry:
+        out = dict(x)
+        out["hidden_states"] = self.norm(x["hidden_states"])
+        return out
+
+
+class GPTLMHead(paddle.nn.Layer):
+    """Adds ``logits [b, s, vocab]``; tied to the embedding when ``tie_word_embeddings``."""
+
+    def __init__(self, config: MiniFleetConfig, embedding: GPTEmbedding) -> None:
+        super().__init__()
+        if config.tie_word_embeddings:
+            self.weight = None
+            self._tied = [embedding]  # a list, so the embedding is not registered twice
+        else:
+            self.weight = self.create_parameter([config.hidden_size, config.vocab_size], dtype="float32")
+            self._tied = []
+
+    def forward(self, x: Carry) -> Carry:
+        h = x["hidden_states"]
+        if self.weight is not None:
+            logits = paddle.matmul(h, self.weight)
+        else:
+            logits = paddle.matmul(h, self._tied[0].word_embeddings.weight, transpose_y=True)
+        out = dict(x)
+        out["logits"] = logits
+        return out
