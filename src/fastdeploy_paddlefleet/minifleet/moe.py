@@ -132,12 +132,13 @@ class MoEMLP(nn.Layer):
         self.gate = nn.Linear(hidden, self.num_experts, bias_attr=False)
         # one draw from the global generator, identical on every rank and for every ep
         base_seed = int(paddle.randint(0, 2**31 - 1, [1]).item())
-        self.experts = nn.LayerList(
-            [
-                SwiGLUExpert(hidden, ffn, np.random.default_rng([base_seed, self.layer_index, e]), dtype)
-                for e in self.local_expert_ids
-            ]
-        )
+        # keyed by the GLOBAL expert id, so parameter names (experts.<id>....) match a
+        # checkpoint and the single-process model whatever the rank holds
+        experts = {}
+        for e in self.local_expert_ids:
+            rng = np.random.default_rng([base_seed, self.layer_index, e])
+            experts[str(e)] = SwiGLUExpert(hidden, ffn, rng, dtype)
+        self.experts = nn.LayerDict(experts)
         #: number of forward calls that ran the expert-parallel exchange (tests read it)
         self.dispatch_calls = 0
 
@@ -177,7 +178,8 @@ class MoEMLP(nn.Layer):
     def _local_experts(self, x: paddle.Tensor, ids: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
         """This rank's experts over ``x [n, h]``: their weighted sum ``[n, h]``."""
         out = paddle.zeros(x.shape, dtype="float32")
-        for expert_id, expert in zip(self.local_expert_ids, self.experts, strict=True):
+        for expert_id in self.local_expert_ids:
+            expert = self.experts[str(expert_id)]
             hit = ids == expert_id  # [n, k]
             rows = paddle.nonzero(hit.any(axis=-1)).flatten()
             if rows.shape[0] == 0:
