@@ -1,0 +1,162 @@
+"""``fdfleet plan SOURCE``: show a model's per-layer attention plan and KV budget.
+
+SOURCE is a ``config.json`` path, a model directory, or a preset name
+(``fdfleet plan tiny``). Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from ..kvcache.layout import KVBudget, format_bytes, kv_budget
+from ..spec import AttentionPlan, LayerAttention, plan_from_config
+
+LAYER_KEYS = (
+    "index",
+    "kind",
+    "num_q_heads",
+    "num_kv_heads",
+    "qk_head_dim",
+    "v_head_dim",
+    "window_left",
+    "sliding_kv_heads",
+    "sink",
+    "softmax_scale",
+    "mla",
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="show the per-layer attention plan and KV cache budget of a config or preset",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("source", metavar="SOURCE", help="config.json path, model directory or preset name")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--tp-rank", type=int, default=0, help="which rank to show (default 0)")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
+    p.add_argument(
+        "--dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp8, int8, fp32 (default bf16)"
+    )
+    p.add_argument(
+        "--memory-gib", type=float, default=40.0, help="KV cache memory per rank in GiB (default 40)"
+    )
+    p.add_argument(
+        "--context", type=int, default=8192, help="tokens per request for the budget (default 8192)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=run)
+
+
+def layer_dict(layer: LayerAttention) -> dict[str, Any]:
+    """The ``--json`` view of one layer (exactly ``LAYER_KEYS``)."""
+    d = {key: getattr(layer, key) for key in LAYER_KEYS}
+    d["sliding_kv_heads"] = list(layer.sliding_kv_heads) if layer.sliding_kv_heads else None
+    d["mla"] = dataclasses.asdict(layer.mla) if layer.mla is not None else None
+    return d
+
+
+def plan_json(source: str, plan: AttentionPlan, budget: KVBudget) -> dict[str, Any]:
+    return {
+        "source": source,
+        "convention": plan.convention,
+        "layers": [layer_dict(layer) for layer in plan],
+        "kv_cache": budget.to_dict(),
+    }
+
+
+def format_indices(indices: list[int]) -> str:
+    """``[0, 2, 4]`` -> ``0-4/2``; ``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    if len(indices) > 2:
+        step = indices[1] - indices[0]
+        if step > 1 and all(b - a == step for a, b in zip(indices, indices[1:], strict=False)):
+            return f"{indices[0]}-{indices[-1]}/{step}"
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _row(layer: LayerAttention, tp: bool) -> tuple[str, ...]:
+    slide = "-" if layer.sliding_kv_heads is None else "{}-{}".format(*layer.sliding_kv_heads)
+    mla = "-"
+    if layer.mla is not None:
+        m = layer.mla
+        mla = f"kv_lora {m.kv_lora_rank} nope {m.qk_nope_head_dim} rope {m.qk_rope_head_dim}"
+    row = (
+        layer.kind,
+        f"{layer.num_q_heads}/{layer.num_kv_heads}",
+        f"{layer.qk_head_dim}/{layer.v_head_dim}",
+        "-" if layer.window_left is None else str(layer.window_left),
+        slide,
+        layer.sink,
+        f"{layer.softmax_scale:.6g}",
+        mla,
+    )
+    if tp:
+        row += ("{}-{}".format(*layer.q_head_range), "{}-{}".format(*layer.kv_head_range))
+    return row
+
+
+def format_table(plan: AttentionPlan) -> str:
+    """Per-layer table; identical layers share one row, listed by index (``0-22/2`` = every 2nd)."""
+    tp = plan.tp_size > 1
+    header = ("layers", "kind", "q/kv heads", "qk/v dim", "window_left", "sliding kv", "sink", "scale", "mla")
+    if tp:
+        header += ("q heads (sinks)", "kv heads")
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for layer in plan:
+        groups.setdefault(_row(layer, tp), []).append(layer.index)
+    rows = [header] + [(format_indices(idx),) + row for row, idx in groups.items()]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if any("/" in r[0] for r in rows[1:]):
+        lines.append("(a-b/s: every s-th layer from a to b)")
+    return "\n".join(lines)
+
+
+def format_budget(b: KVBudget) -> str:
+    sizes = sorted(set(b.bytes_per_token_per_layer))
+    spread = format_bytes(sizes[0])
+    if len(sizes) > 1:
+        spread += f" to {format_bytes(sizes[-1])}"
+    gain = f" (x{b.max_requests_recycled / b.max_requests:.2f})" if b.max_requests else ""
+    rows = [
+        ("bytes/token", f"{format_bytes(b.bytes_per_token)} ({spread} per layer)"),
+        (f"blocks in {b.memory_gib:g} GiB", f"{b.num_blocks} ({format_bytes(b.bytes_per_block)} per block)"),
+        (
+            "bytes/request",
+            f"{format_bytes(b.bytes_per_request)} without recycling, "
+            f"{format_bytes(b.bytes_per_request_recycled)} with sliding-window recycling",
+        ),
+        (
+            "max requests",
+            f"{b.max_requests} without recycling, {b.max_requests_recycled} with recycling{gain}, "
+            f"{b.max_requests_recycled_equal_pools} with recycling in equal per-layer pools",
+        ),
+    ]
+    head = f"KV cache per rank ({b.dtype}, block {b.block_size}, {b.memory_gib:g} GiB, context {b.context}):"
+    return "\n".join([head] + [f"  {label:<18} {value}" for label, value in rows])
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_from_config(args.source, tp_size=args.tp, tp_rank=args.tp_rank)
+    budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, args.context)
+    if args.json:
+        print(json.dumps(plan_json(args.source, plan, budget)))
+        return 0
+    head = f"{args.source}: {len(plan)} layers, window convention {plan.convention}"
+    if plan.tp_size > 1:
+        head += f", tp rank {plan.tp_rank} of {plan.tp_size}"
+    print(head)
+    print(format_table(plan))
+    print()
+    print(format_budget(budget))
+    return 0
