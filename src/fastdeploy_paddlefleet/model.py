@@ -1,0 +1,457 @@
+"""``PaddleFleetForCausalLM``: the FastDeploy model class for PaddleFleet models.
+
+FastDeploy builds it with ``PaddleFleetForCausalLM(fd_config)``, loads weights
+(``load_weights`` / ``set_state_dict``), then per step calls
+``forward(inputs, forward_meta)`` over the packed tokens of the batch
+(``inputs["ids_remove_padding"] [T]``) and ``compute_logits(hidden [T, h])``.
+
+What it wraps is a PaddleFleet-shaped ``GPTModel`` (``run_function``:
+embedding, transformer layers, final norm, LM head; dicts between layers)
+whose core attentions were patched to run on FastDeploy's paged KV cache:
+
+* ``model_type == "minifleet"`` configs (the embedded ``tiny`` presets) build
+  ``minifleet``; every other config builds PaddleFleet through PaddleFormers,
+  which needs the ``paddlefleet`` package (a clear ``ImportError`` otherwise);
+* :meth:`PaddleFleetForCausalLM.from_model` wraps an already built model
+  (tests, the embedded model, ``fdfleet``).
+
+Per step the forward converts FastDeploy's ``ForwardMeta`` into the plugin's
+``BatchMeta`` (same field names), pairs the flat cache list
+``[k0, v0, k1, v1, ...]`` per layer, computes each packed token's absolute
+position ``seq_lens_decoder[b] + (t - cu_seqlens_q[b])``, and enters a
+``StepContext`` on the model's holder while the layers run.
+
+Idle expert-parallel rank: with zero tokens and expert parallelism on, the
+other ranks' MoE layers still wait for this rank's collectives. The forward
+then runs ONE fake token through every layer — attention on a private
+one-block scratch cache with a throwaway batch, never the real cache — so
+each MoE layer joins its exchange, and returns ``[0, hidden]``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import paddle
+
+from .adapter.context import StepContext, StepContextHolder
+from .backends import AttentionBackend, BatchMeta, get_backend
+from .spec.layer import AttentionPlan
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "PaddleFleetForCausalLM"
+
+
+def _get(obj: Any, name: str) -> Any:
+    """``obj.name`` or ``obj[name]`` (``None`` when absent)."""
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _int32_flat(value: Any, name: str) -> paddle.Tensor:
+    if value is None:
+        raise ValueError(f"forward_meta.{name} is required, got None")
+    t = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
+    return t.reshape([-1]).astype("int32")
+
+
+def pair_caches(caches: Sequence[Any] | None, num_layers: int) -> list[tuple[Any, Any]]:
+    """FastDeploy's flat ``[k0, v0, k1, v1, ...]`` (or already paired) -> ``[(k_l, v_l), ...]``."""
+    if caches is None:
+        raise ValueError("forward_meta.caches is required (the paged KV caches), got None")
+    items = list(caches)
+    if items and all(isinstance(c, tuple | list) and len(c) == 2 for c in items):
+        pairs = [tuple(c) for c in items]
+    else:
+        if len(items) % 2:
+            raise ValueError(f"forward_meta.caches must hold key/value pairs, got {len(items)} tensors")
+        pairs = [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+    if len(pairs) < num_layers:
+        raise ValueError(
+            f"forward_meta.caches holds {len(pairs)} key/value pairs, the plan has {num_layers} layers"
+        )
+    return pairs
+
+
+def batch_meta_from_forward_meta(
+    forward_meta: Any, block_size: int | None = None, num_tokens: int | None = None
+) -> BatchMeta:
+    """FastDeploy's ``ForwardMeta`` (or any object / mapping with its names) -> ``BatchMeta``.
+
+    ``seq_lens_*`` may be ``[bsz]`` or ``[bsz, 1]``; ``batch_id_per_token`` is
+    cut to ``num_tokens`` when given (FastDeploy may pad it). ``block_size``
+    defaults to ``forward_meta.block_size``, else the key caches' dim 2.
+    """
+    this = _int32_flat(_get(forward_meta, "seq_lens_this_time"), "seq_lens_this_time")
+    bsz = int(this.shape[0])
+    decoder = _int32_flat(_get(forward_meta, "seq_lens_decoder"), "seq_lens_decoder")
+    encoder = _get(forward_meta, "seq_lens_encoder")
+    encoder = paddle.zeros([bsz], "int32") if encoder is None else _int32_flat(encoder, "seq_lens_encoder")
+    cu = _int32_flat(_get(forward_meta, "cu_seqlens_q"), "cu_seqlens_q")
+    batch_id = _int32_flat(_get(forward_meta, "batch_id_per_token"), "batch_id_per_token")
+    for name, t, want in (("seq_lens_decoder", decoder, bsz), ("seq_lens_encoder", encoder, bsz)):
+        if int(t.shape[0]) != want:
+            raise ValueError(
+                f"forward_meta.{name} has {int(t.shape[0])} entries, seq_lens_this_time has {bsz}"
+            )
+    if int(cu.shape[0]) != bsz + 1:
+        raise ValueError(
+            f"forward_meta.cu_seqlens_q must have bsz + 1 = {bsz + 1} entries, got {int(cu.shape[0])}"
+        )
+    if num_tokens is not None:
+        if int(batch_id.shape[0]) < num_tokens:
+            raise ValueError(
+                f"forward_meta.batch_id_per_token has {int(batch_id.shape[0])} entries "
+                f"for {num_tokens} tokens"
+            )
+        batch_id = batch_id[:num_tokens]
+    tables = _get(forward_meta, "block_tables")
+    if tables is None:
+        raise ValueError("forward_meta.block_tables is required, got None")
+    tables = (tables if isinstance(tables, paddle.Tensor) else paddle.to_tensor(tables)).astype("int32")
+    if block_size is None:
+        block_size = _get(forward_meta, "block_size")
+    if block_size is None:
+        caches = _get(forward_meta, "caches")
+        if caches:
+            first = caches[0][0] if isinstance(caches[0], tuple | list) else caches[0]
+            block_size = int(first.shape[2])
+    if block_size is None or int(block_size) < 1:
+        raise ValueError(
+            f"block_size must be a positive int (argument, forward_meta or caches), got {block_size}"
+        )
+    # host-side maxima for grid sizing: one small copy of [bsz] ints
+    this_host = this.numpy()
+    ctx_host = decoder.numpy() + this_host
+    active = this_host > 0
+    return BatchMeta(
+        seq_lens_encoder=encoder,
+        seq_lens_decoder=decoder,
+        seq_lens_this_time=this,
+        cu_seqlens_q=cu,
+        batch_id_per_token=batch_id,
+        block_tables=tables,
+        block_size=int(block_size),
+        block_tables_headwise=_get(forward_meta, "block_tables_headwise"),
+        max_seq_len_this_time=int(this_host.max()) if bsz else 0,
+        max_context_len=int(ctx_host[active].max()) if active.any() else 0,
+    )
+
+
+def packed_positions(meta: BatchMeta, num_tokens: int) -> paddle.Tensor:
+    """Absolute position of each packed token ``[T]`` int64.
+
+    Token ``t`` of request ``b`` sits at ``seq_lens_decoder[b] + (t - cu_seqlens_q[b])``.
+    """
+    bid = meta.batch_id_per_token[:num_tokens].astype("int64")
+    cached = paddle.gather(meta.seq_lens_decoder.astype("int64"), bid)
+    start = paddle.gather(meta.cu_seqlens_q[:-1].astype("int64"), bid)
+    return cached + paddle.arange(num_tokens, dtype="int64") - start
+
+
+def _resolve_backend(backend: str | AttentionBackend | None) -> AttentionBackend:
+    if isinstance(backend, AttentionBackend):
+        return backend
+    if backend is None:
+        from .envs import backend_name
+
+        backend = backend_name()
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a name or an AttentionBackend, got {type(backend).__name__}")
+    return get_backend(backend)
+
+
+def _read_model_config(model_dir: str) -> dict[str, Any]:
+    path = model_dir if os.path.isfile(model_dir) else os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"fd_config.model_config.model={model_dir!r} has no config.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def build_from_fd_config(fd_config: Any) -> tuple[paddle.nn.Layer, AttentionPlan, bool]:
+    """Build the host model of ``fd_config``: ``(GPTModel, plan, weights_already_loaded)``."""
+    from .spec import plan_from_config
+
+    mc = _get(fd_config, "model_config")
+    pc = _get(fd_config, "parallel_config")
+    model_dir = _get(mc, "model")
+    if not model_dir:
+        raise ValueError(f"fd_config.model_config.model must name the model directory, got {model_dir!r}")
+    tp_size = int(_get(pc, "tensor_parallel_size") or 1)
+    tp_rank = int(_get(pc, "tensor_parallel_rank") or 0)
+    raw = _read_model_config(model_dir)
+    if raw.get("model_type") == "minifleet":
+        from .minifleet import build_minifleet
+
+        if tp_size != 1:
+            raise ValueError(f"minifleet has no tensor parallelism, got tensor_parallel_size={tp_size}")
+        dtype = _get(mc, "dtype") or "float32"
+        model = build_minifleet(raw, seed=int(_get(mc, "seed") or 0), dtype=dtype)
+        return model, plan_from_config(model.config), False
+    if importlib.util.find_spec("paddlefleet") is None:
+        raise ImportError(
+            f"PaddleFleetForCausalLM needs the `paddlefleet` package to build {raw.get('architectures')} "
+            f"from {model_dir!r} through PaddleFormers; install paddlefleet (Paddle's package index) "
+            "or serve an embedded minifleet config",
+            name="paddlefleet",
+        )
+    from paddleformers.transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+    )  # pragma: no cover - needs GPU host
+
+    config = AutoConfig.from_pretrained(model_dir)  # pragma: no cover
+    config.tensor_model_parallel_size = tp_size  # pragma: no cover
+    config.expert_model_parallel_size = int(_get(pc, "expert_parallel_size") or 1)  # pragma: no cover
+    model = AutoModelForCausalLM.from_pretrained(  # pragma: no cover
+        model_dir, config=config, dtype=_get(mc, "dtype"), convert_from_hf=True
+    )
+    model.eval()  # pragma: no cover
+    return model, plan_from_config(config, tp_size, tp_rank), True  # pragma: no cover
+
+
+class PaddleFleetForCausalLM(paddle.nn.Layer):
+    """FastDeploy's model class around a patched PaddleFleet-shaped ``GPTModel``.
+
+    Shapes: ``forward`` takes ``inputs["ids_remove_padding"] [T]`` and returns
+    hidden states ``[T, hidden]``; ``compute_logits`` maps ``[T, hidden]`` to
+    ``[T, vocab]`` float32.
+    """
+
+    #: test hook: with zero tokens, return at once even under expert parallelism
+    #: (what a naive model does; the other ranks then hang in their MoE exchange)
+    idle_early_return: bool = False
+
+    def __init__(self, fd_config: Any) -> None:
+        super().__init__()
+        self.fd_config = fd_config
+        model, plan, preloaded = build_from_fd_config(fd_config)
+        pc = _get(fd_config, "parallel_config")
+        ep = int(_get(pc, "expert_parallel_size") or 1) > 1 or bool(_get(pc, "use_ep"))
+        cache_config = _get(fd_config, "cache_config")
+        self._attach(model, plan, None, None, _get(cache_config, "block_size"), expert_parallel=ep)
+        self._weights_preloaded = preloaded
+        mc = _get(fd_config, "model_config")
+        self._ori_vocab_size = _get(mc, "ori_vocab_size")
+
+    @classmethod
+    def name(cls) -> str:
+        return ARCHITECTURE
+
+    @classmethod
+    def from_model(
+        cls,
+        model: paddle.nn.Layer,
+        plan: AttentionPlan,
+        backend: str | AttentionBackend | None = None,
+        ep_group: Any = None,
+        block_size: int | None = None,
+    ) -> PaddleFleetForCausalLM:
+        """Wrap an already built ``GPTModel`` (minifleet or PaddleFleet), patching it in place.
+
+        ``backend``: a name (``auto``/``reference``/``triton``), an instance,
+        or ``None`` for ``FDFLEET_BACKEND``. ``ep_group``: the expert-parallel
+        group handed to every MoE layer (``set_ep_group``). ``block_size``:
+        default for steps whose metadata does not say it.
+        """
+        self = cls.__new__(cls)
+        paddle.nn.Layer.__init__(self)
+        self.fd_config = None
+        self._attach(model, plan, backend, ep_group, block_size, expert_parallel=ep_group is not None)
+        self._weights_preloaded = False
+        self._ori_vocab_size = None
+        return self
+
+    def _attach(
+        self,
+        model: paddle.nn.Layer,
+        plan: AttentionPlan,
+        backend: str | AttentionBackend | None,
+        ep_group: Any,
+        block_size: int | None,
+        *,
+        expert_parallel: bool,
+    ) -> None:
+        from .patch import patch_core_attention
+
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
+        run_function = list(getattr(model, "run_function", None) or [])
+        if len(run_function) < 2:
+            raise ValueError(
+                "model must expose a PaddleFleet run_function (embedding ... LM head), "
+                f"got {len(run_function)} layers"
+            )
+        self.model = model
+        self.plan = plan
+        self.block_size = None if block_size is None else int(block_size)
+        self.backend = _resolve_backend(backend)
+        self.holder = StepContextHolder()
+        self.patch_report = patch_core_attention(model, plan, self.backend, holder=self.holder)
+        moe_layers = [layer for layer in model.sublayers() if hasattr(layer, "set_ep_group")]
+        if ep_group is not None:
+            for layer in moe_layers:
+                layer.set_ep_group(ep_group)
+        self.expert_parallel = expert_parallel or any(int(getattr(m, "ep_size", 1)) > 1 for m in moe_layers)
+        self._scratch: tuple[BatchMeta, list[tuple[Any, Any]]] | None = None
+        logger.info(
+            "PaddleFleetForCausalLM: %d attention layers patched (%s backend), %d skipped, "
+            "expert parallel: %s",
+            self.patch_report.num_patched,
+            self.backend.name,
+            len(self.patch_report.skipped),
+            self.expert_parallel,
+        )
+
+    # -- shapes and dtypes --------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        config = getattr(self.model, "config", None)
+        size = _get(config, "hidden_size") or _get(_get(self.fd_config, "model_config"), "hidden_size")
+        if not size:
+            raise ValueError("cannot tell the hidden size: the model config has no hidden_size")
+        return int(size)
+
+    @property
+    def dtype(self) -> Any:
+        for p in self.model.parameters():
+            return p.dtype
+        return paddle.float32
+
+    # -- the step ---------------------------------------------------------------------------
+    def _run_body(self, ids: paddle.Tensor, positions: paddle.Tensor) -> paddle.Tensor:
+        """Every layer but the LM head over ``ids [1, T]`` -> hidden ``[T, h]``."""
+        carry: Any = {
+            "input_ids": ids,
+            "position_ids": positions,
+            "attention_mask": None,
+            "attn_mask_startend_row_indices": None,
+        }
+        for layer in self.model.run_function[:-1]:
+            carry = layer(carry)
+        hidden = carry["hidden_states"] if isinstance(carry, Mapping) else carry
+        return hidden.reshape([int(ids.shape[1]), hidden.shape[-1]])
+
+    @paddle.no_grad()
+    def forward(self, inputs: Mapping[str, Any], forward_meta: Any) -> paddle.Tensor:
+        """``inputs["ids_remove_padding"] [T]`` + FastDeploy's ``forward_meta`` -> hidden ``[T, hidden]``."""
+        ids = _get(inputs, "ids_remove_padding")
+        if ids is None:
+            raise ValueError("inputs['ids_remove_padding'] is required (the packed token ids [T]), got None")
+        if ids.ndim == 2 and int(ids.shape[0]) == 1:
+            ids = ids.reshape([-1])
+        if ids.ndim != 1:
+            raise ValueError(f"inputs['ids_remove_padding'] must be [T], got shape {list(ids.shape)}")
+        num_tokens = int(ids.shape[0])
+        if num_tokens == 0 or bool(_get(forward_meta, "is_zero_size")):
+            return self._idle_forward()
+        meta = batch_meta_from_forward_meta(forward_meta, self.block_size, num_tokens)
+        caches = pair_caches(_get(forward_meta, "caches"), len(self.plan))
+        positions = packed_positions(meta, num_tokens)
+        with self.holder.step(StepContext(meta, caches, positions)):
+            return self._run_body(ids.astype("int64").reshape([1, num_tokens]), positions.reshape([1, -1]))
+
+    def _idle_forward(self) -> paddle.Tensor:
+        """No tokens here: take part in the MoE exchanges if they need us, then return ``[0, hidden]``."""
+        if self.expert_parallel and not self.idle_early_return:
+            meta, caches = self._scratch_step()
+            zero = paddle.zeros([1], dtype="int64")
+            with self.holder.step(StepContext(meta, caches, zero)):
+                hidden = self._run_body(paddle.zeros([1, 1], dtype="int64"), zero.reshape([1, 1]))
+            return hidden[:0]
+        return paddle.zeros([0, self.hidden_size], dtype=self.dtype)
+
+    def _scratch_step(self) -> tuple[BatchMeta, list[tuple[Any, Any]]]:
+        """A one-token prefill batch on a private one-block cache per layer (built once)."""
+        if self._scratch is None:
+            from .patch import cache_plan
+
+            block = self.block_size or 16
+            caches = []
+            for layer in cache_plan(self.plan, self.backend):  # V padded where the backend needs it
+                shape = [1, layer.num_kv_heads, block]
+                caches.append(
+                    (
+                        paddle.zeros(shape + [layer.qk_head_dim], dtype=self.dtype),
+                        paddle.zeros(shape + [layer.v_head_dim], dtype=self.dtype),
+                    )
+                )
+            one = paddle.ones([1], dtype="int32")
+            meta = BatchMeta(
+                seq_lens_encoder=one,
+                seq_lens_decoder=paddle.zeros([1], dtype="int32"),
+                seq_lens_this_time=one,
+                cu_seqlens_q=paddle.to_tensor([0, 1], dtype="int32"),
+                batch_id_per_token=paddle.zeros([1], dtype="int32"),
+                block_tables=paddle.zeros([1, 1], dtype="int32"),
+                block_size=block,
+                max_seq_len_this_time=1,
+                max_context_len=1,
+            )
+            self._scratch = (meta, caches)
+        return self._scratch
+
+    @paddle.no_grad()
+    def compute_logits(self, hidden_states: paddle.Tensor, forward_meta: Any = None) -> paddle.Tensor:
+        """LM head: ``hidden_states [T, hidden]`` -> logits ``[T, vocab]`` float32."""
+        if hidden_states.ndim != 2:
+            raise ValueError(f"hidden_states must be [T, hidden], got shape {list(hidden_states.shape)}")
+        tokens = int(hidden_states.shape[0])
+        out = self.model.run_function[-1]({"hidden_states": hidden_states.unsqueeze(0)})
+        logits = out["logits"] if isinstance(out, Mapping) else out
+        logits = logits.reshape([tokens, logits.shape[-1]]).astype("float32")
+        if self._ori_vocab_size and int(self._ori_vocab_size) < int(logits.shape[-1]):
+            # padded vocab rows are never sampled
+            logits[:, int(self._ori_vocab_size) :] = float("-inf")
+        return logits
+
+    # -- weights ----------------------------------------------------------------------------
+    def set_state_dict(self, state_dict: Mapping[str, Any]) -> list[str]:
+        """Load ``{name: array or tensor}`` into the host model; returns the names not given.
+
+        Names are the host model's own (``decoder.layers.1.self_attn.core_attention.softmax_offset``),
+        optionally prefixed ``model.``. Unknown names or wrong shapes raise ``ValueError``.
+        """
+        own = self.model.state_dict()
+        unexpected: list[str] = []
+        loaded: set[str] = set()
+        for name, value in state_dict.items():
+            key = name[len("model.") :] if name not in own and name.startswith("model.") else name
+            if key not in own:
+                unexpected.append(name)
+                continue
+            target = own[key]
+            tensor = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
+            if list(tensor.shape) != list(target.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {list(tensor.shape)}, the model expects {list(target.shape)}"
+                )
+            target.set_value(tensor.astype(target.dtype))
+            loaded.add(key)
+        if unexpected:
+            raise ValueError(
+                f"{len(unexpected)} weight names are not in the model, e.g. {sorted(unexpected)[:5]}"
+            )
+        missing = sorted(set(own) - loaded)
+        if missing:
+            logger.warning("set_state_dict: %d model weights not given, e.g. %s", len(missing), missing[:5])
+        return missing
+
+    def load_weights(self, weights_iterator: Iterable[tuple[str, Any]]) -> list[str]:
+        """FastDeploy's loader: ``(name, array or tensor)`` pairs, same names as :meth:`set_state_dict`.
+
+        A PaddleFleet model built by PaddleFormers' ``from_pretrained`` already holds its
+        checkpoint: the iterator is not consumed then.
+        """
+        if self._weights_preloaded:
+            logger.info("load_weights: weights were loaded by PaddleFormers from_pretrained; skipping")
+            return []
+        return self.set_state_dict(dict(weights_iterator))
