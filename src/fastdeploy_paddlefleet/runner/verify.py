@@ -10,11 +10,14 @@ prefill, mixed prefill/decode batches, greedy decoding from the paged path).
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..adapter.context import StepContextHolder
+from ..backends.base import AttentionBackend
 from ..patch.report import PatchReport
 from ..spec.layer import AttentionPlan
 
@@ -41,6 +44,9 @@ class VerifyCase:
     paged_logits: Callable[[Any, Any], Any]
     #: free-form facts shown in the report (e.g. the config path, notes on host bugs neutralised)
     extras: dict[str, Any] = field(default_factory=dict)
+    #: the plan the KV caches are allocated from when it differs from ``plan`` (e.g. MLA values
+    #: padded for a backend that needs equal dims: ``patch.cache_plan(plan, backend)``)
+    cache_plan: AttentionPlan | None = None
 
 
 @dataclass
@@ -107,10 +113,68 @@ class VerifyReport:
         }
 
 
+def default_prompt_lens(plan: AttentionPlan) -> tuple[int, ...]:
+    """Three prompt lengths, all longer than every sliding window of ``plan``."""
+    w = max((layer.window_left + 1 for layer in plan if layer.window_left is not None), default=8)
+    return (w + 13, w + 5, w + 20)
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt_len: int
+    arrival: int
+    tokens: list[int]
+    fed: int = 0  # tokens already run through the paged path
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.prompt_len
+
+
+def schedule_steps(
+    prompt_lens: tuple[int, ...], decode_steps: int, chunk_size: int, stagger: int = 1
+) -> list[list[tuple[int, int]]]:
+    """The batches, as ``[(request, new tokens), ...]`` per step.
+
+    Request ``r`` arrives at step ``r * stagger``; it prefills in chunks of at
+    most ``chunk_size`` tokens, then decodes one token per step for
+    ``decode_steps`` steps. So early requests decode while later ones still
+    prefill (mixed batches).
+    """
+    fed = [0] * len(prompt_lens)
+    total = [n + decode_steps for n in prompt_lens]
+    steps: list[list[tuple[int, int]]] = []
+    step = 0
+    while any(f < t for f, t in zip(fed, total, strict=True)):
+        batch = []
+        for r, n in enumerate(prompt_lens):
+            if r * stagger > step or fed[r] >= total[r]:
+                continue
+            new = min(chunk_size, n - fed[r]) if fed[r] < n else 1
+            batch.append((r, new))
+            fed[r] += new
+        steps.append(batch)
+        step += 1
+    return steps
+
+
+def _check_args(prompt_lens, decode_steps, chunk_size, block_size, tolerance) -> None:
+    if not prompt_lens or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in prompt_lens):
+        raise ValueError(f"prompt_lens must be positive ints, got {prompt_lens!r}")
+    for name, value, low in (("decode_steps", decode_steps, 0), ("chunk_size", chunk_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+
+
 def run_verify(
     case: VerifyCase,
     *,
-    prompt_lens: tuple[int, ...] = (19, 11, 26),
+    prompt_lens: tuple[int, ...] | None = None,
     decode_steps: int = 8,
     chunk_size: int = 8,
     block_size: int = 4,
@@ -118,5 +182,168 @@ def run_verify(
     tolerance: float = 1e-4,
     progress: bool = True,
 ) -> VerifyReport:
-    """Run ``case`` through both paths and compare; see the module doc."""
-    raise NotImplementedError  # filled in below (driver lands in the next commit)
+    """Run ``case`` through both paths and compare; see the module doc.
+
+    Prompts are random ids (from ``seed``) of ``prompt_lens`` tokens (default:
+    :func:`default_prompt_lens`). Each step's packed batch runs through
+    ``case.paged_logits`` on a shuffled paged KV cache; greedy decoding follows
+    the paged path. Every position the paged path produced logits for is
+    compared with ``case.native_logits`` over the request's whole sequence so
+    far; greedy agreement counts the positions a next token is picked from.
+    """
+    import numpy as np
+    import paddle
+
+    from ..adapter.context import StepContext
+    from .batch import PagedKVState, allocate_kv_caches
+
+    prompt_lens = tuple(prompt_lens) if prompt_lens is not None else default_prompt_lens(case.plan)
+    _check_args(prompt_lens, decode_steps, chunk_size, block_size, tolerance)
+    windows = [layer.window_left for layer in case.plan if layer.window_left is not None]
+    if windows and min(prompt_lens) <= max(windows) + 1:
+        logger.warning(
+            "prompt_lens %s do not all exceed the widest window (%d)", prompt_lens, max(windows) + 1
+        )
+
+    rng = np.random.default_rng(seed)
+    requests = [
+        _Request(r, n, r, [int(t) for t in rng.integers(0, case.vocab_size, size=n)])
+        for r, n in enumerate(prompt_lens)
+    ]
+    steps = schedule_steps(prompt_lens, decode_steps, chunk_size)
+    max_blocks = -(-(max(prompt_lens) + decode_steps) // block_size)
+    num_blocks = sum(-(-(n + decode_steps) // block_size) for n in prompt_lens) + 4
+    state = PagedKVState(num_blocks, block_size, max_blocks, shuffle_seed=seed)
+    caches = allocate_kv_caches(case.cache_plan or case.plan, num_blocks, block_size)
+
+    report = VerifyReport(
+        name=case.name,
+        backend=case.patch_report.backend,
+        tolerance=float(tolerance),
+        layers_patched=case.patch_report.num_patched,
+        layers_skipped=len(case.patch_report.skipped),
+        extras=dict(case.extras),
+    )
+    bar = _progress(len(steps), case.name, enabled=progress)
+    t_all = time.perf_counter()
+    with paddle.no_grad():
+        for i, batch in enumerate(steps):
+            meta = state.schedule(batch)
+            positions = state.positions(meta)
+            ids = [t for r, n in batch for t in requests[r].tokens[requests[r].fed : requests[r].fed + n]]
+            t0 = time.perf_counter()
+            with case.holder.step(StepContext(meta, caches, positions)):
+                logits = case.paged_logits(paddle.to_tensor(ids, dtype="int64"), positions)
+            seconds = time.perf_counter() - t0
+            logits = logits.astype("float32").numpy()
+            record = StepRecord(
+                step=i,
+                num_tokens=len(ids),
+                num_prefill=sum(1 for r, _ in batch if requests[r].prefilling),
+                num_decode=sum(1 for r, _ in batch if not requests[r].prefilling),
+                max_abs_logit_diff=0.0,
+                greedy_matches=0,
+                greedy_total=0,
+                blocks_used=state.blocks_used,
+                seconds=seconds,
+            )
+            row = 0
+            for r, n in batch:
+                req = requests[r]
+                end = req.fed + n
+                native = case.native_logits(paddle.to_tensor([req.tokens[:end]], dtype="int64"))
+                native = native.astype("float32").numpy()[0, req.fed : end]
+                paged = logits[row : row + n]
+                record.max_abs_logit_diff = max(
+                    record.max_abs_logit_diff, float(np.abs(paged - native).max())
+                )
+                if end >= req.prompt_len:  # the last token picks the next one
+                    nxt = int(paged[-1].argmax())
+                    record.greedy_total += 1
+                    record.greedy_matches += int(nxt == int(native[-1].argmax()))
+                    if end == len(req.tokens):
+                        req.tokens.append(nxt)
+                req.fed = end
+                row += n
+                if req.fed == req.prompt_len + decode_steps:
+                    state.release(r)
+            report.steps.append(record)
+            bar.update(1)
+            bar.set_postfix(diff=f"{report.max_abs_logit_diff:.1e}", greedy=f"{report.greedy_agreement:.0%}")
+    bar.close()
+    report.seconds = time.perf_counter() - t_all
+    report.requests = [
+        {"id": q.rid, "prompt_len": q.prompt_len, "generated": q.tokens[q.prompt_len :]} for q in requests
+    ]
+    logger.info(
+        "verify %s [%s]: max |dlogit| %.3g, greedy %.1f%%, %d steps",
+        case.name,
+        report.backend,
+        report.max_abs_logit_diff,
+        100 * report.greedy_agreement,
+        len(report.steps),
+    )
+    return report
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is in the verify extra; without it, no bar
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+
+
+def build_minifleet_case(
+    config: Any = "tiny", backend: AttentionBackend | str = "reference", seed: int = 0
+) -> VerifyCase:
+    """A :class:`VerifyCase` on minifleet: two models with identical weights, one patched.
+
+    ``config``: a preset name, a JSON path, a dict or a ``MiniFleetConfig``.
+    The plan comes from ``spec.plan_from_config`` over the same config object
+    the model was built from (PaddleFleet's attribute config, so an int
+    ``sliding_window`` has PaddleFleet's meaning).
+    """
+    from ..backends import get_backend
+    from ..minifleet import build_minifleet, make_config
+    from ..patch import cache_plan, patch_core_attention, step_holder
+    from ..spec import plan_from_config
+
+    cfg = make_config(config)
+    backend = get_backend(backend) if isinstance(backend, str) else backend
+    native = build_minifleet(cfg, seed=seed)
+    paged = build_minifleet(cfg, seed=seed)
+    plan = plan_from_config(cfg)
+    report = patch_core_attention(paged, plan, backend)
+
+    def native_logits(ids: Any) -> Any:
+        return native(ids)
+
+    def paged_logits(ids: Any, positions: Any) -> Any:
+        return paged(ids.unsqueeze(0), position_ids=positions.unsqueeze(0))[0]
+
+    name = config if isinstance(config, str) else "minifleet"
+    return VerifyCase(
+        name=f"minifleet:{name}",
+        plan=plan,
+        holder=step_holder(paged),
+        patch_report=report,
+        vocab_size=int(cfg.vocab_size),
+        native_logits=native_logits,
+        paged_logits=paged_logits,
+        extras={"host": "minifleet", "config": str(name)},
+        cache_plan=cache_plan(plan, backend),
+    )
