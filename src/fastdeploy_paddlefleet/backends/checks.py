@@ -1,0 +1,262 @@
+"""Input validation shared by every attention backend.
+
+:func:`validate_inputs` checks one ``forward`` call (see ``backends/base.py``
+for the contract) and raises ``ValueError`` / ``TypeError`` naming the bad
+argument and its value. It works with paddle, torch or numpy tensors: shapes
+and dtypes are read through ``.shape`` / ``.dtype``, and the small int
+metadata is copied to the host once (:func:`to_numpy`). The host copy is
+returned as a :class:`HostMeta` so a backend that needs the ints on the host
+does not copy them again.
+
+Cost: shape checks plus one host copy of ``[bsz]``-sized arrays and the block
+tables; no pass over q/k/v or the cache contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..spec.layer import LayerAttention
+from .base import BatchMeta
+
+#: dtypes q/k/v and the cache may have (the part of ``str(dtype)`` after the last dot)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def to_numpy(x: Any) -> Any:
+    """Host numpy copy of a paddle / torch / numpy tensor or a (nested) list."""
+    import numpy as np
+
+    if isinstance(x, np.ndarray):
+        return x
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return x.detach().cpu().numpy()
+    if hasattr(x, "numpy"):  # paddle (copies device tensors to the host)
+        return x.numpy()
+    return np.asarray(x)
+
+
+def to_list(x: Any) -> list:
+    """Python list of a 1-D tensor / array / list (ints stay ints)."""
+    return to_numpy(x).tolist()
+
+
+def dtype_name(dtype: Any) -> str:
+    """``paddle.float32`` / ``torch.float32`` / ``float32`` -> ``float32``."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+@dataclass
+class HostMeta:
+    """Host (numpy int64) copy of the metadata one ``forward`` reads.
+
+    * ``seq_lens_decoder``, ``seq_lens_this_time``: ``[bsz]``
+    * ``cu_seqlens_q``: ``[bsz + 1]``
+    * ``block_tables``: ``[bsz, max_blocks]``
+    * ``page_table``: ``[bsz * Hkv, max_pages]`` head-wise page table of this
+      layer, or ``None``
+    """
+
+    seq_lens_decoder: Any
+    seq_lens_this_time: Any
+    cu_seqlens_q: Any
+    block_tables: Any
+    page_table: Any
+    num_tokens: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens_this_time.shape[0])
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_tensor(name: str, x: Any, expected: tuple[int | None, ...]) -> tuple[int, ...]:
+    """Check rank, sizes (``None`` = any) and float dtype of ``x``; return its shape."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    shape = _shape(x)
+    if len(shape) != len(expected):
+        raise ValueError(
+            f"{name} must have rank {len(expected)} {list(expected)}, got {name}.shape={list(shape)}"
+        )
+    for axis, (got, want) in enumerate(zip(shape, expected, strict=True)):
+        if want is not None and got != want:
+            raise ValueError(
+                f"{name}.shape[{axis}] must be {want} (expected {list(expected)}), "
+                f"got {name}.shape={list(shape)}"
+            )
+    if dtype_name(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have a float dtype {FLOAT_DTYPES}, got {name}.dtype={x.dtype}")
+    return shape
+
+
+def _check_layer(layer: LayerAttention) -> None:
+    if not isinstance(layer, LayerAttention):
+        raise TypeError(f"layer must be a LayerAttention, got {type(layer).__name__}")
+    hq, hkv = layer.num_q_heads, layer.num_kv_heads
+    if hkv <= 0 or hq <= 0 or hq % hkv != 0:
+        raise ValueError(
+            f"layer {layer.index}: num_q_heads={hq} must be a positive multiple of num_kv_heads={hkv}"
+        )
+
+
+def _int_array(meta: BatchMeta, name: str, length: int | None) -> Any:
+    x = getattr(meta, name)
+    if x is None:
+        raise ValueError(f"meta.{name} is required, got None")
+    a = to_numpy(x).astype("int64", copy=False)
+    if a.ndim != 1:
+        raise ValueError(f"meta.{name} must be 1-D, got shape {list(a.shape)}")
+    if length is not None and a.shape[0] != length:
+        raise ValueError(f"meta.{name} must have length {length}, got {a.shape[0]}: {a.tolist()}")
+    return a
+
+
+def _read_ranges(layer: LayerAttention, dec: Any, end: Any, block_size: int) -> tuple[Any, Any]:
+    """First and last logical block each kv head reads or writes: ``[bsz, Hkv]`` each.
+
+    A head reads from the oldest position its first query sees
+    (``dec - window_left``, or 0 for a full head) up to the newest token ``end - 1``.
+    """
+    import numpy as np
+
+    windows = [layer.head_window(h) for h in range(layer.num_kv_heads)]
+    lo = np.stack([np.zeros_like(dec) if w is None else np.maximum(dec - w, 0) for w in windows], axis=1)
+    hi = np.repeat(((end - 1) // block_size)[:, None], len(windows), axis=1)
+    return lo // block_size, hi
+
+
+def _check_table(name: str, table: Any, lo: Any, hi: Any, active: Any, limit: int, unit: str) -> None:
+    """Every entry of ``table[r, lo[r]..hi[r]]`` for active rows must be in ``[0, limit)``."""
+    import numpy as np
+
+    need = hi + 1
+    short = active & (need > table.shape[1])
+    if short.any():
+        r = int(np.argmax(short))
+        raise ValueError(
+            f"{name} is too short: row {r} needs {int(need[r])} columns, "
+            f"the table has {table.shape[1]} (shape {list(table.shape)})"
+        )
+    cols = np.arange(table.shape[1])[None, :]
+    used = active[:, None] & (cols >= lo[:, None]) & (cols <= hi[:, None])
+    bad = used & ((table < 0) | (table >= limit))
+    if bad.any():
+        r, c = (int(i) for i in np.argwhere(bad)[0])
+        value = int(table[r, c])
+        what = f"a -1 ({unit} not there)" if value == -1 else f"out of range [0, {limit})"
+        raise ValueError(
+            f"{name}[{r}, {c}] = {value} is {what}, but that {unit} is read or written this step"
+        )
+
+
+def validate_inputs(
+    q: Any,
+    k: Any,
+    v: Any,
+    layer: LayerAttention,
+    meta: BatchMeta,
+    kv_cache: Any,
+    sinks: Any = None,
+) -> HostMeta:
+    """Check one backend ``forward`` call; return the host copy of its metadata.
+
+    Shapes: q ``[T, Hq, Dqk]``, k ``[T, Hkv, Dqk]``, v ``[T, Hkv, Dv]``,
+    ``kv_cache = (key [num_blocks, Hkv, block_size, Dqk], value [num_blocks, Hkv, block_size, Dv])``,
+    ``sinks [Hq]`` for ``learnable`` layers (ignored otherwise).
+    Raises ``ValueError`` / ``TypeError`` naming the argument and its value.
+    """
+    import numpy as np
+
+    _check_layer(layer)
+    hq, hkv, dqk, dv = layer.num_q_heads, layer.num_kv_heads, layer.qk_head_dim, layer.v_head_dim
+    t = _check_tensor("q", q, (None, hq, dqk))[0]
+    _check_tensor("k", k, (t, hkv, dqk))
+    _check_tensor("v", v, (t, hkv, dv))
+    if not (dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype)):
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+
+    if not isinstance(meta, BatchMeta):
+        raise TypeError(f"meta must be a BatchMeta, got {type(meta).__name__}")
+    bs = meta.block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
+        raise ValueError(f"meta.block_size must be a positive int, got {bs!r}")
+
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+        raise TypeError(f"kv_cache must be a (key_cache, value_cache) pair, got {type(kv_cache).__name__}")
+    nb = _check_tensor("kv_cache[0] (key cache)", kv_cache[0], (None, hkv, bs, dqk))[0]
+    _check_tensor("kv_cache[1] (value cache)", kv_cache[1], (nb, hkv, bs, dv))
+    if dtype_name(kv_cache[0].dtype) != dtype_name(kv_cache[1].dtype):
+        raise TypeError(
+            f"key and value caches must share one dtype, got {kv_cache[0].dtype} and {kv_cache[1].dtype}"
+        )
+
+    this_time = _int_array(meta, "seq_lens_this_time", None)
+    bsz = this_time.shape[0]
+    dec = _int_array(meta, "seq_lens_decoder", bsz)
+    _int_array(meta, "seq_lens_encoder", bsz)
+    cu = _int_array(meta, "cu_seqlens_q", bsz + 1)
+    for name, a in (("seq_lens_this_time", this_time), ("seq_lens_decoder", dec)):
+        if (a < 0).any():
+            raise ValueError(f"meta.{name} must be >= 0, got {a.tolist()}")
+    if cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != t:
+        raise ValueError(
+            f"meta.cu_seqlens_q must start at 0, not decrease and end at the token count T={t}, "
+            f"got {cu.tolist()}"
+        )
+    if not np.array_equal(np.diff(cu), this_time):
+        raise ValueError(
+            f"meta.cu_seqlens_q={cu.tolist()} does not match meta.seq_lens_this_time={this_time.tolist()}"
+        )
+    bid = _int_array(meta, "batch_id_per_token", t)
+    if not np.array_equal(bid, np.repeat(np.arange(bsz), this_time)):
+        raise ValueError(
+            f"meta.batch_id_per_token={bid.tolist()} does not match meta.cu_seqlens_q={cu.tolist()}"
+        )
+
+    if layer.sink == "learnable":
+        if sinks is None:
+            raise ValueError(
+                f"layer {layer.index} has learnable sinks but sinks=None (expected shape [{hq}])"
+            )
+        if not hasattr(sinks, "shape") or _shape(sinks) != (hq,):
+            got = list(_shape(sinks)) if hasattr(sinks, "shape") else type(sinks).__name__
+            raise ValueError(f"sinks must have shape [{hq}] for layer {layer.index}, got {got}")
+
+    if meta.block_tables is None:
+        raise ValueError("meta.block_tables is required, got None")
+    tables = to_numpy(meta.block_tables).astype("int64", copy=False)
+    if tables.ndim != 2 or tables.shape[0] != bsz:
+        raise ValueError(
+            f"meta.block_tables must have shape [bsz={bsz}, max_blocks], got {list(tables.shape)}"
+        )
+
+    end = dec + this_time
+    active = this_time > 0
+    lo, hi = _read_ranges(layer, dec, end, bs)  # [bsz, Hkv]
+    page_table = meta.headwise_table(layer.index)
+    if page_table is not None:
+        page_table = to_numpy(page_table).astype("int64", copy=False)
+        if page_table.ndim != 2 or page_table.shape[0] != bsz * hkv:
+            raise ValueError(
+                f"head-wise table of layer {layer.index} must have shape "
+                f"[bsz * Hkv = {bsz * hkv}, max_pages], "
+                f"got {list(page_table.shape)}"
+            )
+        _check_table(
+            f"block_tables_headwise (layer {layer.index})",
+            page_table,
+            lo.reshape(-1),
+            hi.reshape(-1),
+            np.repeat(active, hkv),
+            nb * hkv,
+            "page",
+        )
+    else:
+        _check_table("meta.block_tables", tables, lo.min(axis=1), hi[:, 0], active, nb, "block")
+    return HostMeta(dec, this_time, cu, tables, page_table, t)

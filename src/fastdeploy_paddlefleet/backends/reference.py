@@ -1,0 +1,232 @@
+"""Reference attention on FastDeploy's paged KV cache, in paddle ops.
+
+Written for clarity, not speed: it states the canonical semantics
+(``docs/semantics.md``) that every other backend is tested against.
+Per step it
+
+1. writes each token's K/V into its cache slot: token ``t`` of request ``b``
+   sits at position ``seq_lens_decoder[b] + (t - cu_seqlens_q[b])``, logical
+   block ``pos // block_size``, slot ``pos % block_size``; the physical page
+   comes from ``block_tables`` (page ``block * Hkv + head``) or from the
+   layer's head-wise page table;
+2. per request, per run of kv heads sharing one window, gathers exactly the
+   positions its queries may see (never a ``-1`` page), builds the causal /
+   window mask, adds the sink, softmaxes in fp32 and takes the weighted sum.
+
+Any device paddle runs on; torch inputs cross by DLPack (zero-copy, so cache
+writes land in the caller's torch cache) and the output goes back to torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..spec.layer import LayerAttention
+from .base import AttentionBackend, BatchMeta
+from .checks import HostMeta, validate_inputs
+
+logger = logging.getLogger(__name__)
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _to_paddle(x: Any) -> Any:
+    """Paddle view of a torch tensor (DLPack, zero-copy); paddle tensors pass through."""
+    if x is None or not _is_torch(x):
+        return x
+    import paddle
+
+    return paddle.utils.dlpack.from_dlpack(x.detach())
+
+
+def _sink_tensor(sinks: Any) -> Any:
+    """``sinks`` as a paddle fp32 tensor (paddle, torch, numpy or list in)."""
+    import numpy as np
+    import paddle
+
+    if isinstance(sinks, paddle.Tensor):
+        return sinks.astype("float32")
+    if _is_torch(sinks):
+        return _to_paddle(sinks).astype("float32")
+    return paddle.to_tensor(np.asarray(sinks, dtype="float32"))
+
+
+def _head_runs(layer: LayerAttention) -> list[tuple[int, int, int | None]]:
+    """Contiguous runs ``(start, stop, window_left)`` of kv heads that share one window."""
+    runs: list[tuple[int, int, int | None]] = []
+    for h in range(layer.num_kv_heads):
+        w = layer.head_window(h)
+        if runs and runs[-1][2] == w:
+            runs[-1] = (runs[-1][0], h + 1, w)
+        else:
+            runs.append((h, h + 1, w))
+    return runs
+
+
+def _pages(host: HostMeta, layer: LayerAttention, b: int) -> Any:
+    """Request ``b``'s page table ``[Hkv, max_pages]`` (numpy int64; -1 = not there)."""
+    import numpy as np
+
+    hkv = layer.num_kv_heads
+    if host.page_table is not None:
+        return host.page_table[b * hkv : (b + 1) * hkv]
+    blocks = host.block_tables[b][None, :]
+    return np.where(blocks >= 0, blocks * hkv + np.arange(hkv)[:, None], -1)
+
+
+def _write_cache(
+    k: Any, v: Any, kv_cache: tuple[Any, Any], layer: LayerAttention, host: HostMeta, block_size: int
+) -> None:
+    """Scatter this step's ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` into their cache slots (in place)."""
+    import numpy as np
+    import paddle
+
+    hkv = layer.num_kv_heads
+    block_idx, head_idx, slot_idx, src = [], [], [], []
+    for b in range(host.batch_size):
+        n = int(host.seq_lens_this_time[b])
+        if n == 0:
+            continue
+        start = int(host.cu_seqlens_q[b])
+        pos = int(host.seq_lens_decoder[b]) + np.arange(n)
+        page = _pages(host, layer, b)[:, pos // block_size]  # [Hkv, n]
+        block_idx.append((page // hkv).T.reshape(-1))
+        head_idx.append((page % hkv).T.reshape(-1))
+        slot_idx.append(np.repeat(pos % block_size, hkv))
+        src.append(start + np.arange(n))
+    if not src:
+        return
+    key_cache, value_cache = kv_cache
+    index = tuple(paddle.to_tensor(np.concatenate(a), dtype="int64") for a in (block_idx, head_idx, slot_idx))
+    rows = paddle.to_tensor(np.concatenate(src), dtype="int64")
+    k_rows = paddle.gather(k, rows).reshape([-1, layer.qk_head_dim])  # [(tokens * Hkv), Dqk], token-major
+    v_rows = paddle.gather(v, rows).reshape([-1, layer.v_head_dim])
+    key_cache.index_put_(index, k_rows.astype(key_cache.dtype))
+    value_cache.index_put_(index, v_rows.astype(value_cache.dtype))
+
+
+def _gather(cache: Any, pages: Any, lo: int, end: int, block_size: int, hkv: int) -> Any:
+    """Positions ``[lo, end)`` of each row of ``pages [H, max_pages]`` -> ``[H, end - lo, D]`` fp32."""
+    import numpy as np
+    import paddle
+
+    pos = np.arange(lo, end)
+    page = pages[:, pos // block_size]  # [H, L]; validated: no -1 in this range
+    index = np.stack([page // hkv, page % hkv, np.broadcast_to(pos % block_size, page.shape)], axis=-1)
+    return paddle.gather_nd(cache, paddle.to_tensor(index, dtype="int64")).astype("float32")
+
+
+def _attend_run(
+    q: Any,
+    key: Any,
+    value: Any,
+    sink: Any,
+    q_pos0: int,
+    k_pos0: int,
+    window: int | None,
+    scale: float,
+) -> Any:
+    """Dense attention of one request for a run of kv heads.
+
+    ``q [H, G, n, Dqk]`` at positions ``q_pos0 + i``; ``key [H, L, Dqk]``,
+    ``value [H, L, Dv]`` at positions ``k_pos0 + j``; ``sink [H, G]`` logits or
+    ``None``. Returns ``[H, G, n, Dv]`` fp32.
+    """
+    import paddle
+
+    h, g, n, dqk = q.shape
+    length = key.shape[1]
+    scores = (
+        paddle.matmul(q.reshape([h, g * n, dqk]), key, transpose_y=True).reshape([h, g, n, length]) * scale
+    )
+    i = paddle.arange(q_pos0, q_pos0 + n, dtype="int64").unsqueeze(1)
+    j = paddle.arange(k_pos0, k_pos0 + length, dtype="int64").unsqueeze(0)
+    visible = j <= i
+    if window is not None:
+        visible = paddle.logical_and(visible, i - j <= window)
+    visible = paddle.broadcast_to(visible, scores.shape)
+    neg_inf = paddle.full_like(scores, float("-inf"))
+    row_max = paddle.where(visible, scores, neg_inf).max(axis=-1, keepdim=True)  # [H, G, n, 1]
+    if sink is not None:
+        sink = sink.reshape([h, g, 1, 1]).expand([h, g, n, 1])
+        row_max = paddle.maximum(row_max, sink)
+    row_max = paddle.where(paddle.isinf(row_max), paddle.zeros_like(row_max), row_max)  # fully masked rows
+    probs = paddle.where(visible, paddle.exp(scores - row_max), paddle.zeros_like(scores))
+    denom = probs.sum(axis=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + paddle.exp(sink - row_max)
+    out = paddle.matmul(probs.reshape([h, g * n, length]), value).reshape([h, g, n, value.shape[-1]])
+    # a fully masked row without a sink has denom 0 and out 0: give 0, not NaN
+    safe = paddle.where(denom > 0, denom, paddle.ones_like(denom))
+    return out / safe
+
+
+class ReferenceBackend(AttentionBackend):
+    """Paged attention in plain paddle ops; the semantics every backend must match."""
+
+    name = "reference"
+    supports_unequal_v_dim = True
+
+    def forward(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        layer: LayerAttention,
+        meta: BatchMeta,
+        kv_cache: tuple[Any, Any],
+        sinks: Any = None,
+    ) -> Any:
+        """Write K/V into ``kv_cache`` then attend; ``q [T, Hq, Dqk]`` -> ``[T, Hq * Dv]`` in q's dtype."""
+        import paddle
+
+        host = validate_inputs(q, k, v, layer, meta, kv_cache, sinks)
+        return_torch = _is_torch(q)
+        q, k, v = (_to_paddle(x) for x in (q, k, v))
+        kv_cache = (_to_paddle(kv_cache[0]), _to_paddle(kv_cache[1]))
+        hq, hkv, dv, g = layer.num_q_heads, layer.num_kv_heads, layer.v_head_dim, layer.group_size
+        bs = meta.block_size
+
+        _write_cache(k, v, kv_cache, layer, host, bs)
+
+        sink_logits = None
+        if layer.sink == "learnable":
+            sink_logits = _sink_tensor(sinks).reshape([hkv, g])
+        elif layer.sink == "off-by-one":
+            sink_logits = paddle.zeros([hkv, g], dtype="float32")
+
+        runs = _head_runs(layer)
+        qf = q.astype("float32")
+        outs = []
+        for b in range(host.batch_size):
+            n = int(host.seq_lens_this_time[b])
+            if n == 0:
+                continue
+            start, dec = int(host.cu_seqlens_q[b]), int(host.seq_lens_decoder[b])
+            end = dec + n
+            pages = _pages(host, layer, b)
+            q_b = qf[start : start + n].reshape([n, hkv, g, -1]).transpose([1, 2, 0, 3])  # [Hkv, G, n, Dqk]
+            per_run = []
+            for h0, h1, window in runs:
+                lo = 0 if window is None else max(0, dec - window)
+                key = _gather(kv_cache[0], pages[h0:h1], lo, end, bs, hkv)
+                value = _gather(kv_cache[1], pages[h0:h1], lo, end, bs, hkv)
+                sink = None if sink_logits is None else sink_logits[h0:h1]
+                per_run.append(
+                    _attend_run(q_b[h0:h1], key, value, sink, dec, lo, window, layer.softmax_scale)
+                )
+            o = per_run[0] if len(per_run) == 1 else paddle.concat(per_run, axis=0)  # [Hkv, G, n, Dv]
+            outs.append(o.transpose([2, 0, 1, 3]).reshape([n, hq * dv]))
+        if outs:
+            out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+        else:
+            out = paddle.zeros([0, hq * dv], dtype="float32")
+        out = out.astype(q.dtype)
+        if return_torch:
+            import torch
+
+            return torch.from_dlpack(out)
+        return out
