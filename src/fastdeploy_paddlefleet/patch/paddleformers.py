@@ -76,12 +76,19 @@ class _ModelPatch:
 
 @dataclass
 class _LayerState:
-    """Attached to each patched attention module as ``module._fdfleet_paged``."""
+    """Attached to each patched attention module as ``module._fdfleet_paged``.
+
+    ``backend_layer`` is the layer as the backend sees it (V padded to the q/k
+    head dim for backends that need equal dims, see ``adapter.backend_layer``);
+    ``value_fuser`` pads/trims around the call when that is the case.
+    """
 
     name: str
     layer: LayerAttention
     backend: AttentionBackend
     model_patch: _ModelPatch
+    backend_layer: LayerAttention
+    value_fuser: Any = None
 
 
 def _register_key() -> None:
@@ -122,8 +129,18 @@ def _run_paged(state: _LayerState, query: Any, key: Any, value: Any, sink: Any) 
     q = query.transpose([0, 2, 1, 3]).reshape([n, hq, dqk])[:t]
     k = key.transpose([0, 2, 1, 3]).reshape([n, hkv, dqk])[:t]
     v = value.transpose([0, 2, 1, 3]).reshape([n, hkv, dv])[:t]
+    if layer.index >= len(ctx.kv_caches):
+        raise ValueError(f"layer {layer.index}: the step context has only {len(ctx.kv_caches)} kv caches")
     sinks = sink if layer.sink == "learnable" else None
-    out = state.backend.forward(q, k, v, layer, ctx.meta, ctx.kv_caches[layer.index], sinks=sinks)
+    if state.value_fuser is not None:
+        q, k, v = state.value_fuser.before(q, k, v)
+    out = state.backend.forward(
+        q, k, v, state.backend_layer, ctx.meta, ctx.kv_caches[layer.index], sinks=sinks
+    )
+    if state.value_fuser is not None:
+        out = state.value_fuser.after(out.reshape([t, hq, state.backend_layer.v_head_dim])).reshape(
+            [t, hq * dv]
+        )
     if pad:
         out = paddle.concat([out, paddle.zeros([pad, out.shape[-1]], dtype=out.dtype)], axis=0)
     return out.reshape([b, s, hq * dv])
@@ -257,6 +274,8 @@ def patch_paddleformers(
         )
     if holder is None:
         holder = StepContextHolder()
+    from ..adapter.core_attention import ValuePadFuser, backend_layer
+
     _register_key()
 
     report = PatchReport(backend=getattr(backend, "name", type(backend).__name__))
@@ -279,7 +298,7 @@ def patch_paddleformers(
         if layer.index != idx:
             raise ValueError(f"{name}: plan entry {idx} has index={layer.index}")
         _check_layer(name, module, layer)
-        backend.check_layer(layer)
+        backend.check_layer(backend_layer(layer, backend))  # raises for combos the backend cannot run
         targets.append((name, module, layer))
     if not found:
         raise ValueError(f"no attention module found in {type(model).__name__} (model_type={model_type!r})")
@@ -287,7 +306,13 @@ def patch_paddleformers(
     mp = _ModelPatch(holder=holder)
     patched_configs: set[int] = set()
     for name, module, layer in targets:
-        state = _LayerState(name=name, layer=layer, backend=backend, model_patch=mp)
+        seen = backend_layer(layer, backend)
+        fuser = (
+            ValuePadFuser(layer.v_head_dim, layer.qk_head_dim)
+            if seen.v_head_dim != layer.v_head_dim
+            else None
+        )
+        state = _LayerState(name, layer, backend, mp, backend_layer=seen, value_fuser=fuser)
         object.__setattr__(module, _STATE_ATTR, state)
         mp.restore_attrs.append((module, _STATE_ATTR, None))
         if "attn_func" in vars(module):  # deepseek_v3

@@ -260,6 +260,7 @@ def make_case(
     """
     import paddle
 
+    from ..patch.core_attention import cache_plan
     from ..patch.paddleformers import padded_step, patch_paddleformers, step_holder
     from .verify import VerifyCase
 
@@ -297,6 +298,7 @@ def make_case(
         native_logits=native_logits,
         paged_logits=paged_logits,
         extras=dict(extras or {}),
+        cache_plan=cache_plan(plan, backend_obj),
     )
 
 
