@@ -1,0 +1,154 @@
+"""``fdfleet verify``: run the same requests through a model's own attention and the paged path, compare.
+
+The model is minifleet (``--preset``, default ``tiny``, or a minifleet
+``--config``), or a small PaddleFormers model (``--paddleformers ARCH``).
+Exit code 0 when every compared logit is within ``--tolerance`` and greedy
+decoding agrees everywhere, 1 otherwise, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from typing import Any
+
+from . import CliError
+
+PADDLEFORMERS_CASES = "fastdeploy_paddlefleet.runner.paddleformers_case"
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="compare the patched paged attention with the model's own attention (logits, greedy tokens)",
+        description=__doc__.splitlines()[0],
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, help="minifleet preset name (default tiny; also tiny-mla)")
+    src.add_argument("--config", default=None, help="config.json of a minifleet model (model_type minifleet)")
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=("auto", "reference", "triton"),
+        help="attention backend (default: FDFLEET_BACKEND, else auto = triton on GPU, reference on CPU)",
+    )
+    p.add_argument("--steps", type=int, default=8, help="decode steps per request after prefill (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference (default 1e-4)")
+    p.add_argument("--chunk-size", type=int, default=8, help="prefill chunk size in tokens (default 8)")
+    p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block (default 4)")
+    p.add_argument(
+        "--paddleformers",
+        metavar="ARCH",
+        default=None,
+        help="verify a small PaddleFormers model instead (gpt_oss, gemma3_text, deepseek_v3, llama); "
+        "--config then names that architecture's config.json",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run)
+
+
+def _backend(name: str | None) -> Any:
+    from ..backends import get_backend
+
+    if name is None:
+        try:
+            from ..envs import backend_name
+        except ModuleNotFoundError:  # envs is optional here
+            name = "auto"
+        else:
+            name = backend_name()
+    try:
+        return get_backend(name)
+    except (ImportError, ModuleNotFoundError) as e:
+        raise CliError(f"attention backend {name!r} is not available: {e}") from e
+
+
+def _paddleformers_case(args: Any, backend: Any) -> Any:
+    try:
+        module = importlib.import_module(PADDLEFORMERS_CASES)
+    except ModuleNotFoundError as e:
+        if e.name in (PADDLEFORMERS_CASES, "paddleformers"):
+            raise CliError(f"--paddleformers needs {e.name!r}, which is not installed in this build") from e
+        raise
+    return module.build_case(args.paddleformers, args.config, backend, args.seed)
+
+
+def _minifleet_config(args: Any) -> Any:
+    """The minifleet config to build; a clear error for a PaddleFleet (non-minifleet) config."""
+    from ..minifleet.config import load_raw_config
+
+    if args.config is None:
+        name = args.preset or "tiny"
+        raw = load_raw_config(name)
+        if raw.get("model_type", "minifleet") != "minifleet":
+            raise CliError(
+                f"--preset {name!r} is a {raw.get('model_type')!r} config, not a minifleet one "
+                "(minifleet presets: tiny, tiny-mla; use `fdfleet plan` for the others)"
+            )
+        return name
+    raw = load_raw_config(args.config)
+    model_type = raw.get("model_type", "minifleet")
+    if model_type == "minifleet":
+        return raw
+    if importlib.util.find_spec("paddlefleet") is None:
+        raise CliError(
+            f"--config {args.config!r} is a PaddleFleet model config (model_type {model_type!r}); "
+            "building it through PaddleFormers needs the `paddlefleet` package, which is not installed. "
+            "Use a minifleet config (model_type minifleet), --preset, or --paddleformers ARCH"
+        )
+    raise CliError(
+        f"--config {args.config!r} (model_type {model_type!r}): verifying a PaddleFleet model built through "
+        "PaddleFormers is not supported by this build of `fdfleet verify` yet"
+    )
+
+
+def _print_table(report: Any) -> None:
+    print(f"{report.name} backend={report.backend} layers patched={report.layers_patched}")
+    print(
+        f"{'step':>4} {'tokens':>6} {'prefill':>7} {'decode':>6} {'max|dlogit|':>12} {'greedy':>7} "
+        f"{'blocks':>6} {'ms':>8}"
+    )
+    for s in report.steps:
+        greedy = f"{s.greedy_matches}/{s.greedy_total}" if s.greedy_total else "-"
+        print(
+            f"{s.step:>4} {s.num_tokens:>6} {s.num_prefill:>7} {s.num_decode:>6} "
+            f"{s.max_abs_logit_diff:>12.3e} {greedy:>7} {s.blocks_used:>6} {1000 * s.seconds:>8.1f}"
+        )
+    verdict = "PASSED" if report.passed else "FAILED"
+    print(
+        f"{verdict}: max abs logit diff {report.max_abs_logit_diff:.3e} (tolerance {report.tolerance:g}), "
+        f"greedy agreement {100 * report.greedy_agreement:.1f}%, {len(report.steps)} steps, "
+        f"{report.seconds:.1f} s"
+    )
+
+
+def run(args: Any) -> int:
+    from ..runner.verify import build_minifleet_case, run_verify
+
+    if args.steps < 0:
+        raise CliError(f"--steps must be >= 0, got {args.steps}")
+    backend = _backend(args.backend)
+    if args.paddleformers:
+        if args.preset:
+            raise CliError("--paddleformers and --preset cannot be combined")
+        case = _paddleformers_case(args, backend)
+    else:
+        case = build_minifleet_case(_minifleet_config(args), backend, args.seed)
+    report = run_verify(
+        case,
+        decode_steps=args.steps,
+        chunk_size=args.chunk_size,
+        block_size=args.block_size,
+        seed=args.seed,
+        tolerance=args.tolerance,
+        progress=not args.json,
+    )
+    if args.json:
+        json.dump(report.to_dict(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print_table(report)
+    return 0 if report.passed else 1
