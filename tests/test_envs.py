@@ -1,0 +1,88 @@
+"""Strict parsing of FDFLEET_* environment switches, read at call time."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from fastdeploy_paddlefleet import envs
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "Yes", "on", " On ", "\ttrue\n"])
+def test_parse_bool_true(value):
+    assert envs.parse_bool("X", value) is True
+
+
+@pytest.mark.parametrize("value", ["0", "false", "False", "NO", "off", " off "])
+def test_parse_bool_false(value):
+    assert envs.parse_bool("X", value) is False
+
+
+@pytest.mark.parametrize("value", ["2", "y", "n", "enable", "truthy", "-1", "1.0"])
+def test_parse_bool_rejects(value):
+    with pytest.raises(ValueError) as e:
+        envs.parse_bool("FDFLEET_SOMETHING", value)
+    assert "FDFLEET_SOMETHING" in str(e.value) and repr(value) in str(e.value)
+
+
+def test_parse_bool_type():
+    with pytest.raises(TypeError, match="FLAG"):
+        envs.parse_bool("FLAG", 1)
+
+
+def test_headwise_kv(monkeypatch):
+    monkeypatch.delenv("FDFLEET_HEADWISE_KV", raising=False)
+    assert envs.headwise_kv() is False
+    monkeypatch.setenv("FDFLEET_HEADWISE_KV", "YES")
+    assert envs.headwise_kv() is True  # read at call time, after import
+    monkeypatch.setenv("FDFLEET_HEADWISE_KV", "")
+    assert envs.headwise_kv() is False  # empty counts as unset
+    monkeypatch.setenv("FDFLEET_HEADWISE_KV", "maybe")
+    with pytest.raises(ValueError, match="FDFLEET_HEADWISE_KV='maybe'"):
+        envs.headwise_kv()
+
+
+@pytest.mark.parametrize(
+    "value,expected", [(None, "auto"), ("auto", "auto"), ("Reference", "reference"), (" TRITON ", "triton")]
+)
+def test_backend_name(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("FDFLEET_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("FDFLEET_BACKEND", value)
+    assert envs.backend_name() == expected
+
+
+def test_backend_name_rejects(monkeypatch):
+    monkeypatch.setenv("FDFLEET_BACKEND", "cuda")
+    with pytest.raises(ValueError) as e:
+        envs.backend_name()
+    assert "FDFLEET_BACKEND" in str(e.value) and "'cuda'" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (None, logging.WARNING),
+        ("debug", logging.DEBUG),
+        ("Info", logging.INFO),
+        ("WARNING", logging.WARNING),
+        ("error", logging.ERROR),
+        (" critical ", logging.CRITICAL),
+    ],
+)
+def test_log_level(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("FDFLEET_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("FDFLEET_LOG_LEVEL", value)
+    assert envs.log_level() == expected
+
+
+@pytest.mark.parametrize("value", ["verbose", "10", "warn"])
+def test_log_level_rejects(monkeypatch, value):
+    monkeypatch.setenv("FDFLEET_LOG_LEVEL", value)
+    with pytest.raises(ValueError) as e:
+        envs.log_level()
+    assert "FDFLEET_LOG_LEVEL" in str(e.value) and repr(value) in str(e.value)
