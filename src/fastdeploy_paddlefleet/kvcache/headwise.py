@@ -1,0 +1,487 @@
+"""Head-wise KV block manager with sliding-window recycling (stdlib; numpy only in ``tables``).
+
+Page pool
+---------
+A layer's cache ``[num_blocks, Hkv, block_size, D]`` is viewed as ``num_blocks * Hkv`` pages of
+``[block_size, D]``; page ``p = block * Hkv + head`` (see ``backends/base.py``). Layers that share
+their kv head count and per-head windows form a *group*; a group has ONE pool spanning every
+(block, head) slot, shared by all requests and all heads, and one page id means the same slot in
+every layer of the group. A page a sliding head releases can therefore hold any request's any
+head's next block. (A separate pool per head, each as large as a full head needs, would gain
+nothing: the full heads fill theirs first and the sliding heads' spare pages cannot be lent.)
+
+Allocation unit: a group whose heads always live and die together (full layers, sliding layers,
+or any group in mode ``none``/``layer``) allocates whole blocks (``Hkv`` pages ``b*Hkv .. b*Hkv +
+Hkv-1``), so an ordinary ``block_tables [bsz, max_blocks]`` exists for it too. A group mixing
+full and sliding heads in mode ``headwise`` allocates single pages per head.
+
+Release rule
+------------
+Query ``i`` of a head with ``window_left = W`` sees keys ``j`` with ``i - W <= j <= i``. Once
+every query before position ``c`` has run (``c`` = computed tokens), no current or future query
+sees a key ``j < c - W``, so logical block ``k`` (tokens ``[k*bs, (k+1)*bs)``) is released once
+``(k+1) * bs <= c - W``; its table entries read ``-1``. Full heads never release. Sinks in this
+project are logits without values, so no "sink tokens" are kept.
+
+Modes: ``headwise`` (every sliding head releases), ``layer`` (only groups whose heads all slide
+release, whole blocks at once: what a layer-level SWA manager can do; head-wise layers keep
+everything), ``none``.
+
+Scheduler integration (FastDeploy ``ResourceManagerV1``-style; FastDeploy's scheduler is not
+part of this package):
+
+* a waiting request is admitted with :meth:`HeadwiseKVManager.admit` and its first prefill
+  chunk reserved with :meth:`append` (where V1 calls ``allocate_gpu_blocks`` for the chunk);
+  ``insufficient`` means "keep it waiting" (nothing was allocated).
+* each step, every running request calls ``append(req_id, n)`` for its next ``n`` tokens (1 for
+  decode, the chunk for prefill) BEFORE the step runs; ``insufficient`` -> preempt the newest
+  running request (:meth:`preempt`, it re-queues with zero tokens) and retry.
+* after the step ran, :meth:`recycle` (or the next ``append``) releases out-of-window pages.
+* :meth:`finish` frees everything when the request ends.
+* :meth:`tables` gives ``{layer index: int32 [bsz * Hkv, max_pages]}`` for the batch's request
+  order; the worker copies it into ``ForwardMeta.block_tables_headwise`` (a mapping layer ->
+  table, see ``BatchMeta.headwise_table``) next to ``block_tables``.
+
+Contract: one ``append`` per request per step, and the previous step of that request has run
+when ``append`` is called (no overlap scheduling of the same request).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..spec.layer import AttentionPlan
+
+logger = logging.getLogger(__name__)
+
+RecycleMode = Literal["headwise", "layer", "none"]
+RECYCLE_MODES: tuple[str, ...] = ("headwise", "layer", "none")
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers sharing kv head count and per-head windows; one page pool.
+
+    ``windows[h]`` is kv head ``h``'s ``window_left`` (``None``: full attention). ``unit`` is the
+    allocation unit in pages (``num_kv_heads``: whole blocks, ``1``: single pages). ``lanes``
+    lists the windows of the independently released lanes (one lane per unit of a block).
+    """
+
+    index: int
+    layers: tuple[int, ...]
+    num_kv_heads: int
+    windows: tuple[int | None, ...]
+    unit: int
+    lanes: tuple[int | None, ...]
+
+    @property
+    def kind(self) -> str:
+        slides = [w is not None for w in self.windows]
+        return "sliding" if all(slides) else ("full" if not any(slides) else "headwise")
+
+
+def groups_from_plan(plan: AttentionPlan, mode: RecycleMode = "headwise") -> list[LayerGroup]:
+    """Group ``plan``'s layers by (kv heads, per-head windows); order of first appearance."""
+    if mode not in RECYCLE_MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {RECYCLE_MODES}")
+    keys: dict[tuple, list[int]] = {}
+    for layer in plan:
+        windows = tuple(layer.head_window(h) for h in range(layer.num_kv_heads))
+        keys.setdefault((layer.num_kv_heads, windows), []).append(layer.index)
+    groups = []
+    for gi, ((hkv, windows), layers) in enumerate(keys.items()):
+        uniform = len(set(windows)) == 1
+        if mode == "headwise" and not uniform:
+            unit, lanes = 1, windows
+        else:
+            releases = uniform and windows[0] is not None and mode != "none"
+            unit, lanes = hkv, (windows[0] if releases else None,)
+        groups.append(LayerGroup(gi, tuple(layers), hkv, windows, unit, lanes))
+    return groups
+
+
+@dataclass(frozen=True)
+class AllocResult:
+    """Outcome of :meth:`HeadwiseKVManager.append`; truthy when ``ok``.
+
+    ``missing`` maps group index -> pages that could not be found (empty when ``ok``).
+    """
+
+    ok: bool
+    missing: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.ok else "insufficient"
+
+    @property
+    def missing_pages(self) -> int:
+        return sum(self.missing.values())
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+_OK = AllocResult(True)
+
+
+class _Pool:
+    """Free list of allocation units (blocks or pages) of one group."""
+
+    __slots__ = ("num_units", "free")
+
+    def __init__(self, num_units: int) -> None:
+        self.num_units = num_units
+        # pop() takes from the end: hand out low ids first (easier to read in tests/debugging)
+        self.free = list(range(num_units - 1, -1, -1))
+
+
+class _Lane:
+    """Unit ids of one lane by logical block (``-1``: released); ``released`` leading ones gone."""
+
+    __slots__ = ("window", "ids", "released")
+
+    def __init__(self, window: int | None) -> None:
+        self.window = window
+        self.ids: list[int] = []
+        self.released = 0
+
+    def release_target(self, computed: int, block_size: int) -> int:
+        if self.window is None:
+            return 0
+        return max(0, computed - self.window) // block_size
+
+    def next_release_at(self, block_size: int) -> float:
+        """Smallest ``computed`` that releases another block."""
+        if self.window is None:
+            return _INF
+        return (self.released + 1) * block_size + self.window
+
+
+class _Request:
+    __slots__ = ("num_tokens", "computed", "lanes", "next_release")
+
+    def __init__(self, groups: Sequence[LayerGroup]) -> None:
+        self.num_tokens = 0
+        self.computed = 0
+        self.lanes = [[_Lane(w) for w in g.lanes] for g in groups]
+        self.next_release = _INF
+
+
+class HeadwiseKVManager:
+    """Per-request, per-group, per-kv-head page lists over shared page pools.
+
+    ``num_blocks``: blocks of every layer's cache (int: same for all groups, FastDeploy's
+    layout) or per group (sequence / mapping group index -> blocks); group ``g`` has
+    ``num_blocks[g] * num_kv_heads`` pages. ``block_size``: tokens per block.
+    """
+
+    def __init__(
+        self,
+        plan: AttentionPlan,
+        num_blocks: int | Sequence[int] | Mapping[int, int],
+        block_size: int,
+        mode: RecycleMode = "headwise",
+    ) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size={block_size!r}: expected a positive int")
+        self.groups = groups_from_plan(plan, mode)
+        if not self.groups:
+            raise ValueError(f"plan has no layers: {plan!r}")
+        self.mode = mode
+        self.block_size = block_size
+        if isinstance(num_blocks, int):
+            blocks = [num_blocks] * len(self.groups)
+        else:
+            blocks = [num_blocks[g.index] for g in self.groups]
+        for g, nb in zip(self.groups, blocks, strict=True):
+            if not isinstance(nb, int) or nb < 0:
+                raise ValueError(f"num_blocks[{g.index}]={nb!r}: expected an int >= 0")
+        self.num_blocks = blocks
+        self._pools = [
+            _Pool(nb * g.num_kv_heads // g.unit) for g, nb in zip(self.groups, blocks, strict=True)
+        ]
+        self._reqs: dict[Any, _Request] = {}
+        self._layer_group = {li: g.index for g in self.groups for li in g.layers}
+
+    # ---- requests -------------------------------------------------------------------------
+    def admit(self, req_id: Any) -> None:
+        """Register a request with no tokens (allocation happens in :meth:`append`)."""
+        if req_id in self._reqs:
+            raise ValueError(f"req_id={req_id!r} is already admitted")
+        self._reqs[req_id] = _Request(self.groups)
+
+    def _req(self, req_id: Any) -> _Request:
+        r = self._reqs.get(req_id)
+        if r is None:
+            raise ValueError(f"req_id={req_id!r} is not admitted")
+        return r
+
+    def __contains__(self, req_id: Any) -> bool:
+        return req_id in self._reqs
+
+    @property
+    def requests(self) -> list[Any]:
+        return list(self._reqs)
+
+    def num_tokens(self, req_id: Any) -> int:
+        """Tokens with cache slots (including the ones reserved for the running step)."""
+        return self._req(req_id).num_tokens
+
+    def append(self, req_id: Any, n_tokens: int) -> AllocResult:
+        """Reserve pages for the next ``n_tokens`` tokens of every head of every group.
+
+        Marks the tokens appended before as computed (their step has run) and first releases
+        out-of-window pages, which the new tokens may reuse. On ``insufficient`` nothing
+        changes (no release, no allocation).
+        """
+        if not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"n_tokens={n_tokens!r}: expected an int >= 0")
+        r = self._req(req_id)
+        bs = self.block_size
+        new_n = r.num_tokens + n_tokens
+        computed = r.num_tokens
+        have = -(-r.num_tokens // bs)
+        need = -(-new_n // bs)
+        if need == have and computed < r.next_release:  # fast path: nothing to free or allocate
+            r.num_tokens, r.computed = new_n, computed
+            return _OK
+        missing = self._missing(r, computed, need)
+        if missing:
+            return AllocResult(False, missing)
+        self._apply(r, computed, need)
+        r.num_tokens = new_n
+        return _OK
+
+    reserve = append
+
+    def can_append(self, req_id: Any, n_tokens: int) -> AllocResult:
+        """Dry run of :meth:`append`: would it succeed now? Changes nothing."""
+        if not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"n_tokens={n_tokens!r}: expected an int >= 0")
+        r = self._req(req_id)
+        need = -(-(r.num_tokens + n_tokens) // self.block_size)
+        missing = self._missing(r, r.num_tokens, need)
+        return AllocResult(not missing, missing)
+
+    def recycle(self, req_id: Any) -> int:
+        """Call after the step that computed the appended tokens: release pages no current or
+        future query can see. Returns the number of pages released."""
+        r = self._req(req_id)
+        before = self.free_pages
+        self._apply(r, r.num_tokens, None)
+        return self.free_pages - before
+
+    def finish(self, req_id: Any) -> None:
+        """Free every page of the request and forget it."""
+        self._free_all(self._req(req_id))
+        del self._reqs[req_id]
+
+    def preempt(self, req_id: Any) -> None:
+        """Free every page; the request stays admitted with zero tokens (it will recompute)."""
+        r = self._req(req_id)
+        self._free_all(r)
+        self._reqs[req_id] = _Request(self.groups)
+
+    # ---- internals ------------------------------------------------------------------------
+    def _missing(self, r: _Request, computed: int, need: int) -> dict[int, int]:
+        """Pages per group that releasing up to ``computed`` and growing to ``need`` blocks lacks."""
+        bs = self.block_size
+        missing = {}
+        for g, lanes, pool in zip(self.groups, r.lanes, self._pools, strict=True):
+            short = -len(pool.free)
+            for lane in lanes:
+                target = lane.release_target(computed, bs)
+                short += max(0, need - max(len(lane.ids), target)) - max(0, target - lane.released)
+            if short > 0:
+                missing[g.index] = short * g.unit
+        return missing
+
+    def _apply(self, r: _Request, computed: int, need: int | None) -> None:
+        """Release up to ``computed`` then grow every lane to ``need`` blocks (caller checked)."""
+        bs = self.block_size
+        nxt = _INF
+        for lanes, pool in zip(r.lanes, self._pools, strict=True):
+            for lane in lanes:
+                target = lane.release_target(computed, bs)
+                ids = lane.ids
+                while lane.released < target:
+                    k = lane.released
+                    if k < len(ids):
+                        pool.free.append(ids[k])
+                        ids[k] = -1
+                    else:  # never allocated and already out of the window
+                        ids.append(-1)
+                    lane.released += 1
+                if need is not None:
+                    while len(ids) < need:
+                        ids.append(pool.free.pop())
+                nxt = min(nxt, lane.next_release_at(bs))
+        r.computed = computed
+        r.next_release = nxt
+
+    def _free_all(self, r: _Request) -> None:
+        for lanes, pool in zip(r.lanes, self._pools, strict=True):
+            for lane in lanes:
+                pool.free.extend(u for u in lane.ids if u >= 0)
+                lane.ids = []
+
+    # ---- counters -------------------------------------------------------------------------
+    @property
+    def total_pages(self) -> int:
+        return sum(p.num_units * g.unit for g, p in zip(self.groups, self._pools, strict=True))
+
+    @property
+    def free_pages(self) -> int:
+        return sum(len(p.free) * g.unit for g, p in zip(self.groups, self._pools, strict=True))
+
+    @property
+    def used_pages(self) -> int:
+        return self.total_pages - self.free_pages
+
+    def group_free_pages(self, group: int) -> int:
+        return len(self._pools[group].free) * self.groups[group].unit
+
+    def group_total_pages(self, group: int) -> int:
+        return self._pools[group].num_units * self.groups[group].unit
+
+    def request_pages(self, req_id: Any) -> dict[int, int]:
+        """Pages held by ``req_id`` per group."""
+        r = self._req(req_id)
+        return {
+            g.index: sum(1 for lane in lanes for u in lane.ids if u >= 0) * g.unit
+            for g, lanes in zip(self.groups, r.lanes, strict=True)
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for logs/metrics: totals and per group."""
+        return {
+            "mode": self.mode,
+            "total_pages": self.total_pages,
+            "free_pages": self.free_pages,
+            "used_pages": self.used_pages,
+            "requests": len(self._reqs),
+            "groups": [
+                {
+                    "index": g.index,
+                    "kind": g.kind,
+                    "layers": list(g.layers),
+                    "num_kv_heads": g.num_kv_heads,
+                    "unit": g.unit,
+                    "total_pages": self.group_total_pages(g.index),
+                    "free_pages": self.group_free_pages(g.index),
+                }
+                for g in self.groups
+            ],
+        }
+
+    # ---- tables ---------------------------------------------------------------------------
+    def head_pages(self, req_id: Any, group: int, head: int) -> list[int]:
+        """Page ids of ``req_id``'s kv ``head`` in ``group`` by logical block (``-1``: absent)."""
+        g = self.groups[group]
+        lanes = self._req(req_id).lanes[group]
+        if g.unit == 1:
+            return list(lanes[head].ids)
+        hkv = g.num_kv_heads
+        return [u * hkv + head if u >= 0 else -1 for u in lanes[0].ids]
+
+    def group_tables(self, req_ids: Iterable[Any], max_pages: int | None = None) -> dict[int, Any]:
+        """``{group index: int32 [bsz * Hkv, max_pages]}``; row ``b * Hkv + h``, ``-1`` absent."""
+        import numpy as np
+
+        reqs = [self._req(q) for q in req_ids]
+        width = max((len(lanes[0].ids) for r in reqs for lanes in r.lanes), default=0)
+        if max_pages is None:
+            max_pages = width
+        elif not isinstance(max_pages, int) or max_pages < width:
+            raise ValueError(f"max_pages={max_pages!r}: expected an int >= {width} (longest page list)")
+        out = {}
+        for g in self.groups:
+            hkv = g.num_kv_heads
+            t = np.full((len(reqs) * hkv, max_pages), -1, dtype=np.int32)
+            for b, r in enumerate(reqs):
+                lanes = r.lanes[g.index]
+                if g.unit == 1:
+                    for h, lane in enumerate(lanes):
+                        t[b * hkv + h, : len(lane.ids)] = lane.ids
+                else:
+                    ids = np.asarray(lanes[0].ids, dtype=np.int64)
+                    rows = np.where(ids[None, :] >= 0, ids[None, :] * hkv + np.arange(hkv)[:, None], -1)
+                    t[b * hkv : (b + 1) * hkv, : len(ids)] = rows
+            out[g.index] = t
+        return out
+
+    def tables(self, req_ids: Iterable[Any], max_pages: int | None = None) -> dict[int, Any]:
+        """``{layer index: int32 [bsz * Hkv_layer, max_pages]}`` for ``BatchMeta.block_tables_headwise``.
+
+        Layers of one group share one array object.
+        """
+        per_group = self.group_tables(req_ids, max_pages)
+        return {li: per_group[gi] for li, gi in self._layer_group.items()}
+
+    def block_tables(self, req_ids: Iterable[Any], max_blocks: int | None = None) -> dict[int, Any]:
+        """``{layer index: int32 [bsz, max_blocks]}`` block ids for whole-block groups only."""
+        import numpy as np
+
+        reqs = [self._req(q) for q in req_ids]
+        width = max((len(lanes[0].ids) for r in reqs for lanes in r.lanes), default=0)
+        if max_blocks is None:
+            max_blocks = width
+        elif not isinstance(max_blocks, int) or max_blocks < width:
+            raise ValueError(f"max_blocks={max_blocks!r}: expected an int >= {width} (longest block list)")
+        out = {}
+        for g in self.groups:
+            if g.unit != g.num_kv_heads:
+                continue
+            t = np.full((len(reqs), max_blocks), -1, dtype=np.int32)
+            for b, r in enumerate(reqs):
+                ids = r.lanes[g.index][0].ids
+                t[b, : len(ids)] = ids
+            for li in g.layers:
+                out[li] = t
+        return out
+
+
+def size_pools(
+    groups: Sequence[LayerGroup],
+    budget_bytes: int,
+    block_bytes: Mapping[int, int],
+    block_size: int,
+    context_len: int,
+    max_batched_tokens: int = 0,
+) -> list[int]:
+    """Split ``budget_bytes`` of KV memory into blocks per group (static sizing).
+
+    ``block_bytes[g]``: bytes of one block over all of group ``g``'s layers (K and V, all heads).
+    Each request at ``context_len`` tokens holds ``ceil(context_len / bs)`` blocks on a full lane
+    and at most ``ceil(W / bs) + 2`` on a releasing lane (window plus the partial blocks at both
+    ends); a step's prefill chunks (``max_batched_tokens`` in all) transiently need more on
+    releasing lanes. The split makes every group run out at the same concurrency ``N``:
+    ``blocks_g = N * per_request_g + transient_g``. Without releasing lanes it is FastDeploy's
+    uniform ``num_blocks``.
+    """
+    if context_len <= 0:
+        raise ValueError(f"context_len={context_len!r}: expected > 0")
+    per_req, trans = [], []
+    full_blocks = -(-context_len // block_size)
+    for g in groups:
+        share = g.unit / g.num_kv_heads  # blocks' worth per lane
+        pr = tr = 0.0
+        for w in g.lanes:
+            if w is None:
+                pr += full_blocks * share
+            else:
+                pr += min(full_blocks, -(-w // block_size) + 2) * share
+                tr += -(-max_batched_tokens // block_size) * share
+        per_req.append(pr)
+        trans.append(tr)
+    fixed = sum(block_bytes[g.index] * t for g, t in zip(groups, trans, strict=True))
+    per_n = sum(block_bytes[g.index] * p for g, p in zip(groups, per_req, strict=True))
+    if budget_bytes <= fixed or per_n <= 0:
+        raise ValueError(f"budget_bytes={budget_bytes!r}: too small for the transient prefill pages")
+    n = (budget_bytes - fixed) / per_n
+    return [int(n * p + t) for p, t in zip(per_req, trans, strict=True)]
