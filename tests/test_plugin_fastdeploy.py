@@ -1,0 +1,255 @@
+"""``plugin.register()`` against a FAKE ``fastdeploy`` package written into a temp dir.
+
+The fake mirrors the shapes read from FastDeploy 2.x: ``ModelRegistry`` with a
+``register_model_class`` decorator factory and per-config lookups, an
+``EngineArgs`` whose ``--model-impl`` choices (argparse list, a local list in
+``__post_init__`` and a module constant) lack ``paddlefleet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+MODEL_BASE = """
+import enum
+
+
+class ModelCategory(enum.IntFlag):
+    TEXT_GENERATION = 1
+    MULTIMODAL = 2
+
+
+class ModelRegistry:
+    _arch_to_model_cls = {}
+    _enhanced_models = {}
+    register_calls = 0
+
+    def __init__(self):
+        self.models = dict(self._enhanced_models)
+
+    @classmethod
+    def register_model_class(cls, model_class=None, *, architecture=None, module_name=None,
+                             module_path="fastdeploy.model_executor.models",
+                             category=ModelCategory.TEXT_GENERATION, primary_use=None):
+        cls.register_calls += 1
+
+        def _register(model_cls):
+            cls._arch_to_model_cls[model_cls.name()] = model_cls
+            if architecture and module_name:
+                cls._enhanced_models[architecture] = {
+                    "class_name": model_cls.__name__, "module_name": module_name,
+                    "module_path": module_path, "category": primary_use or category,
+                }
+            return model_cls
+
+        return _register(model_class) if model_class is not None else _register
+
+    @classmethod
+    def get_supported_archs(cls):
+        return list(cls._arch_to_model_cls) + list(cls._enhanced_models)
+
+    @classmethod
+    def get_class(cls, name):
+        if name not in cls._arch_to_model_cls:
+            raise ValueError(f"Model {name!r} is not registered!")
+        return cls._arch_to_model_cls[name]
+
+    def inspect_model_cls(self, architectures, model_config=None):
+        for arch in architectures:
+            if arch in self.models or arch in self._arch_to_model_cls or arch == "Qwen3ForCausalLM":
+                return ({"architecture": arch}, arch)
+        raise ValueError(f"Model architectures {architectures} are not supported")
+
+    def is_text_generation_model(self, architectures, model_config=None):
+        return any(a in self.models or a == "Qwen3ForCausalLM" for a in architectures)
+"""
+
+ARGS_UTILS = """
+from dataclasses import dataclass
+
+MODEL_IMPL_CHOICES = ["auto", "fastdeploy", "paddleformers"]
+
+
+@dataclass
+class EngineArgs:
+    model: str = "m"
+    model_impl: str = "auto"
+
+    def __post_init__(self):
+        valid_model_impls = ["auto", "fastdeploy", "paddleformers"]
+        if self.model_impl not in valid_model_impls:
+            raise NotImplementedError(f"not support model_impl: {self.model_impl!r}")
+
+    @staticmethod
+    def add_cli_args(parser):
+        group = parser.add_argument_group("Model Configuration")
+        group.add_argument("--model", type=str, default="m")
+        group.add_argument("--model-impl", type=str, choices=["auto", "fastdeploy", "paddleformers"],
+                           default="auto")
+        return parser
+"""
+
+
+def _write_fake_fastdeploy(root: Path, model_base: str = MODEL_BASE) -> None:
+    files = {
+        "fastdeploy/__init__.py": "",
+        "fastdeploy/model_executor/__init__.py": "",
+        "fastdeploy/model_executor/models/__init__.py": "",
+        "fastdeploy/model_executor/models/model_base.py": model_base,
+        "fastdeploy/engine/__init__.py": "",
+        "fastdeploy/engine/args_utils.py": ARGS_UTILS,
+    }
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def _drop_fake_modules() -> None:
+    for name in [m for m in sys.modules if m == "fastdeploy" or m.startswith("fastdeploy.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_fastdeploy(tmp_path, monkeypatch):
+    _write_fake_fastdeploy(tmp_path)
+    _drop_fake_modules()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("FDFLEET_MODEL_IMPL", raising=False)
+    importlib.invalidate_caches()
+    yield tmp_path
+    _drop_fake_modules()
+
+
+def _register() -> bool:
+    from fastdeploy_paddlefleet import plugin
+
+    return plugin.register()
+
+
+def test_register_adds_architecture_with_our_module_path(fake_fastdeploy, caplog):
+    from fastdeploy_paddlefleet.model import PaddleFleetForCausalLM
+
+    with caplog.at_level(logging.INFO, logger="fastdeploy_paddlefleet"):
+        assert _register() is True
+    from fastdeploy.model_executor.models.model_base import ModelCategory, ModelRegistry
+
+    entry = ModelRegistry._enhanced_models["PaddleFleetForCausalLM"]
+    assert entry["module_path"] == "fastdeploy_paddlefleet"
+    assert entry["module_name"] == "model"
+    assert entry["category"] == ModelCategory.TEXT_GENERATION
+    # what FastDeploy's lazy loader does with the entry
+    module = importlib.import_module(f"{entry['module_path']}.{entry['module_name']}")
+    assert getattr(module, entry["class_name"]) is PaddleFleetForCausalLM
+    assert ModelRegistry.get_class("PaddleFleetForCausalLM") is PaddleFleetForCausalLM
+    # FastDeploy's own architectures are not shadowed
+    assert set(ModelRegistry.get_supported_archs()) == {"PaddleFleetForCausalLM"}
+    text = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    assert "registered architecture PaddleFleetForCausalLM" in text
+    assert "model-impl" in text
+
+
+def test_register_extends_model_impl_choices(fake_fastdeploy):
+    assert _register() is True
+    from fastdeploy.engine import args_utils
+
+    assert args_utils.MODEL_IMPL_CHOICES == ["auto", "fastdeploy", "paddleformers", "paddlefleet"]
+    parser = args_utils.EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--model-impl", "paddlefleet"]).model_impl == "paddlefleet"
+    assert parser.parse_args(["--model-impl", "paddleformers"]).model_impl == "paddleformers"
+    with pytest.raises(SystemExit):  # still a closed list
+        parser.parse_args(["--model-impl", "bogus"])
+
+
+def test_paddlefleet_engine_args_route_to_our_class(fake_fastdeploy, monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    assert _register() is True
+    from fastdeploy.engine.args_utils import EngineArgs
+    from fastdeploy.model_executor.models.model_base import ModelRegistry
+
+    native_cfg = SimpleNamespace(model_impl="auto", architectures=["Qwen3ForCausalLM"])
+    assert ModelRegistry().inspect_model_cls(["Qwen3ForCausalLM"], native_cfg)[1] == "Qwen3ForCausalLM"
+    assert native_cfg.architectures == ["Qwen3ForCausalLM"]
+    with pytest.raises(NotImplementedError):  # FastDeploy's own check is still there for other values
+        EngineArgs(model_impl="bogus")
+
+    args = EngineArgs(model_impl="paddlefleet")  # FastDeploy's local list lacks it: must not raise
+    assert args.model_impl == "auto"  # what FastDeploy and its worker CLI see
+    assert os.environ["FDFLEET_MODEL_IMPL"] == "paddlefleet"
+    worker_cfg = SimpleNamespace(model_impl="auto", architectures=["Qwen3ForCausalLM"])
+    registry = ModelRegistry()
+    assert registry.is_text_generation_model(worker_cfg.architectures, worker_cfg) is True
+    assert registry.inspect_model_cls(["Qwen3ForCausalLM"], worker_cfg)[1] == "PaddleFleetForCausalLM"
+    assert worker_cfg.architectures == ["PaddleFleetForCausalLM", "Qwen3ForCausalLM"]
+
+    monkeypatch.delenv("FDFLEET_MODEL_IMPL")
+    explicit = SimpleNamespace(model_impl="paddlefleet", architectures=["GptOssForCausalLM"])
+    assert registry.inspect_model_cls(["GptOssForCausalLM"], explicit)[1] == "PaddleFleetForCausalLM"
+
+
+def test_register_is_idempotent(fake_fastdeploy, caplog):
+    assert _register() is True
+    from fastdeploy.engine import args_utils
+    from fastdeploy.model_executor.models.model_base import ModelRegistry
+
+    post_init = args_utils.EngineArgs.__post_init__
+    inspect_fn = ModelRegistry.inspect_model_cls
+    with caplog.at_level(logging.INFO, logger="fastdeploy_paddlefleet"):
+        assert _register() is True
+        assert _register() is True
+    assert ModelRegistry.register_calls == 1
+    assert args_utils.MODEL_IMPL_CHOICES.count("paddlefleet") == 1
+    assert args_utils.EngineArgs.__post_init__ is post_init
+    assert ModelRegistry.inspect_model_cls is inspect_fn
+    parser = args_utils.EngineArgs.add_cli_args(argparse.ArgumentParser())
+    (action,) = [a for a in parser._actions if "--model-impl" in a.option_strings]
+    assert list(action.choices).count("paddlefleet") == 1
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert (
+        messages.count("paddlefleet plugin: already registered with FastDeploy (PaddleFleetForCausalLM)") == 2
+    )
+
+
+def test_register_passes_only_accepted_keywords(tmp_path, monkeypatch):
+    """An older registry whose register_model_class takes no category / primary_use."""
+    old = MODEL_BASE.replace(
+        'module_path="fastdeploy.model_executor.models",\n'
+        "                             category=ModelCategory.TEXT_GENERATION, primary_use=None):",
+        'module_path="fastdeploy.model_executor.models"):\n        category = primary_use = None',
+    )
+    assert old != MODEL_BASE
+    _write_fake_fastdeploy(tmp_path, old)
+    _drop_fake_modules()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        assert _register() is True
+        from fastdeploy.model_executor.models.model_base import ModelRegistry
+
+        entry = ModelRegistry._enhanced_models["PaddleFleetForCausalLM"]
+        assert (entry["module_path"], entry["module_name"]) == ("fastdeploy_paddlefleet", "model")
+    finally:
+        _drop_fake_modules()
+
+
+def test_register_without_fastdeploy_is_a_logged_no_op(monkeypatch, caplog):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "fastdeploy" else real_find_spec(name, *a),
+    )
+    with caplog.at_level(logging.INFO, logger="fastdeploy_paddlefleet"):
+        assert _register() is False
+    assert any("fastdeploy is not installed" in r.getMessage() for r in caplog.records)
