@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from ..kvcache.layout import KVBudget, format_bytes, kv_budget
+from ..presets import list_presets
 from ..spec import AttentionPlan, LayerAttention, plan_from_config
 
 LAYER_KEYS = (
@@ -35,7 +36,10 @@ def add_parser(subparsers: Any) -> None:
         help="show the per-layer attention plan and KV cache budget of a config or preset",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("source", metavar="SOURCE", help="config.json path, model directory or preset name")
+    presets = ", ".join(list_presets())
+    p.add_argument(
+        "source", metavar="SOURCE", help=f"config.json path, model directory or preset ({presets})"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--tp-rank", type=int, default=0, help="which rank to show (default 0)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
