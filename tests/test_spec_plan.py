@@ -295,6 +295,8 @@ def test_mla_detected_from_hf_fields():
     x = plan_from_config(cfg)[0]
     assert (x.qk_head_dim, x.v_head_dim, x.num_kv_heads) == (16, 8, 4)
     assert x.softmax_scale == pytest.approx(0.25)
+    # an explicit multi_latent_attention=False wins over MLA dims a config class may default
+    assert plan_from_config(dict(cfg, multi_latent_attention=False))[0].mla is None
     # yarn without mscale_all_dim: no correction
     x = plan_from_config(dict(cfg, rope_scaling={"type": "yarn", "factor": 4.0}))[0]
     assert x.softmax_scale == pytest.approx(0.25)

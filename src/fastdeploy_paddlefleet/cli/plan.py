@@ -34,7 +34,7 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
         help="show the per-layer attention plan and KV cache budget of a config or preset",
-        description=__doc__.splitlines()[0],
+        description="Show the per-layer attention plan and KV cache budget of a config or preset.",
     )
     presets = ", ".join(list_presets())
     p.add_argument(

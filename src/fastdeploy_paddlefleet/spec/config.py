@@ -188,7 +188,10 @@ def _mla(f: _Fields) -> tuple[MLADims, int] | None:
     """``(MLADims, v_head_dim)`` for an MLA model, else None."""
     kv_lora = f.get("kv_lora_rank")
     nope, rope = f.get("qk_nope_head_dim"), f.get("qk_rope_head_dim")
-    if not f.get("multi_latent_attention") and (kv_lora is None or (nope is None and rope is None)):
+    flag = f.get("multi_latent_attention")
+    if flag is not None and not flag:  # explicitly off: ignore MLA dims a config class may default
+        return None
+    if not flag and (kv_lora is None or (nope is None and rope is None)):
         return None
     why = " for multi-latent attention"
     for name, value in (("kv_lora_rank", kv_lora), ("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope)):
