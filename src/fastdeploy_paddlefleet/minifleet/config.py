@@ -123,6 +123,7 @@ def make_config(config: dict | str | os.PathLike | MiniFleetConfig) -> MiniFleet
     ):
         if hq % hkv:
             raise ValueError(f"config fields {what} must divide evenly, got {hq}/{hkv}")
+    window_left_of(c["sliding_window"])  # validates its form
     return MiniFleetConfig(**c)
 
 
