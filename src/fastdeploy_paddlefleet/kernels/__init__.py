@@ -1,0 +1,12 @@
+"""Triton kernels for paged attention on FastDeploy's KV cache, with their launch wrappers.
+
+* :mod:`.paged_attention`: :func:`~.paged_attention.paged_attention`, one launch API for packed
+  batches that mix prefill chunks (with context in the cache) and decode tokens;
+* :mod:`.cache_write`: :func:`~.cache_write.write_kv_cache`, this step's K/V into the cache;
+* :mod:`.split_kv_reduce`: the flash-decoding reduce step of the split-KV decode path;
+* :mod:`.dense_reference`: the same math as a dense torch computation (tests, benchmarks).
+
+Nothing is imported here: torch and triton load only when a submodule is used.
+"""
+
+__all__ = ["cache_write", "dense_reference", "paged_attention", "split_kv_reduce"]

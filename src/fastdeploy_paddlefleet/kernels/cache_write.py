@@ -1,0 +1,86 @@
+"""Cache write: scatter this step's K/V rows into their slots of FastDeploy's paged cache.
+
+Token ``t`` of request ``b`` sits at position ``pos = seq_lens_decoder[b] + t - cu_seqlens_q[b]``:
+logical block ``pos // block_size``, slot ``pos % block_size``. The page of kv head ``h`` is
+``block_tables[b, blk] * Hkv + h`` or, head-wise, ``page_table[b * Hkv + h, blk]``. A ``-1`` page
+(or a token with a negative request id) is skipped, never written through.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    K, V, KC, VC, Bid, CuQ, Ctx, Tbl,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk,
+    HKV: tl.constexpr, BLOCK_HKV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    b = tl.load(Bid + t)
+    if b < 0:
+        return
+    pos = tl.load(Ctx + b) + t - tl.load(CuQ + b)
+    blk = pos // BS
+    slot = pos % BS
+    offs_h = tl.arange(0, BLOCK_HKV)
+    h_ok = (offs_h < HKV) & (blk + offs_h * 0 < n_blk)  # vector compares only (interpreter splat bug)
+    if HEADWISE:
+        page = tl.load(Tbl + (b * HKV + offs_h) * stride_tbl + blk, mask=h_ok, other=-1).to(tl.int64)
+    else:
+        block = tl.load(Tbl + b * stride_tbl + blk + offs_h * 0, mask=h_ok, other=-1).to(tl.int64)
+        page = tl.where(block >= 0, block * HKV + offs_h, -1)
+    ok = h_ok & (page >= 0)
+    t64 = t.to(tl.int64)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mk = ok[:, None] & (offs_dk[None, :] < DQK)
+    mv = ok[:, None] & (offs_dv[None, :] < DV)
+    k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_dk[None, :], mask=mk)
+    v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :], mask=mv)
+    k_dst = KC + page[:, None] * stride_kp + slot * stride_kr + offs_dk[None, :]
+    v_dst = VC + page[:, None] * stride_vp + slot * stride_vr + offs_dv[None, :]
+    tl.store(k_dst, k.to(KC.dtype.element_ty), mask=mk)
+    tl.store(v_dst, v.to(VC.dtype.element_ty), mask=mv)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    batch_id_per_token: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_decoder: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    headwise: bool = False,
+) -> None:
+    """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` into ``key_cache [NB, Hkv, BS, Dqk]`` /
+    ``value_cache [NB, Hkv, BS, Dv]`` in place. ``block_tables [bsz, max_blocks]`` or, with
+    ``headwise=True``, ``[bsz * Hkv, max_pages]`` page tables."""
+    t, hkv, dqk = k.shape
+    dv = v.shape[2]
+    if t == 0:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"k and v need a contiguous last dim, got strides {k.stride()} and {v.stride()}")
+    for name, c, d in (("key_cache", key_cache, dqk), ("value_cache", value_cache, dv)):
+        if c.dim() != 4 or c.shape[1] != hkv or c.shape[3] != d or c.stride(3) != 1:
+            raise ValueError(f"{name} must be [num_blocks, {hkv}, block_size, {d}], got {list(c.shape)}")
+        if c.stride(0) != hkv * c.stride(1):
+            raise ValueError(f"{name} must be contiguous over its [num_blocks, Hkv] dims, got {c.stride()}")
+    _write_kv_kernel[(t,)](
+        k, v, key_cache, value_cache, batch_id_per_token, cu_seqlens_q, seq_lens_decoder, block_tables,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), block_tables.shape[1],
+        HKV=hkv, BLOCK_HKV=triton.next_power_of_2(hkv), DQK=dqk, DV=dv,
+        BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
+        BS=key_cache.shape[2], HEADWISE=bool(headwise), num_warps=4,
+    )  # fmt: skip

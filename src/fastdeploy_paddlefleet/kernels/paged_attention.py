@@ -1,0 +1,495 @@
+"""Paged attention for packed batches of prefill chunks and decode tokens (Triton).
+
+One launch API, :func:`paged_attention`, two kernels:
+
+* ``_prefill_kernel``: one program per (tile of ``BLOCK_Q`` query tokens of one request, kv head).
+  The query heads of the kv head are packed into the tile, so the M side of every dot is
+  ``BLOCK_Q * GP`` rows (tokens x padded group heads) and each K/V tile is loaded once for the group.
+  Keys are visited in three phases: the window's leading edge (masked), the keys every row sees
+  (no mask at all), the causal diagonal (masked). Tiles outside the window are never visited.
+* ``_decode_kernel``: one program per (request with one query token, kv head, split). With more than
+  one split it writes partial results that ``split_kv_reduce`` merges (flash-decoding).
+
+Both share the inner loop ``_attend``. Sinks enter the online softmax as its initial state
+(``m = sink, l = 1``); off-by-one uses a zero sink. Scores run in base 2 (``qk_scale`` folds
+``log2(e)``). Fully masked rows give 0.
+
+Cache layout (FastDeploy): ``key_cache [num_blocks, Hkv, block_size, Dqk]``, ``value_cache
+[num_blocks, Hkv, block_size, Dv]``. Page ``p`` is slice ``p`` of the cache viewed as
+``[num_blocks * Hkv, block_size, D]``; a block table entry ``blk`` gives page ``blk * Hkv + h``, a
+head-wise table gives the page directly. ``-1`` entries are never dereferenced.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .split_kv_reduce import split_kv_reduce
+
+LOG2E = 1.4426950408889634
+SINK_MODES = {"vanilla": 0, "learnable": 1, "off-by-one": 2}
+
+
+@triton.jit
+def _pages(tbl_row, blk, n_blk, kvh, HKV: tl.constexpr, HEADWISE: tl.constexpr):
+    """Physical page(s) of logical block(s) ``blk`` for kv head ``kvh`` (int64, -1 where absent)."""
+    page = tl.load(tbl_row + blk, mask=blk < n_blk, other=-1).to(tl.int64)
+    if not HEADWISE:
+        page = tl.where(page >= 0, page * HKV + kvh, -1)
+    return page
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh,
+    start, stop, pos, lo_key, kv_len, window, qk_scale,
+    stride_kp, stride_kr, stride_vp, stride_vr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
+
+    ``MASK=False`` is only used for tiles every row sees entirely (no mask, no predicated loads
+    beyond the page check). Keys below ``lo_key`` or at/after ``kv_len`` are never loaded.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for s in range(start, stop, BLOCK_N):
+        keys = s + offs_n
+        if BS % BLOCK_N == 0:  # the tile lies in one page
+            page = _pages(tbl_row, s // BS, n_blk, kvh, HKV, HEADWISE)
+            slot = s % BS + offs_n
+            ok = (page + offs_n * 0) >= 0  # a vector compare (the interpreter mis-splats scalar bools)
+        else:  # the tile spans several pages: gather one page per key
+            page = _pages(tbl_row, keys // BS, n_blk, kvh, HKV, HEADWISE)
+            slot = keys % BS
+            ok = page >= 0
+        if MASK:
+            ok = ok & (keys >= lo_key) & (keys < kv_len)
+        if USE_TMA:
+            row = (tl.maximum(page, 0) * BS + s % BS).to(tl.int32)
+            k = k_desc.load([row, 0])
+            v = v_desc.load([row, 0])
+            if MASK:  # stale slots may hold NaN and 0 * NaN = NaN in the P @ V dot
+                v = tl.where(ok[:, None], v, 0.0)
+        else:
+            if BS % BLOCK_N == 0:
+                k_off = page * stride_kp + slot[:, None] * stride_kr
+                v_off = page * stride_vp + slot[:, None] * stride_vr
+            else:
+                k_off = page[:, None] * stride_kp + slot[:, None] * stride_kr
+                v_off = page[:, None] * stride_vp + slot[:, None] * stride_vr
+            k_mask = ok[:, None]
+            v_mask = ok[:, None]
+            if BLOCK_DQK != DQK:
+                k_mask = k_mask & (offs_dk[None, :] < DQK)
+            if BLOCK_DV != DV:
+                v_mask = v_mask & (offs_dv[None, :] < DV)
+            k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
+            v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        if MASK:
+            vis = ok[None, :] & (keys[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                vis = vis & (pos[:, None] - keys[None, :] <= window)
+            qk = tl.where(vis, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _init_state(Sinks, head, M: tl.constexpr, SINK_MODE: tl.constexpr):
+    """Online-softmax state ``(m, l)`` in base 2: the sink as the first logit, or empty."""
+    if SINK_MODE == 1:
+        m = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        l = tl.full([M], 1.0, tl.float32)
+    elif SINK_MODE == 2:
+        m = tl.zeros([M], tl.float32)
+        l = tl.full([M], 1.0, tl.float32)
+    else:
+        m = tl.full([M], -1.0e30, tl.float32)  # finite: alpha = exp2(m - m_new) stays 1, never NaN
+        l = tl.zeros([M], tl.float32)
+    return m, l
+
+
+@triton.jit
+def _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW: tl.constexpr):
+    """``window_left`` of kv head ``kvh``: ``window`` inside ``[win_h0, win_h1)``, else far."""
+    if HAS_WINDOW:
+        w = tl.where((kvh >= win_h0) & (kvh < win_h1), window, 1 << 30)
+    else:
+        w = 1 << 30
+    return w
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk,
+    num_reqs, min_q_len, qk_scale, window, win_h0, win_h1,
+    G: tl.constexpr, GP: tl.constexpr, HKV: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+    HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    BLOCK_M: tl.constexpr = BLOCK_Q * GP
+    pid = tl.program_id(0)
+    kvh = pid % HKV
+    tpid = pid // HKV
+    # request b owns tile ids [CuQ[b] // BLOCK_Q + b, ...): the largest b whose first id <= tpid
+    lo = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(CuQ + mid) // BLOCK_Q + mid <= tpid:
+            lo = mid
+        else:
+            hi = mid - 1
+    b = lo
+    q0 = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q0
+    n_tiles = tl.cdiv(q_len, BLOCK_Q)
+    local = tpid - (q0 // BLOCK_Q + b)
+    if (local >= n_tiles) | (q_len < min_q_len):
+        return
+    tile = n_tiles - 1 - local  # longest tiles first: less tail
+    ctx = tl.load(Ctx + b)
+    kv_len = ctx + q_len
+    tok0 = tile * BLOCK_Q
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tok0 + offs_m // GP
+    hh = offs_m % GP
+    row_ok = (tok < q_len) & (hh < G)
+    head = kvh * G + hh
+    pos = ctx + tok
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = (q0 + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
+    q = tl.load(Q + q_rows[:, None] + offs_dk[None, :], mask=q_mask, other=0.0)
+
+    w = _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW)
+    p_first = ctx + tok0
+    p_last = ctx + tl.minimum(tok0 + BLOCK_Q, q_len) - 1
+    lo_key = tl.maximum(p_first - w, 0)
+    a = lo_key // BLOCK_N * BLOCK_N
+    ul = tl.maximum(tl.cdiv(tl.maximum(p_last - w, 0), BLOCK_N) * BLOCK_N, a)  # every row sees [ul, uh)
+    uh = tl.maximum((p_first + 1) // BLOCK_N * BLOCK_N, ul)
+
+    m_i, l_i = _init_state(Sinks, head, BLOCK_M, SINK_MODE)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, a, ul, pos, lo_key, kv_len, w,
+        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, pos, lo_key, kv_len, w,
+        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, p_last + 1, pos, lo_key, kv_len,
+        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(
+        O + o_rows[:, None] + offs_dv[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, O, k_desc, v_desc, MidO, MidL, Sinks, CuQ, Ctx, Tbl,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk,
+    qk_scale, window, win_h0, win_h1,
+    G: tl.constexpr, BLOCK_H: tl.constexpr, HKV: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q0 = tl.load(CuQ + b)
+    if tl.load(CuQ + b + 1) - q0 != 1:
+        return
+    pos = tl.load(Ctx + b)  # the query's position; it sees keys [lo_key, pos]
+    kv_len = pos + 1
+    w = _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW)
+    lo_key = tl.maximum(pos - w, 0)
+    t0 = lo_key // BLOCK_N
+    per = tl.cdiv(tl.cdiv(kv_len, BLOCK_N) - t0, NUM_SPLITS)
+    start = (t0 + split * per) * BLOCK_N
+    stop = tl.minimum((t0 + split * per + per) * BLOCK_N, kv_len)
+    ul = tl.maximum(start, tl.cdiv(lo_key, BLOCK_N) * BLOCK_N)  # whole tiles in [ul, uh) need no mask
+    uh = tl.maximum(stop // BLOCK_N * BLOCK_N, ul)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    row_ok = offs_h < G
+    head = kvh * G + offs_h
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        Q + q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
+        mask=row_ok[:, None] & (offs_dk[None, :] < DQK),
+        other=0.0,
+    )
+    posv = tl.full([BLOCK_H], 0, tl.int32) + pos
+    if NUM_SPLITS == 1:
+        m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
+    else:  # the sink joins once, in the reduce
+        m_i, l_i = _init_state(Sinks, head, BLOCK_H, 0)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, start, ul, posv, lo_key, kv_len,
+        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, posv, lo_key, kv_len,
+        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, stop, posv, lo_key, kv_len,
+        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dv_ok = offs_dv[None, :] < DV
+    if NUM_SPLITS == 1:
+        o_ptr = O + q0.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+    else:  # partial result of this split: normalised output and its base-2 log-sum-exp
+        mid = (b * HKV * G + head) * NUM_SPLITS + split
+        tl.store(MidO + mid[:, None] * DV + offs_dv[None, :], out, mask=row_ok[:, None] & dv_ok)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(MidL + mid, lse, mask=row_ok)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of one kernel: ``block_m`` rows (prefill: query tokens x padded group heads),
+    ``block_n`` keys per step, warps, pipeline stages, and whether K/V tiles load through TMA."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    use_tma: bool = False
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_prefill_config(dqk: int, dv: int, device: torch.device) -> TileConfig:
+    """Prefill tile shape (tuned on an H200; see benchmarks/NOTES.md)."""
+    if device.type != "cuda":
+        return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
+    if max(dqk, dv) > 128:
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+def default_decode_config(dqk: int, dv: int, device: torch.device) -> TileConfig:
+    """Decode tile shape (tuned on an H200; see benchmarks/NOTES.md)."""
+    if device.type != "cuda":
+        return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+
+
+def choose_num_splits(num_requests: int, num_kv_heads: int, span: int, block_n: int, sms: int) -> int:
+    """Split count for the decode path: enough programs to fill the GPU (about ``SPLIT_TARGET``
+    waves), at least ``MIN_TILES_PER_SPLIT`` key tiles per split; a power of two (fewer compiles)."""
+    programs = max(1, num_requests * num_kv_heads)
+    want = triton.cdiv(SPLIT_TARGET * sms, programs)
+    most = max(1, triton.cdiv(span, block_n) // MIN_TILES_PER_SPLIT)
+    splits = max(1, min(want, most, 64))
+    return 1 << (splits.bit_length() - 1)
+
+
+SPLIT_TARGET = 2
+MIN_TILES_PER_SPLIT = 4
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _tma_descriptors(key_cache, value_cache, block_n: int, dqk: int, dv: int):
+    """TMA descriptors over the caches viewed as ``[pages * block_size, D]`` (None if unusable)."""
+    if not (key_cache.is_cuda and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return None
+    if dqk != _next_pow2(dqk) or dv != _next_pow2(dv) or key_cache.shape[2] % block_n:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kd = TensorDescriptor.from_tensor(key_cache.view(-1, dqk), [block_n, dqk])
+    vd = TensorDescriptor.from_tensor(value_cache.view(-1, dv), [block_n, dv])
+    return kd, vd
+
+
+def _check_cache(name: str, cache: torch.Tensor, hkv: int, d: int) -> None:
+    if cache.dim() != 4 or cache.shape[1] != hkv or cache.shape[3] != d:
+        raise ValueError(f"{name} must be [num_blocks, {hkv}, block_size, {d}], got {list(cache.shape)}")
+    if cache.stride(3) != 1 or cache.stride(0) != hkv * cache.stride(1):
+        raise ValueError(f"{name} must be contiguous in its head and page dims, got strides {cache.stride()}")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_decoder: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    scale: float,
+    headwise: bool = False,
+    window_left: int | None = None,
+    sliding_heads: tuple[int, int] | None = None,
+    sink_kind: str = "vanilla",
+    sinks: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    max_context_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    prefill_config: TileConfig | None = None,
+    decode_config: TileConfig | None = None,
+) -> torch.Tensor:
+    """Attention of packed queries over the paged cache (which already holds this step's K/V).
+
+    * ``q [T, Hq, Dqk]``; request ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` at positions
+      ``seq_lens_decoder[b] + i``; keys are positions ``0 .. seq_lens_decoder[b] + n - 1``.
+    * ``key_cache [NB, Hkv, BS, Dqk]``, ``value_cache [NB, Hkv, BS, Dv]``.
+    * ``block_tables [bsz, max_blocks]`` (blocks), or with ``headwise=True``
+      ``[bsz * Hkv, max_pages]`` (pages ``block * Hkv + head``); ``-1`` = absent, never read.
+    * ``window_left``: keys ``i - j <= window_left`` are visible, for kv heads in
+      ``sliding_heads = (start, stop)`` (all heads when ``None``); ``None`` = full attention.
+    * ``sink_kind``: ``vanilla``, ``off-by-one`` or ``learnable`` (``sinks [Hq]`` logits).
+    * ``max_q_len`` (most query tokens of a request) / ``max_context_len`` (longest key range, this
+      step's tokens included): host-side maxima (optional) that pick the kernels and the split count
+      without a device sync. ``max_q_len`` must not understate: rows it rules out stay unwritten.
+
+    Returns ``out [T, Hq, Dv]`` in q's dtype. Requests with one query token go through the decode
+    kernel (split-KV when the batch is too small to fill the GPU), longer ones through the prefill
+    kernel.
+    """
+    if q.dim() != 3 or q.stride(2) != 1:
+        raise ValueError(f"q must be [T, Hq, Dqk] with a contiguous last dim, got shape {list(q.shape)}")
+    t, hq, dqk = q.shape
+    hkv, bs, dv = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
+    _check_cache("key_cache", key_cache, hkv, dqk)
+    _check_cache("value_cache", value_cache, hkv, dv)
+    if hkv <= 0 or hq % hkv:
+        raise ValueError(f"q heads {hq} must be a multiple of the cache's kv heads {hkv}")
+    if sink_kind not in SINK_MODES:
+        raise ValueError(f"sink_kind must be one of {sorted(SINK_MODES)}, got {sink_kind!r}")
+    sink_mode = SINK_MODES[sink_kind]
+    if sink_mode == 1:
+        if sinks is None or sinks.numel() != hq:
+            raise ValueError(f"sink_kind='learnable' needs sinks of shape [{hq}], got {sinks!r}")
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+    if out is None:
+        out = torch.empty((t, hq, dv), dtype=q.dtype, device=q.device)
+    elif out.shape != (t, hq, dv) or out.stride(2) != 1:
+        raise ValueError(f"out must be [{t}, {hq}, {dv}] with a contiguous last dim, got {list(out.shape)}")
+    num_reqs = cu_seqlens_q.shape[0] - 1
+    if t == 0 or num_reqs <= 0:
+        return out
+    g = hq // hkv
+    has_window = window_left is not None
+    win_h0, win_h1 = sliding_heads if (has_window and sliding_heads is not None) else (0, hkv)
+    window = int(window_left) if has_window else 0
+    qk_scale = float(scale) * LOG2E
+    n_blk, stride_tbl = block_tables.shape[1], block_tables.stride(0)
+    common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
+    consts = dict(
+        HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
+        BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window,
+    )  # fmt: skip
+    sink_arg = sinks if sink_mode == 1 else q  # any pointer when unused
+
+    # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
+    run_prefill = max_q_len is None or max_q_len > 1
+    run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
+    if run_prefill:
+        cfg = prefill_config or default_prefill_config(dqk, dv, q.device)
+        gp = _next_pow2(g)
+        block_q = max(1, cfg.block_m // gp)
+        desc = _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
+        grid = ((t // block_q + num_reqs) * hkv,)
+        _prefill_kernel[grid](
+            q, key_cache, value_cache, out, desc and desc[0], desc and desc[1], sink_arg,
+            cu_seqlens_q, seq_lens_decoder, block_tables,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk,
+            num_reqs, 2, qk_scale, window, win_h0, win_h1,
+            G=g, GP=gp, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SINK_MODE=sink_mode, USE_TMA=desc is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+        )  # fmt: skip
+    if not run_decode:
+        return out
+
+    cfg = decode_config or default_decode_config(dqk, dv, q.device)
+    if num_splits is None:
+        span = max_context_len if max_context_len is not None else n_blk * bs
+        if has_window and win_h0 <= 0 and win_h1 >= hkv:
+            span = min(span, window + 1)
+        num_splits = choose_num_splits(num_reqs, hkv, span, cfg.block_n, _num_sms(q.device))
+    desc = _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
+    mid_o = mid_l = q  # unused unless split
+    if num_splits > 1:
+        mid_o = torch.empty((num_reqs, hq, num_splits, dv), dtype=torch.float32, device=q.device)
+        mid_l = torch.empty((num_reqs, hq, num_splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_reqs, hkv, num_splits)](
+        q, key_cache, value_cache, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg,
+        cu_seqlens_q, seq_lens_decoder, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk,
+        qk_scale, window, win_h0, win_h1,
+        G=g, BLOCK_H=max(16, _next_pow2(g)), BLOCK_N=cfg.block_n, SINK_MODE=sink_mode,
+        NUM_SPLITS=num_splits, USE_TMA=desc is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+    )  # fmt: skip
+    if num_splits > 1:
+        split_kv_reduce(mid_o, mid_l, out, cu_seqlens_q, sinks if sink_mode == 1 else None, sink_mode)
+    return out
+
+
+__all__ = [
+    "SINK_MODES",
+    "TileConfig",
+    "choose_num_splits",
+    "default_decode_config",
+    "default_prefill_config",
+    "paged_attention",
+]
