@@ -335,6 +335,8 @@ def build_minifleet_case(
     def paged_logits(ids: Any, positions: Any) -> Any:
         return paged(ids.unsqueeze(0), position_ids=positions.unsqueeze(0))[0]
 
+    native_logits.model = native  # type: ignore[attr-defined]  # for tests and tools
+    paged_logits.model = paged  # type: ignore[attr-defined]
     name = config if isinstance(config, str) else "minifleet"
     return VerifyCase(
         name=f"minifleet:{name}",
