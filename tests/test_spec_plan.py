@@ -325,14 +325,18 @@ def test_tp_replicates_kv_heads():
 
 
 def test_tp_headwise_local_kind():
+    """PaddleFleet masks head-wise SWA with each rank's own kv head count: the
+    last int(r * kv_per_rank) local kv heads slide on every rank."""
     cfg = base(num_attention_heads=8, num_key_value_heads=4, sliding_window=8, head_wise_swa_ratio=0.5)
-    r0, r1 = (plan_from_config(cfg, tp_size=2, tp_rank=r)[0] for r in (0, 1))
-    assert (r0.kind, r0.sliding_kv_heads, r0.window_left) == ("full", None, None)
-    assert (r1.kind, r1.sliding_kv_heads, r1.window_left) == ("sliding", (0, 2), 7)
-    cfg["head_wise_swa_ratio"] = 0.75  # global heads 1..3 slide
-    r0, r1 = (plan_from_config(cfg, tp_size=2, tp_rank=r)[0] for r in (0, 1))
-    assert (r0.kind, r0.sliding_kv_heads) == ("headwise", (1, 2))
-    assert (r1.kind, r1.sliding_kv_heads) == ("sliding", (0, 2))
+    for r in (0, 1):
+        x = plan_from_config(cfg, tp_size=2, tp_rank=r)[0]
+        assert (x.kind, x.sliding_kv_heads, x.window_left) == ("headwise", (1, 2), 7)
+    cfg["head_wise_swa_ratio"] = 0.25  # int(0.25 * 2) == 0 sliding heads per rank
+    with pytest.raises(ValueError, match="tp_size=2"):
+        plan_from_config(cfg, tp_size=2, tp_rank=0)
+    cfg["head_wise_swa_ratio"] = 1.0
+    x = plan_from_config(cfg, tp_size=2, tp_rank=1)[0]
+    assert (x.kind, x.sliding_kv_heads) == ("sliding", (0, 2))
 
 
 @settings(max_examples=60, deadline=None)
@@ -344,11 +348,12 @@ def test_tp_headwise_local_kind():
 )
 def test_tp_shards_agree_with_global_heads(hkv, group, tp, ratio):
     """Every rank's local q head reads the kv head the global GQA rule gives, and
-    a local kv head slides iff its global head is among the last int(r * Hkv)."""
+    a local kv head slides iff it is among the rank's last int(r * kv_per_rank)."""
     hq = hkv * group
     if hq % tp or (hkv >= tp and hkv % tp) or (hkv < tp and tp % hkv):
         return
-    n_slide = hkv if ratio in (0.0, 1.0) else int(ratio * hkv)
+    kv_local = max(hkv // tp, 1)
+    n_slide = kv_local if ratio in (0.0, 1.0) else int(ratio * kv_local)
     if n_slide == 0:
         return
     cfg = {
@@ -369,6 +374,6 @@ def test_tp_shards_agree_with_global_heads(hkv, group, tp, ratio):
             global_kv = (q0 + j) // group
             local_kv = j // x.group_size
             assert x.kv_head_range[0] + local_kv == global_kv
-            slides = global_kv >= hkv - n_slide
+            slides = local_kv >= kv_local - n_slide
             assert (x.head_window(local_kv) == 3) == slides
     assert covered == list(range(hq))

@@ -311,16 +311,12 @@ def plan_from_config(
         if mla is not None:  # core attention sees one kv head per query head
             qk, vd, hkv, hkv_field = mla[0].qk_head_dim, mla[1], hq, hq_field
 
-        # global sliding kv-head range [start, hkv): the LAST n_slide kv heads slide
-        slide: tuple[int, int] | None = None
         if sliding:
             r = ratios[i]
-            n_slide = hkv if r in (0.0, 1.0) else int(r * hkv)
-            if n_slide == 0:
+            if r not in (0.0, 1.0) and int(r * hkv) == 0:
                 raise ValueError(
                     f"layer {i}: head_wise_swa_ratio={r!r} gives no sliding head of {hkv_field}={hkv}"
                 )
-            slide = (hkv - n_slide, hkv)
         elif per_layer_ratio and not flags[i] and ratios[i] not in (0.0, 1.0):
             raise ValueError(f"layer {i} is not a sliding layer but head_wise_swa_ratio[{i}]={ratios[i]!r}")
 
@@ -332,11 +328,17 @@ def plan_from_config(
             layer_scale = qk**-0.5 * (_yarn_mscale_sq(f) if mla is not None else 1.0)
 
         hq_l, kv_l, q_range, kv_range = _shard(i, hq, hkv, (hq_field, hkv_field), tp, tp_rank)
+        # PaddleFleet splits head-wise heads per rank (it masks with the rank's own
+        # kv head count): the LAST int(r * kv_l) local kv heads slide.
         local = None
-        if slide is not None:  # intersect with this rank's kv heads, shift to local indices
-            lo, hi = max(slide[0], kv_range[0]), min(slide[1], kv_range[1])
-            if lo < hi:
-                local = (lo - kv_range[0], hi - kv_range[0])
+        if sliding:
+            n_slide = kv_l if ratios[i] in (0.0, 1.0) else int(ratios[i] * kv_l)
+            if n_slide == 0:
+                raise ValueError(
+                    f"layer {i}: head_wise_swa_ratio={ratios[i]!r} gives no sliding head of the "
+                    f"{kv_l} kv head(s) per rank at tp_size={tp}"
+                )
+            local = (kv_l - n_slide, kv_l)
         if local is None:
             kind = "full"
         else:
