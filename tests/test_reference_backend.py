@@ -25,6 +25,8 @@ from fastdeploy_paddlefleet.runner.batch import PagedKVState, allocate_kv_caches
 from fastdeploy_paddlefleet.spec.layer import LayerAttention  # noqa: E402
 
 TOL = 1e-5
+#: relative error of the final rounding to each output dtype (inputs are rounded before the dense reference)
+RTOL = {"float32": 0.0, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def make_layer(
@@ -68,6 +70,7 @@ class Case:
     sink_scale: float = 2.0
     sink_value: float | None = None  # every learnable sink set to this logit
     torch_inputs: bool = False
+    dtype: str = "float32"  # q/k/v and cache dtype
 
 
 @dataclass
@@ -92,7 +95,7 @@ class _Driver:
         max_blocks = max(-(-t // bs) for t in totals.values()) + 1
         num_blocks = sum(-(-t // bs) for t in totals.values()) + 3
         state = PagedKVState(num_blocks, bs, max_blocks, shuffle_seed=c.shuffle_seed)
-        kc, vc = allocate_kv_caches([layer], num_blocks, bs, fill=float("nan"))[0]
+        kc, vc = allocate_kv_caches([layer], num_blocks, bs, c.dtype, fill=float("nan"))[0]
         sinks = None
         if layer.sink == "learnable":
             sinks = (self.rng.standard_normal(layer.num_q_heads) * c.sink_scale).astype("float32")
@@ -112,6 +115,7 @@ class _Driver:
             q = self.rng.standard_normal((t, layer.num_q_heads, layer.qk_head_dim)).astype("float32")
             k = self.rng.standard_normal((t, hkv, layer.qk_head_dim)).astype("float32")
             v = self.rng.standard_normal((t, hkv, layer.v_head_dim)).astype("float32")
+            q, k, v = (self._round(x) for x in (q, k, v))
             blocks = meta.block_tables.numpy().copy()
             if c.page_table:
                 pages = np.full((len(step) * hkv, blocks.shape[1]), -1, dtype="int32")
@@ -150,17 +154,26 @@ class _Driver:
                 )
                 got = out[s : s + n].numpy()
                 assert np.isfinite(got).all(), f"NaN/inf in output of request {rid} (read a released slot?)"
-                self.errors.append(float(np.abs(got - want).max()))
+                # error beyond the output dtype's rounding (plain max abs error for fp32)
+                self.errors.append(float((np.abs(got - want) - RTOL[c.dtype] * np.abs(want)).max()))
             if c.release:
                 self._release(step, state, blocks, perms, released, kc, vc, windows)
         return max(self.errors, default=0.0)
 
+    def _round(self, x: np.ndarray) -> np.ndarray:
+        """``x`` rounded to the case's dtype (kept as fp32 numpy for the dense reference)."""
+        if self.case.dtype == "float32":
+            return x
+        return paddle.to_tensor(x).astype(self.case.dtype).astype("float32").numpy()
+
     def _forward(self, backend, q, k, v, meta, kv_cache, sinks):
         layer = self.case.layer
         if not self.case.torch_inputs:
-            args = [paddle.to_tensor(x) for x in (q, k, v)]
+            args = [paddle.to_tensor(x).astype(self.case.dtype) for x in (q, k, v)]
             s = None if sinks is None else paddle.to_tensor(sinks)
-            return backend.forward(*args, layer, meta, kv_cache, s)
+            out = backend.forward(*args, layer, meta, kv_cache, s)
+            assert out.dtype == args[0].dtype
+            return out.astype("float32")
         import torch
 
         tk, tv = (torch.from_dlpack(x) for x in kv_cache)  # shares memory with the paddle caches
@@ -337,6 +350,14 @@ def test_torch_inputs_write_through_dlpack():
     layer = make_layer(2, 4, 32, 16, kind="headwise", window=3, sliding=1, sink="learnable")
     steps = [[(0, 6), (1, 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
     assert run_case(Case(layer, 4, steps, page_table=True, torch_inputs=True)) <= TOL
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_cache_and_inputs(dtype):
+    """fp16/bf16 q/k/v and cache: fp32 math, output in q's dtype (CPU gathers 16-bit floats as bits)."""
+    layer = make_layer(2, 2, 32, 16, kind="headwise", window=2, sliding=1, sink="learnable")
+    steps = [[(0, 7), (1, 2)], [(0, 1), (1, 3)], [(0, 1), (1, 1)]]
+    assert run_case(Case(layer, 4, steps, page_table=True, release=True, dtype=dtype)) <= TOL
 
 
 def test_fully_masked_row_gives_zeros():

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..spec.layer import LayerAttention
 from .base import AttentionBackend, BatchMeta
-from .checks import HostMeta, validate_inputs
+from .checks import HostMeta, dtype_name, validate_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -85,27 +85,22 @@ def _write_cache(
     import paddle
 
     hkv = layer.num_kv_heads
-    block_idx, head_idx, slot_idx, src = [], [], [], []
-    for b in range(host.batch_size):
+    block_idx, head_idx, slot_idx = [], [], []
+    for b in range(host.batch_size):  # requests are packed in order (checked): tokens 0..T-1
         n = int(host.seq_lens_this_time[b])
         if n == 0:
             continue
-        start = int(host.cu_seqlens_q[b])
         pos = int(host.seq_lens_decoder[b]) + np.arange(n)
         page = _pages(host, layer, b)[:, pos // block_size]  # [Hkv, n]
-        block_idx.append((page // hkv).T.reshape(-1))
+        block_idx.append((page // hkv).T.reshape(-1))  # token-major, like k.reshape([T * Hkv, D])
         head_idx.append((page % hkv).T.reshape(-1))
         slot_idx.append(np.repeat(pos % block_size, hkv))
-        src.append(start + np.arange(n))
-    if not src:
+    if not block_idx:
         return
     key_cache, value_cache = kv_cache
     index = tuple(paddle.to_tensor(np.concatenate(a), dtype="int64") for a in (block_idx, head_idx, slot_idx))
-    rows = paddle.to_tensor(np.concatenate(src), dtype="int64")
-    k_rows = paddle.gather(k, rows).reshape([-1, layer.qk_head_dim])  # [(tokens * Hkv), Dqk], token-major
-    v_rows = paddle.gather(v, rows).reshape([-1, layer.v_head_dim])
-    key_cache.index_put_(index, k_rows.astype(key_cache.dtype))
-    value_cache.index_put_(index, v_rows.astype(value_cache.dtype))
+    key_cache.index_put_(index, k.reshape([-1, layer.qk_head_dim]).astype(key_cache.dtype))
+    value_cache.index_put_(index, v.reshape([-1, layer.v_head_dim]).astype(value_cache.dtype))
 
 
 def _gather(cache: Any, pages: Any, lo: int, end: int, block_size: int, hkv: int) -> Any:
@@ -115,8 +110,15 @@ def _gather(cache: Any, pages: Any, lo: int, end: int, block_size: int, hkv: int
 
     pos = np.arange(lo, end)
     page = pages[:, pos // block_size]  # [H, L]; validated: no -1 in this range
-    index = np.stack([page // hkv, page % hkv, np.broadcast_to(pos % block_size, page.shape)], axis=-1)
-    return paddle.gather_nd(cache, paddle.to_tensor(index, dtype="int64")).astype("float32")
+    index = paddle.to_tensor(
+        np.stack([page // hkv, page % hkv, np.broadcast_to(pos % block_size, page.shape)], axis=-1),
+        dtype="int64",
+    )
+    name = dtype_name(cache.dtype)
+    if name in ("float16", "bfloat16"):
+        # gather 16-bit floats as their bits: paddle's CPU gather_nd has no fp16/bf16 kernel
+        return paddle.gather_nd(cache.view("int16"), index).view(name).astype("float32")
+    return paddle.gather_nd(cache, index).astype("float32")
 
 
 def _attend_run(
