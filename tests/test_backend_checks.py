@@ -255,6 +255,14 @@ def test_batch_id_per_token_values():
     raises(ValueError, r"batch_id_per_token=\[0, 1, 1, 1, 1, 1\] does not match", meta=m)
 
 
+def test_host_maxima_understated():
+    m = dataclasses.replace(meta_(), max_seq_len_this_time=3)
+    raises(ValueError, r"meta.max_seq_len_this_time=3 is below this step's maximum 4", meta=m)
+    m = dataclasses.replace(meta_(), max_context_len=6)
+    raises(ValueError, r"meta.max_context_len=6 is below this step's maximum 7", meta=m)
+    check(meta=dataclasses.replace(meta_(), max_seq_len_this_time=None, max_context_len=None))
+
+
 def test_block_table_too_short():
     # request 0 has 7 tokens after this step: 2 blocks of 4, the table has 1 column
     m = meta_(dec=(5, 0), this=(2, 1), tables=((2,), (1,)))

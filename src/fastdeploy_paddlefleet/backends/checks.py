@@ -219,6 +219,17 @@ def validate_inputs(
             f"meta.batch_id_per_token={bid.tolist()} does not match meta.cu_seqlens_q={cu.tolist()}"
         )
 
+    end = dec + this_time
+    active = this_time > 0
+    # kernels size their launches from these host maxima: an understatement would drop rows
+    for name, need in (
+        ("max_seq_len_this_time", int(this_time.max(initial=0))),
+        ("max_context_len", int(end[active].max(initial=0))),
+    ):
+        got = getattr(meta, name)
+        if got is not None and got < need:
+            raise ValueError(f"meta.{name}={got} is below this step's maximum {need}")
+
     if layer.sink == "learnable":
         if sinks is None:
             raise ValueError(
@@ -236,8 +247,6 @@ def validate_inputs(
             f"meta.block_tables must have shape [bsz={bsz}, max_blocks], got {list(tables.shape)}"
         )
 
-    end = dec + this_time
-    active = this_time > 0
     lo, hi = _read_ranges(layer, dec, end, bs)  # [bsz, Hkv]
     page_table = meta.headwise_table(layer.index)
     if page_table is not None:
