@@ -40,7 +40,10 @@ def main(spec: dict) -> None:
     paddle.set_device("cpu")
     dist.init_parallel_env()
     model = build_minifleet(spec["config"], seed=spec["seed"])
-    wrapper = PaddleFleetForCausalLM.from_model(model, plan_from_config(model.config), backend="reference")
+    group = dist.new_group(ranks=list(range(len(endpoints))))  # handed to every MoE layer
+    wrapper = PaddleFleetForCausalLM.from_model(
+        model, plan_from_config(model.config), backend="reference", ep_group=group
+    )
     wrapper.idle_early_return = bool(spec["early_return"])
     block, num_blocks = 4, 16
     caches = []

@@ -341,8 +341,11 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         return hidden.reshape([int(ids.shape[1]), hidden.shape[-1]])
 
     @paddle.no_grad()
-    def forward(self, inputs: Mapping[str, Any], forward_meta: Any) -> paddle.Tensor:
-        """``inputs["ids_remove_padding"] [T]`` + FastDeploy's ``forward_meta`` -> hidden ``[T, hidden]``."""
+    def forward(self, inputs: Mapping[str, Any], forward_meta: Any, **kwargs: Any) -> paddle.Tensor:
+        """``inputs["ids_remove_padding"] [T]`` + FastDeploy's ``forward_meta`` -> hidden ``[T, hidden]``.
+
+        Extra keyword arguments some FastDeploy versions pass are ignored.
+        """
         ids = _get(inputs, "ids_remove_padding")
         if ids is None:
             raise ValueError("inputs['ids_remove_padding'] is required (the packed token ids [T]), got None")
