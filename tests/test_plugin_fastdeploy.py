@@ -122,7 +122,8 @@ def fake_fastdeploy(tmp_path, monkeypatch):
     _write_fake_fastdeploy(tmp_path)
     _drop_fake_modules()
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("FDFLEET_MODEL_IMPL", raising=False)
+    monkeypatch.setenv("FDFLEET_MODEL_IMPL", "")  # recorded, so the value the plugin sets is undone
+    monkeypatch.delenv("FDFLEET_MODEL_IMPL")
     importlib.invalidate_caches()
     yield tmp_path
     _drop_fake_modules()
@@ -230,6 +231,7 @@ def test_register_passes_only_accepted_keywords(tmp_path, monkeypatch):
     _write_fake_fastdeploy(tmp_path, old)
     _drop_fake_modules()
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FDFLEET_MODEL_IMPL", "")
     importlib.invalidate_caches()
     try:
         assert _register() is True
