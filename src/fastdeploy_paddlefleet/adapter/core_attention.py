@@ -77,7 +77,8 @@ class SinkFuser:
     def sinks(self) -> paddle.Tensor | None:
         if self.kind != "learnable":
             return None
-        return self._owner.softmax_offset
+        # inference only: kernels take it through DLPack, which refuses tensors that need gradients
+        return self._owner.softmax_offset.detach()
 
 
 class ValuePadFuser:
