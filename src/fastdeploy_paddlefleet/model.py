@@ -203,19 +203,26 @@ def build_from_fd_config(fd_config: Any) -> tuple[paddle.nn.Layer, AttentionPlan
             "or serve an embedded minifleet config",
             name="paddlefleet",
         )
-    from paddleformers.transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-    )  # pragma: no cover - needs GPU host
+    model = _build_paddlefleet(model_dir, mc, pc, tp_size)
+    # the plan reads the built model's own TransformerConfig: its window convention is the host's
+    return model, plan_from_config(model.config, tp_size, tp_rank), True
 
-    config = AutoConfig.from_pretrained(model_dir)  # pragma: no cover
-    config.tensor_model_parallel_size = tp_size  # pragma: no cover
-    config.expert_model_parallel_size = int(_get(pc, "expert_parallel_size") or 1)  # pragma: no cover
-    model = AutoModelForCausalLM.from_pretrained(  # pragma: no cover
+
+def _build_paddlefleet(model_dir: str, mc: Any, pc: Any, tp_size: int) -> paddle.nn.Layer:  # pragma: no cover
+    """PaddleFormers' fleet-backed ``from_pretrained`` (its class builds a PaddleFleet ``GPTModel``).
+
+    Not exercised here: ``paddlefleet`` installs only from Paddle's own index with a GPU build.
+    """
+    from paddleformers.transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tensor_model_parallel_size = tp_size
+    config.expert_model_parallel_size = int(_get(pc, "expert_parallel_size") or 1)
+    model = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=_get(mc, "dtype"), convert_from_hf=True
     )
-    model.eval()  # pragma: no cover
-    return model, plan_from_config(config, tp_size, tp_rank), True  # pragma: no cover
+    model.eval()
+    return model
 
 
 class PaddleFleetForCausalLM(paddle.nn.Layer):
