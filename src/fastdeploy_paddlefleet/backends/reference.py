@@ -98,7 +98,10 @@ def _write_cache(
     if not block_idx:
         return
     key_cache, value_cache = kv_cache
-    index = tuple(paddle.to_tensor(np.concatenate(a), dtype="int64") for a in (block_idx, head_idx, slot_idx))
+    index = tuple(
+        paddle.to_tensor(np.concatenate(a), dtype="int64", place=key_cache.place)
+        for a in (block_idx, head_idx, slot_idx)
+    )
     key_cache.index_put_(index, k.reshape([-1, layer.qk_head_dim]).astype(key_cache.dtype))
     value_cache.index_put_(index, v.reshape([-1, layer.v_head_dim]).astype(value_cache.dtype))
 
@@ -113,6 +116,7 @@ def _gather(cache: Any, pages: Any, lo: int, end: int, block_size: int, hkv: int
     index = paddle.to_tensor(
         np.stack([page // hkv, page % hkv, np.broadcast_to(pos % block_size, page.shape)], axis=-1),
         dtype="int64",
+        place=cache.place,
     )
     name = dtype_name(cache.dtype)
     if name in ("float16", "bfloat16"):
@@ -137,6 +141,7 @@ def _attend_run(
     ``value [H, L, Dv]`` at positions ``k_pos0 + j``; ``sink [H, G]`` logits or
     ``None``. Returns ``[H, G, n, Dv]`` fp32.
     """
+    import numpy as np
     import paddle
 
     h, g, n, dqk = q.shape
@@ -144,12 +149,10 @@ def _attend_run(
     scores = (
         paddle.matmul(q.reshape([h, g * n, dqk]), key, transpose_y=True).reshape([h, g, n, length]) * scale
     )
-    i = paddle.arange(q_pos0, q_pos0 + n, dtype="int64").unsqueeze(1)
-    j = paddle.arange(k_pos0, k_pos0 + length, dtype="int64").unsqueeze(0)
-    visible = j <= i
-    if window is not None:
-        visible = paddle.logical_and(visible, i - j <= window)
-    visible = paddle.broadcast_to(visible, scores.shape)
+    i = np.arange(q_pos0, q_pos0 + n)[:, None]
+    j = np.arange(k_pos0, k_pos0 + length)[None, :]
+    visible = (j <= i) & (True if window is None else i - j <= window)  # [n, L]
+    visible = paddle.broadcast_to(paddle.to_tensor(visible, place=scores.place), scores.shape)
     neg_inf = paddle.full_like(scores, float("-inf"))
     row_max = paddle.where(visible, scores, neg_inf).max(axis=-1, keepdim=True)  # [H, G, n, 1]
     if sink is not None:
