@@ -131,7 +131,8 @@ def _run_paged(state: _LayerState, query: Any, key: Any, value: Any, sink: Any) 
     v = value.transpose([0, 2, 1, 3]).reshape([n, hkv, dv])[:t]
     if layer.index >= len(ctx.kv_caches):
         raise ValueError(f"layer {layer.index}: the step context has only {len(ctx.kv_caches)} kv caches")
-    sinks = sink if layer.sink == "learnable" else None
+    # inference only: a detached view (DLPack refuses tensors that require grad)
+    sinks = sink.detach() if layer.sink == "learnable" and sink is not None else None
     if state.value_fuser is not None:
         q, k, v = state.value_fuser.before(q, k, v)
     out = state.backend.forward(
