@@ -95,7 +95,7 @@ def _register_key() -> None:
     from paddleformers.nn.attention.interface import AttentionInterface
 
     # class-level register adds the key for every interface instance; existing keys are untouched
-    if PAGED_ATTN_KEY not in AttentionInterface._global_mapping:
+    if getattr(AttentionInterface, "_global_mapping", {}).get(PAGED_ATTN_KEY) is not paged_attention_forward:
         AttentionInterface.register(PAGED_ATTN_KEY, paged_attention_forward)
 
 
