@@ -377,3 +377,24 @@ def test_tp_shards_agree_with_global_heads(hkv, group, tp, ratio):
             slides = local_kv >= kv_local - n_slide
             assert (x.head_window(local_kv) == 3) == slides
     assert covered == list(range(hq))
+
+
+def test_paddleformers_deepseek_config_is_mla_despite_base_class_flag():
+    """PaddleFormers' PretrainedConfig defaults multi_latent_attention=False on
+    every model; a DeepseekV3Config is still MLA (its dims decide)."""
+    pytest.importorskip("paddleformers")
+    from paddleformers.transformers.deepseek_v3.configuration import DeepseekV3Config
+
+    cfg = DeepseekV3Config(
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        hidden_size=64,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
+    assert getattr(cfg, "multi_latent_attention", False) is False
+    x = plan_from_config(cfg)[0]
+    assert (x.qk_head_dim, x.v_head_dim, x.mla.kv_lora_rank) == (24, 16, 16)

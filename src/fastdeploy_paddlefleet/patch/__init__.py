@@ -15,6 +15,8 @@ _LAZY = {
     "unpatch_core_attention": ".core_attention",
     "step_holder": ".core_attention",
     "cache_plan": ".core_attention",
+    "patch_paddleformers": ".paddleformers",
+    "unpatch_paddleformers": ".paddleformers",
 }
 
 __all__ = ["PatchReport", "PatchedLayer", "SkippedLayer", *_LAZY]

@@ -162,17 +162,9 @@ def _config_class(arch: str) -> Any:
 
 
 def _cpu_ready(config: Any, arch: str) -> Any:
-    """Fields every build here needs: the architecture, and no fused RMSNorm (not registered on CPU).
-
-    deepseek_v3 also gets ``multi_latent_attention = True``: PaddleFormers'
-    base ``PretrainedConfig`` defaults that PaddleFleet flag to False on every
-    model, deepseek_v3 included (whose attention is always MLA; its modeling
-    never reads the flag), and ``spec`` takes an explicit False as "no MLA".
-    """
+    """Fields every build here needs: the architecture, and no fused RMSNorm (not registered on CPU)."""
     config.architectures = [ARCHITECTURES[arch]]
     config.fuse_rms_norm = False
-    if arch == "deepseek_v3":
-        config.multi_latent_attention = True
     return config
 
 

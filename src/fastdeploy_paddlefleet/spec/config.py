@@ -189,7 +189,10 @@ def _mla(f: _Fields) -> tuple[MLADims, int] | None:
     kv_lora = f.get("kv_lora_rank")
     nope, rope = f.get("qk_nope_head_dim"), f.get("qk_rope_head_dim")
     flag = f.get("multi_latent_attention")
-    if flag is not None and not flag:  # explicitly off: ignore MLA dims a config class may default
+    # An explicit False wins over MLA dims a PaddleFleet config may default; a
+    # PaddleFormers PretrainedConfig sets it False on every model (deepseek_v3
+    # too, whose attention is always MLA), so there the dims decide.
+    if flag is not None and not flag and f.origin != "pretrained":
         return None
     if not flag and (kv_lora is None or (nope is None and rope is None)):
         return None
