@@ -86,3 +86,15 @@ def test_log_level_rejects(monkeypatch, value):
     with pytest.raises(ValueError) as e:
         envs.log_level()
     assert "FDFLEET_LOG_LEVEL" in str(e.value) and repr(value) in str(e.value)
+
+
+def test_model_impl_switch_is_strict(monkeypatch):
+    from fastdeploy_paddlefleet.envs import model_impl_is_paddlefleet
+
+    monkeypatch.delenv("FDFLEET_MODEL_IMPL", raising=False)
+    assert model_impl_is_paddlefleet() is False
+    monkeypatch.setenv("FDFLEET_MODEL_IMPL", " PaddleFleet ")
+    assert model_impl_is_paddlefleet() is True
+    monkeypatch.setenv("FDFLEET_MODEL_IMPL", "fastdeploy")
+    with pytest.raises(ValueError, match="FDFLEET_MODEL_IMPL='fastdeploy'"):
+        model_impl_is_paddlefleet()

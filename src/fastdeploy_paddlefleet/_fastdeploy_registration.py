@@ -41,6 +41,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .envs import MODEL_IMPL_VAR, model_impl_is_paddlefleet
+
 logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "PaddleFleetForCausalLM"
@@ -48,7 +50,7 @@ MODEL_IMPL = "paddlefleet"
 MODULE_PATH = "fastdeploy_paddlefleet"
 MODULE_NAME = "model"
 #: set by the plugin when ``--model-impl paddlefleet`` was chosen; read by the registry routing
-MODEL_IMPL_ENV = "FDFLEET_MODEL_IMPL"
+MODEL_IMPL_ENV = MODEL_IMPL_VAR
 
 _REGISTRY_MODULES = ("fastdeploy.model_executor.models.model_base", "fastdeploy.model_executor.models")
 _ARGS_MODULES = ("fastdeploy.engine.args_utils", "fastdeploy.config", "fastdeploy.worker.worker_process")
@@ -171,7 +173,7 @@ def _wants_paddlefleet(model_config: Any) -> bool:
         impl = getattr(model_config, "model_impl", None)
     if str(getattr(impl, "value", impl) or "").strip().lower() == MODEL_IMPL:
         return True
-    return os.environ.get(MODEL_IMPL_ENV, "").strip().lower() == MODEL_IMPL
+    return model_impl_is_paddlefleet()
 
 
 def _wrap_engine_args(engine_args: Any) -> list[str]:

@@ -6,6 +6,8 @@ a launcher may set a variable after the package was imported.
 * ``FDFLEET_BACKEND``: ``auto`` (default) | ``reference`` | ``triton``
 * ``FDFLEET_HEADWISE_KV``: boolean, default ``False``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
+* ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
+  ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
 
 Values are case-insensitive and may carry surrounding whitespace. An empty
 value counts as unset (so ``FDFLEET_BACKEND= cmd`` gives the default); any
@@ -83,3 +85,16 @@ def log_level() -> int:
     if level is None:
         raise ValueError(f"FDFLEET_LOG_LEVEL={value!r} is not one of {', '.join(LOG_LEVELS)}")
     return level
+
+
+MODEL_IMPL_VAR = "FDFLEET_MODEL_IMPL"
+
+
+def model_impl_is_paddlefleet() -> bool:
+    """``FDFLEET_MODEL_IMPL``: whether ``--model-impl paddlefleet`` was chosen (unset: no)."""
+    value = _raw(MODEL_IMPL_VAR)
+    if value is None:
+        return False
+    if value.strip().lower() != "paddlefleet":
+        raise ValueError(f"{MODEL_IMPL_VAR}={value!r} is not 'paddlefleet' (the plugin sets it; unset it)")
+    return True
