@@ -185,9 +185,13 @@ class ManagerMachine(RuleBasedStateMachine):
             assert t.dtype.name == "int32" and t.shape[0] == len(reqs) * hkv
             seen = set()
             held = 0
+            gi = next(g.index for g in self.mgr.groups if li in g.layers)
             for b, q in enumerate(reqs):
                 n, c = self.n[q], self.c[q]
                 assert self.mgr.num_tokens(q) == n
+                expected = self.expected_pages(n, c, li)
+                assert self.mgr.request_pages(q)[gi] == expected
+                assert self.mgr.held_pages(n, c)[gi] == expected
                 for h in range(hkv):
                     row = t[b * hkv + h].tolist()
                     keep = held_blocks(n, c, self.bs, releasing_window(li, h, self.mode))

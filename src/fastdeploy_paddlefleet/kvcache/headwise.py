@@ -272,6 +272,9 @@ class HeadwiseKVManager:
         """Call after the step that computed the appended tokens: release pages no current or
         future query can see. Returns the number of pages released."""
         r = self._req(req_id)
+        if r.num_tokens < r.next_release:  # fast path: no block left every window yet
+            r.computed = r.num_tokens
+            return 0
         before = self.free_pages
         self._apply(r, r.num_tokens, None)
         return self.free_pages - before
@@ -356,6 +359,23 @@ class HeadwiseKVManager:
             g.index: sum(1 for lane in lanes for u in lane.ids if u >= 0) * g.unit
             for g, lanes in zip(self.groups, r.lanes, strict=True)
         }
+
+    def held_pages(self, num_tokens: int, computed: int | None = None) -> dict[int, int]:
+        """Pages per group one request holds with ``num_tokens`` cached once every query before
+        ``computed`` (default ``num_tokens``) has run: the release rule in closed form, for
+        schedulers that reserve room for future tokens. Touches no state."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens!r}: expected an int >= 0")
+        c = num_tokens if computed is None else computed
+        bs = self.block_size
+        blocks = -(-num_tokens // bs)
+        out = {}
+        for g in self.groups:
+            held = 0
+            for w in g.lanes:
+                held += blocks if w is None else blocks - min(blocks, max(0, c - w) // bs)
+            out[g.index] = held * g.unit
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Counters for logs/metrics: totals and per group."""
