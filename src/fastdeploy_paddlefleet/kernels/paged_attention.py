@@ -23,6 +23,7 @@ head-wise table gives the page directly. ``-1`` entries are never dereferenced.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -348,7 +349,8 @@ def _next_pow2(x: int) -> int:
 
 def _tma_descriptors(key_cache, value_cache, block_n: int, dqk: int, dv: int):
     """TMA descriptors over the caches viewed as ``[pages * block_size, D]`` (None if unusable)."""
-    if not (key_cache.is_cuda and key_cache.is_contiguous() and value_cache.is_contiguous()):
+    on_device = key_cache.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if not (on_device and key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None
     if dqk != _next_pow2(dqk) or dv != _next_pow2(dv) or key_cache.shape[2] % block_n:
         return None

@@ -1,0 +1,862 @@
+"""Paged-attention benchmark on one GPU: the Triton kernels against the peers a user would pick.
+
+Cases (bf16, block size 64, 32 q heads / 8 kv heads, head 128 unless stated), as in issue 4:
+
+* decode: batch 64 x context 4096 (the query is position 4095): full; sliding 1024; sliding 1024 +
+  sinks; head-wise (half the kv heads sliding 1024, their out-of-window pages released to -1);
+* prefill: one 8192-token sequence: causal; sliding 1024; sliding 1024 + sinks;
+* mixed: 32 decodes at context 4096 + one 2048-token prefill chunk, one packed batch;
+* MLA-style: qk 192 / v 128, 16 heads, no GQA: decode (64 x 4096) and prefill (8192).
+
+"Sliding 1024" is ``window_left = 1023``: every query sees 1024 keys (itself included).
+
+Metrics. Decode: effective bandwidth = bytes of K and V the queries actually need (each visible key
+row of each kv head once: ``sum over requests and kv heads of visible_keys * (Dqk + Dv) * 2 B``) /
+time. Prefill: TFLOP/s = ``2 * visible_pairs * (Dqk + Dv) * Hq / time`` where ``visible_pairs``
+counts only the (query, key) pairs the causal / window mask keeps (for causal ``N(N+1)/2``; for a
+window W ``sum_i min(i + 1, W)``): work on masked-out pairs is not credited. Peers run in the same
+process: torch SDPA (cuDNN and flash backends, contiguous KV), FlexAttention (the same masks; sinks
+via ``out * sigmoid(lse - sink)``) and the HBM copy bandwidth (bytes read + written). Times are the
+median of ``triton.testing.do_bench`` (L2 flushed before each run) on fresh random inputs with a
+random permutation of the physical blocks.
+
+Usage::
+
+    python benchmarks/attention.py [--out FILE.jsonl] [--cases decode,prefill,...] [--sweep]
+    python benchmarks/attention.py --plot-only FILE.jsonl     # draw the PNG from saved JSON lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+BS, HQ, HKV, D = 64, 32, 8, 128
+# shapes of issue 4; ``--smoke`` shrinks them to check the script on CPU (interpreter) or a small GPU
+SH = dict(bsz=64, ctx=4096, n=8192, window=1023, mixed=(32, 4096, 2048), dev="cuda", dtype="bfloat16")
+SMOKE = dict(bsz=3, ctx=200, n=150, window=63, mixed=(2, 200, 100), dev="cpu", dtype="float32")
+DEFAULT_OUT = os.path.join(HERE, "results", "attention-h200.jsonl")
+RECORDS: list[dict] = []
+
+
+def emit(rec: dict, fh=None) -> None:
+    RECORDS.append(rec)
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if fh is not None:
+        fh.write(line + "\n")
+        fh.flush()
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def paged_batch(ctx_lens, q_lens, hq, hkv, dqk, dv, *, window=None, sliding=None, headwise=False, seed=0):
+    """Random paged cache holding every request's keys ``0..ctx+q-1`` (shuffled physical blocks),
+    queries for the last ``q`` positions, and the metadata. Head-wise: page tables whose sliding
+    heads' out-of-window pages are -1."""
+    import torch
+
+    dev = SH["dev"]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    totals = [c + n for c, n in zip(ctx_lens, q_lens, strict=True)]
+    nblk = [-(-t // BS) for t in totals]
+    num_blocks = sum(nblk) + 1
+    perm = torch.randperm(num_blocks, device=dev, generator=g)
+    tbl = torch.full((len(totals), max(nblk)), -1, dtype=torch.int32, device=dev)
+    off = 0
+    for b, n in enumerate(nblk):
+        tbl[b, :n] = perm[off : off + n].to(torch.int32)
+        off += n
+    kc = torch.randn(num_blocks, hkv, BS, dqk, device=dev, generator=g, dtype=DT())
+    vc = torch.randn(num_blocks, hkv, BS, dv, device=dev, generator=g, dtype=DT())
+    q = torch.randn(sum(q_lens), hq, dqk, device=dev, generator=g, dtype=DT())
+    cu = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32, device=dev)
+    dec = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+    table = tbl
+    if headwise:
+        heads = torch.arange(hkv, device=dev, dtype=torch.int32)
+        table = torch.where(tbl[:, None, :] >= 0, tbl[:, None, :] * hkv + heads[None, :, None], -1)
+        h0, h1 = sliding
+        for b, c in enumerate(ctx_lens):
+            dead = max(0, c - window) // BS  # blocks wholly before the window of the first query
+            table[b, h0:h1, :dead] = -1
+        table = table.reshape(len(totals) * hkv, -1).contiguous()
+    return dict(q=q, kc=kc, vc=vc, cu=cu, dec=dec, table=table, headwise=headwise, totals=totals)
+
+
+def _cumsum(xs):
+    s = 0
+    for x in xs:
+        s += x
+        yield s
+
+
+def visible_keys(pos: int, window: int | None) -> int:
+    return pos + 1 if window is None else min(pos + 1, window + 1)
+
+
+def visible_pairs(ctx: int, n: int, window: int | None) -> int:
+    return sum(visible_keys(ctx + i, window) for i in range(n))
+
+
+def check_rows(batch, out, b, rows, *, scale, window, sliding, sink_kind, sinks):
+    """Max abs / relative error of ``out`` rows of request ``b`` (indices within the request) vs
+    the dense reference over that request's K/V gathered from the cache."""
+    import torch
+
+    from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention, gather_request_kv
+
+    total = batch["totals"][b]
+    hkv = batch["kc"].shape[1]
+    if batch["headwise"]:
+        rows_t = batch["table"][b * hkv : (b + 1) * hkv]
+    else:
+        rows_t = batch["table"][b]
+    k = gather_request_kv(batch["kc"], rows_t, total, headwise=batch["headwise"])
+    v = gather_request_kv(batch["vc"], rows_t, total, headwise=batch["headwise"])
+    start = int(batch["cu"][b])
+    ctx = int(batch["dec"][b])
+    idx = torch.tensor(rows, device=out.device)
+    want = dense_attention(
+        batch["q"][start + idx],
+        k,
+        v,
+        scale=scale,
+        q_positions=ctx + idx,
+        window_left=window,
+        sliding_heads=sliding,
+        sink_kind=sink_kind,
+        sinks=sinks,
+        compute_dtype=torch.float32,
+    )
+    got = out[start + idx].float()
+    return float((got - want).abs().max()), float((got - want).norm() / want.norm())
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def sync() -> None:
+    import torch
+
+    if SH["dev"] == "cuda":
+        torch.cuda.synchronize()
+
+
+def DT():
+    import torch
+
+    return getattr(torch, SH["dtype"])
+
+
+def bench(fn) -> float:
+    """Median milliseconds of ``fn`` (L2 flushed before each run)."""
+    import triton
+
+    if SH["dev"] != "cuda":  # --smoke on CPU: one timed call
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    n = 1 << 30 if SH["dev"] == "cuda" else 1 << 20  # 2 GiB of bf16
+    a = torch.randn(n, device=SH["dev"], dtype=DT())
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+# ------------------------------------------------------------------------------ our kernels
+
+
+def run_ours(
+    name,
+    batch,
+    *,
+    window=None,
+    sliding=None,
+    sink_kind="vanilla",
+    max_q_len,
+    max_ctx,
+    check,
+    prefill_config=None,
+    decode_config=None,
+    num_splits=None,
+    dv=None,
+):
+    import torch
+
+    from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention
+
+    q = batch["q"]
+    hq, dqk = q.shape[1], q.shape[2]
+    dv = dv or batch["vc"].shape[3]
+    scale = 1.0 / math.sqrt(dqk)
+    sinks = torch.randn(hq, device=SH["dev"]) * 2 if sink_kind == "learnable" else None
+    out = torch.full((q.shape[0], hq, dv), float("nan"), device=SH["dev"], dtype=q.dtype)
+
+    def fn():
+        return paged_attention(
+            q,
+            batch["kc"],
+            batch["vc"],
+            batch["cu"],
+            batch["dec"],
+            batch["table"],
+            scale=scale,
+            headwise=batch["headwise"],
+            window_left=window,
+            sliding_heads=sliding,
+            sink_kind=sink_kind,
+            sinks=sinks,
+            max_q_len=max_q_len,
+            max_context_len=max_ctx,
+            out=out,
+            num_splits=num_splits,
+            prefill_config=prefill_config,
+            decode_config=decode_config,
+        )
+
+    fn()
+    sync()
+    errs = {}
+    if check:
+        assert torch.isfinite(out).all(), f"{name}: unwritten or non-finite output"
+        worst = (0.0, 0.0)
+        for b, rows in check:
+            e = check_rows(
+                batch,
+                out,
+                b,
+                rows,
+                scale=scale,
+                window=window,
+                sliding=sliding,
+                sink_kind=sink_kind,
+                sinks=sinks,
+            )
+            worst = (max(worst[0], e[0]), max(worst[1], e[1]))
+        errs = {"max_abs_err": float(f"{worst[0]:.3g}"), "rel_err": float(f"{worst[1]:.3g}")}
+    ms = bench(fn)
+    return ms, errs
+
+
+# ------------------------------------------------------------------------------ peers
+
+
+def flex_fn(with_sinks: bool):
+    """Compiled FlexAttention (GQA) as one graph; with sinks the output is scaled by
+    ``sigmoid(lse - sink)`` (lse in natural log) inside the same compiled function."""
+    import torch
+    from torch.nn.attention import flex_attention as fa
+
+    aux = getattr(fa, "AuxRequest", None)
+
+    def run(q, k, v, block_mask, sinks):
+        if not with_sinks:
+            return fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        if aux is not None:
+            out, a = fa.flex_attention(
+                q, k, v, block_mask=block_mask, enable_gqa=True, return_aux=aux(lse=True)
+            )
+            lse = a.lse
+        else:
+            out, lse = fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+        return out * torch.sigmoid(lse - sinks[None, :, None]).unsqueeze(-1).to(out.dtype)
+
+    return torch.compile(run, dynamic=False), fa.create_block_mask
+
+
+def peer_sdpa(q, k, v, backend, causal):
+    """torch SDPA on contiguous ``[B, H, S, D]``; GQA native if the backend takes it, else K/V expanded."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    rep = q.shape[1] // k.shape[1]
+    with sdpa_kernel([be]):
+        try:
+            sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+            args, kw = (q, k, v), dict(is_causal=causal, enable_gqa=True)
+            how = "gqa"
+        except RuntimeError:
+            ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            sdpa(q, ke, ve, is_causal=causal)
+            args, kw = (q, ke, ve), dict(is_causal=causal)
+            how = "expanded kv"
+
+        def fn():
+            with sdpa_kernel([be]):
+                return sdpa(*args, **kw)
+
+        return bench(fn), how
+
+
+def peer_records(kind, case, q, k, v, *, causal, window, sinks, work, unit, fh, flex=True, tag=""):
+    """Time SDPA (causal or no mask; only without window and sinks) and FlexAttention on contiguous
+    tensors; emit one record each (impl name + ``tag``)."""
+
+    q_len, kv_len = q.shape[2], k.shape[2]
+    sdpa_ok = window is None and sinks is None
+    for backend in ("cudnn", "flash") if sdpa_ok else ():
+        try:
+            ms, how = peer_sdpa(q, k, v, backend, causal)
+            emit(
+                {
+                    "case": case,
+                    "impl": f"sdpa-{backend}{tag}",
+                    "kind": kind,
+                    "ms": round(ms, 4),
+                    "note": how,
+                    unit: round(work / (ms * 1e-3) / 1e9 / (1e3 if unit == "tflops" else 1), 1),
+                },
+                fh,
+            )
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
+            emit({"case": case, "impl": f"sdpa-{backend}{tag}", "kind": kind, "error": repr(e)[:200]}, fh)
+    if not flex:
+        return
+    try:
+        flex, create_block_mask = flex_fn(sinks is not None)
+        off = kv_len - q_len
+
+        def mask(b, h, qi, ki):
+            keep = ki <= qi + off
+            if window is not None:
+                keep = keep & (qi + off - ki <= window)
+            return keep
+
+        bm = create_block_mask(mask, None, None, q_len, kv_len, device=SH["dev"])
+        fn = lambda: flex(q, k, v, bm, sinks)
+        fn()
+        sync()
+        ms = bench(fn)
+        emit(
+            {
+                "case": case,
+                "impl": "flex" + tag,
+                "kind": kind,
+                "ms": round(ms, 4),
+                unit: round(work / (ms * 1e-3) / 1e9 / (1e3 if unit == "tflops" else 1), 1),
+            },
+            fh,
+        )
+    except Exception as e:  # noqa: BLE001
+        emit({"case": case, "impl": "flex" + tag, "kind": kind, "error": repr(e)[:300]}, fh)
+
+
+# ------------------------------------------------------------------------------ cases
+
+
+def decode_cases(fh, check, peers):
+    import torch
+
+    bsz, ctx, win = SH["bsz"], SH["ctx"], SH["window"]
+    variants = [
+        ("decode-full", None, None, "vanilla", False),
+        ("decode-swa1024", win, None, "vanilla", False),
+        ("decode-swa1024-sinks", win, None, "learnable", False),
+        ("decode-headwise", win, (4, 8), "vanilla", True),
+    ]
+    for name, window, sliding, sink_kind, headwise in variants:
+        batch = paged_batch(
+            [ctx - 1] * bsz,
+            [1] * bsz,
+            HQ,
+            HKV,
+            D,
+            D,
+            window=window,
+            sliding=sliding,
+            headwise=headwise,
+            seed=1,
+        )
+        if window is None:
+            keys = bsz * HKV * ctx
+        else:
+            h0, h1 = sliding or (0, HKV)
+            keys = bsz * ((HKV - (h1 - h0)) * ctx + (h1 - h0) * visible_keys(ctx - 1, window))
+        nbytes = keys * (D + D) * 2
+        ms, errs = run_ours(
+            name,
+            batch,
+            window=window,
+            sliding=sliding,
+            sink_kind=sink_kind,
+            max_q_len=1,
+            max_ctx=ctx,
+            check=[(0, [0]), (bsz - 1, [0])] if check else None,
+        )
+        emit(
+            {
+                "case": name,
+                "impl": "triton",
+                "kind": "decode",
+                "ms": round(ms, 4),
+                "kv_bytes": nbytes,
+                "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+                **errs,
+            },
+            fh,
+        )
+        del batch
+        if peers and name in ("decode-full", "decode-swa1024-sinks"):
+            span = ctx if window is None else window + 1  # contiguous KV: only the keys needed
+            q = torch.randn(bsz, HQ, 1, D, device=SH["dev"], dtype=DT())
+            k = torch.randn(bsz, HKV, span, D, device=SH["dev"], dtype=DT())
+            v = torch.randn_like(k)
+            sinks = torch.randn(HQ, device=SH["dev"]) if sink_kind == "learnable" else None
+            common = dict(causal=False, window=None, work=nbytes, unit="gbps", fh=fh)
+            # SDPA has no sinks: for the sinks case it runs without them (an upper bound), tagged
+            peer_records("decode", name, q, k, v, sinks=None, flex=False,
+                         tag="" if sinks is None else "-nosinks", **common)  # fmt: skip
+            if sinks is not None:
+                peer_records("decode", name, q, k, v, sinks=sinks, **common)
+            del q, k, v
+
+
+def prefill_cases(fh, check, peers, *, hq=HQ, hkv=HKV, dqk=D, dv=D, prefix="prefill", names=None):
+    import torch
+
+    n, win = SH["n"], SH["window"]
+    variants = [
+        (f"{prefix}-causal", None, "vanilla"),
+        (f"{prefix}-swa1024", win, "vanilla"),
+        (f"{prefix}-swa1024-sinks", win, "learnable"),
+    ]
+    for name, window, sink_kind in variants:
+        if names is not None and name not in names:
+            continue
+        batch = paged_batch([0], [n], hq, hkv, dqk, dv, seed=2)
+        flops = 2 * visible_pairs(0, n, window) * (dqk + dv) * hq
+        rows = sorted({0, 1, win - 1, win, win + 1, n // 2 + 1, n - 1})
+        ms, errs = run_ours(
+            name,
+            batch,
+            window=window,
+            sink_kind=sink_kind,
+            max_q_len=n,
+            max_ctx=n,
+            check=[(0, rows)] if check else None,
+        )
+        emit(
+            {
+                "case": name,
+                "impl": "triton",
+                "kind": "prefill",
+                "ms": round(ms, 4),
+                "flops": flops,
+                "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
+                **errs,
+            },
+            fh,
+        )
+        del batch
+        if peers:
+            q = torch.randn(1, hq, n, dqk, device=SH["dev"], dtype=DT())
+            k = torch.randn(1, hkv, n, dqk, device=SH["dev"], dtype=DT())
+            v = torch.randn(1, hkv, n, dv, device=SH["dev"], dtype=DT())
+            sinks = torch.randn(hq, device=SH["dev"]) if sink_kind == "learnable" else None
+            peer_records(
+                "prefill",
+                name,
+                q,
+                k,
+                v,
+                causal=True,
+                window=window,
+                sinks=sinks,
+                work=flops,
+                unit="tflops",
+                fh=fh,
+            )
+            del q, k, v
+
+
+def mixed_case(fh, check):
+    nd, ctx, npf = SH["mixed"]
+    batch = paged_batch([ctx - 1] * nd + [0], [1] * nd + [npf], HQ, HKV, D, D, seed=3)
+    nbytes = nd * HKV * ctx * 2 * D * 2
+    flops = 2 * visible_pairs(0, npf, None) * 2 * D * HQ
+    ms, errs = run_ours(
+        "mixed",
+        batch,
+        max_q_len=npf,
+        max_ctx=ctx,
+        check=[(0, [0]), (nd, [0, npf // 3, npf - 1])] if check else None,
+    )
+    emit(
+        {
+            "case": "mixed",
+            "impl": "triton",
+            "kind": "mixed",
+            "ms": round(ms, 4),
+            "decode_kv_bytes": nbytes,
+            "prefill_flops": flops,
+            **errs,
+        },
+        fh,
+    )
+    del batch
+    for part, (ctxs, qs) in {"decode": ([ctx - 1] * nd, [1] * nd), "prefill": ([0], [npf])}.items():
+        batch = paged_batch(ctxs, qs, HQ, HKV, D, D, seed=4)
+        ms_p, _ = run_ours("mixed-" + part, batch, max_q_len=max(qs), max_ctx=ctx, check=None)
+        rec = {"case": "mixed", "impl": "triton-" + part + "-alone", "kind": "mixed", "ms": round(ms_p, 4)}
+        if part == "decode":
+            rec["gbps"] = round(nbytes / (ms_p * 1e-3) / 1e9, 1)
+        else:
+            rec["tflops"] = round(flops / (ms_p * 1e-3) / 1e12, 1)
+        emit(rec, fh)
+        del batch
+
+
+def mla_cases(fh, check, peers):
+    import torch
+
+    h, dqk, dv, bsz, ctx = 16, 192, 128, SH["bsz"], SH["ctx"]
+    batch = paged_batch([ctx - 1] * bsz, [1] * bsz, h, h, dqk, dv, seed=5)
+    nbytes = bsz * h * ctx * (dqk + dv) * 2
+    ms, errs = run_ours("mla-decode", batch, max_q_len=1, max_ctx=ctx, check=[(0, [0])] if check else None)
+    emit(
+        {
+            "case": "mla-decode",
+            "impl": "triton",
+            "kind": "decode",
+            "ms": round(ms, 4),
+            "kv_bytes": nbytes,
+            "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+            **errs,
+        },
+        fh,
+    )
+    del batch
+    if peers:
+        q = torch.randn(bsz, h, 1, dqk, device=SH["dev"], dtype=DT())
+        k = torch.randn(bsz, h, ctx, dqk, device=SH["dev"], dtype=DT())
+        v = torch.randn(bsz, h, ctx, dv, device=SH["dev"], dtype=DT())
+        peer_records(
+            "decode",
+            "mla-decode",
+            q,
+            k,
+            v,
+            causal=False,
+            window=None,
+            sinks=None,
+            work=nbytes,
+            unit="gbps",
+            fh=fh,
+        )
+        del q, k, v
+    prefill_cases(
+        fh, check, peers, hq=h, hkv=h, dqk=dqk, dv=dv, prefix="mla-prefill", names={"mla-prefill-causal"}
+    )
+
+
+def sweep(fh):
+    """Tile / split / TMA variants of the headline cases (tuning; see NOTES.md)."""
+    from fastdeploy_paddlefleet.kernels.paged_attention import TileConfig
+
+    bsz, ctx, win = SH["bsz"], SH["ctx"], SH["window"]
+    dec_variants = [  # (block_n, warps, stages, tma, splits)
+        (64, 4, 3, False, 1), (64, 4, 3, False, 2), (64, 4, 3, False, 4), (64, 4, 3, False, 8),
+        (64, 4, 4, False, 1), (64, 4, 4, False, 4), (64, 4, 2, False, 4), (128, 4, 3, False, 1),
+        (128, 8, 3, False, 2), (32, 4, 4, False, 4), (64, 8, 3, False, 4), (64, 4, 3, True, 1),
+        (64, 4, 3, True, 4), (64, 4, 4, True, 4),
+    ]  # fmt: skip
+    for name, window, sink_kind in (
+        ("decode-full", None, "vanilla"),
+        ("decode-swa1024-sinks", win, "learnable"),
+    ):
+        batch = paged_batch([ctx - 1] * bsz, [1] * bsz, HQ, HKV, D, D, seed=6)
+        keys = bsz * HKV * visible_keys(ctx - 1, window)
+        nbytes = keys * 2 * D * 2
+        for bn, w, s, tma, splits in dec_variants:
+            cfg = TileConfig(16, bn, w, s, tma)
+            try:
+                ms, errs = run_ours(
+                    name,
+                    batch,
+                    window=window,
+                    sink_kind=sink_kind,
+                    max_q_len=1,
+                    max_ctx=ctx,
+                    check=[(bsz - 1, [0])],
+                    decode_config=cfg,
+                    num_splits=splits,
+                )
+                emit(
+                    {
+                        "sweep": name,
+                        "block_n": bn,
+                        "warps": w,
+                        "stages": s,
+                        "tma": tma,
+                        "splits": splits,
+                        "ms": round(ms, 4),
+                        "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+                        **errs,
+                    },
+                    fh,
+                )
+            except Exception as e:  # noqa: BLE001
+                emit(
+                    {
+                        "sweep": name,
+                        "block_n": bn,
+                        "warps": w,
+                        "stages": s,
+                        "tma": tma,
+                        "splits": splits,
+                        "error": repr(e)[:300],
+                    },
+                    fh,
+                )
+        del batch
+    pre_variants = [  # (block_m, block_n, warps, stages, tma)
+        (128, 64, 8, 3, False), (128, 64, 8, 4, False), (128, 64, 8, 2, False), (128, 128, 8, 3, False),
+        (64, 64, 4, 3, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 64, 8, 2, True),
+        (64, 64, 4, 4, True),
+    ]  # fmt: skip
+    n, win = SH["n"], SH["window"]
+    for name, window, sink_kind in (
+        ("prefill-causal", None, "vanilla"),
+        ("prefill-swa1024-sinks", win, "learnable"),
+    ):
+        batch = paged_batch([0], [n], HQ, HKV, D, D, seed=7)
+        flops = 2 * visible_pairs(0, n, window) * 2 * D * HQ
+        for bm, bn, w, s, tma in pre_variants:
+            cfg = TileConfig(bm, bn, w, s, tma)
+            try:
+                ms, errs = run_ours(
+                    name,
+                    batch,
+                    window=window,
+                    sink_kind=sink_kind,
+                    max_q_len=n,
+                    max_ctx=n,
+                    check=[(0, [5, n // 2, n - 1])],
+                    prefill_config=cfg,
+                )
+                emit(
+                    {
+                        "sweep": name,
+                        "block_m": bm,
+                        "block_n": bn,
+                        "warps": w,
+                        "stages": s,
+                        "tma": tma,
+                        "ms": round(ms, 4),
+                        "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
+                        **errs,
+                    },
+                    fh,
+                )
+            except Exception as e:  # noqa: BLE001
+                emit(
+                    {
+                        "sweep": name,
+                        "block_m": bm,
+                        "block_n": bn,
+                        "warps": w,
+                        "stages": s,
+                        "tma": tma,
+                        "error": repr(e)[:300],
+                    },
+                    fh,
+                )
+        del batch
+
+
+# ------------------------------------------------------------------------------ summary and plot
+
+
+def summary(records: list[dict]) -> list[dict]:
+    """Targets of issue 4 from the records: figure, peer figure, ratio, pass/fail."""
+    by = {(r.get("case"), r.get("impl")): r for r in records if "case" in r and "error" not in r}
+    copy = next((r["gbps"] for r in records if r.get("impl") == "copy"), None)
+    out = []
+
+    def add(target, ours, peer, need):
+        if ours is None or peer is None:
+            out.append({"target": target, "missing": True})
+            return
+        ratio = ours / peer
+        out.append(
+            {
+                "target": target,
+                "ours": ours,
+                "peer": peer,
+                "ratio": round(ratio, 3),
+                "need": need,
+                "met": ratio >= need,
+            }
+        )
+
+    def get(case, impl, key):
+        r = by.get((case, impl))
+        return r.get(key) if r else None
+
+    add("decode full >= 0.9 x copy", get("decode-full", "triton", "gbps"), copy, 0.9)
+    add("decode swa1024+sinks >= 0.9 x copy", get("decode-swa1024-sinks", "triton", "gbps"), copy, 0.9)
+    add(
+        "prefill causal >= 1.3 x flex",
+        get("prefill-causal", "triton", "tflops"),
+        get("prefill-causal", "flex", "tflops"),
+        1.3,
+    )
+    add(
+        "prefill causal >= 0.75 x sdpa-cudnn",
+        get("prefill-causal", "triton", "tflops"),
+        get("prefill-causal", "sdpa-cudnn", "tflops"),
+        0.75,
+    )
+    add(
+        "prefill swa1024+sinks >= 2 x flex(sinks)",
+        get("prefill-swa1024-sinks", "triton", "tflops"),
+        get("prefill-swa1024-sinks", "flex", "tflops"),
+        2.0,
+    )
+    return out
+
+
+def plot(records: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in records if "case" in r and "error" not in r and r.get("impl") != "copy"]
+    copy = next((r["gbps"] for r in records if r.get("impl") == "copy"), None)
+    fig, axes = plt.subplots(1, 2, figsize=(16, 6))
+    for ax, key, title in (
+        (axes[0], "gbps", "decode: effective GB/s"),
+        (axes[1], "tflops", "prefill: TFLOP/s"),
+    ):
+        sel = [r for r in rows if key in r]
+        cases = list(dict.fromkeys(r["case"] for r in sel))
+        impls = list(dict.fromkeys(r["impl"] for r in sel))
+        width = 0.8 / max(1, len(impls))
+        for i, impl in enumerate(impls):
+            xs, ys = [], []
+            for j, c in enumerate(cases):
+                r = next((r for r in sel if r["case"] == c and r["impl"] == impl), None)
+                if r:
+                    xs.append(j + i * width)
+                    ys.append(r[key])
+            ax.bar(xs, ys, width, label=impl)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        if key == "gbps" and copy:
+            ax.axhline(copy, color="k", ls="--", lw=1, label=f"copy {copy:.0f}")
+            ax.axhline(0.9 * copy, color="r", ls=":", lw=1, label="90% copy")
+        ax.legend(fontsize=7)
+    meta = next((r for r in records if r.get("meta")), {})
+    fig.suptitle(
+        f"paged attention, {meta.get('device', '?')}, bf16, block 64 (triton {meta.get('triton', '?')})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=DEFAULT_OUT, help="JSON lines file (default: %(default)s)")
+    ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    ap.add_argument("--plot-only", metavar="FILE", help="draw the PNG from saved JSON lines and exit")
+    ap.add_argument(
+        "--cases", default="copy,decode,prefill,mixed,mla", help="comma list (default: %(default)s)"
+    )
+    ap.add_argument("--no-peers", action="store_true", help="skip SDPA / FlexAttention")
+    ap.add_argument("--no-check", action="store_true", help="skip the dense-reference checks")
+    ap.add_argument("--sweep", action="store_true", help="time tile / split / TMA variants instead")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter without a GPU)")
+    args = ap.parse_args(argv)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        path = args.plot or os.path.splitext(args.plot_only)[0] + ".png"
+        if not plot(recs, path):
+            print("matplotlib is not installed", file=sys.stderr)
+            return 1
+        print(path)
+        return 0
+
+    import torch
+
+    if args.smoke:
+        SH.update(SMOKE)
+        if torch.cuda.is_available():
+            SH.update(dev="cuda", dtype="bfloat16")
+        else:  # before the kernels are imported: @triton.jit reads it at decoration time
+            os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t0 = time.time()
+    with open(args.out, "w") as fh:
+        on_gpu = SH["dev"] == "cuda"
+        props = torch.cuda.get_device_properties(0) if on_gpu else None
+        emit(
+            {
+                "meta": True,
+                "device": props.name if on_gpu else "cpu (interpreter)",
+                "sms": props.multi_processor_count if on_gpu else 0,
+                "torch": torch.__version__,
+                "triton": triton.__version__,
+                "dtype": SH["dtype"],
+                "block_size": BS,
+                "stat": "median of do_bench",
+                "mode": "sweep" if args.sweep else "cases",
+            },
+            fh,
+        )
+        cases = set(args.cases.split(","))
+        check, peers = not args.no_check, not args.no_peers
+        if "copy" in cases:
+            emit({"case": "copy", "impl": "copy", "kind": "copy", "gbps": round(copy_bandwidth(), 1)}, fh)
+        if args.sweep:
+            sweep(fh)
+        else:
+            steps = (
+                ("decode", lambda: decode_cases(fh, check, peers)),
+                ("prefill", lambda: prefill_cases(fh, check, peers)),
+                ("mixed", lambda: mixed_case(fh, check)),
+                ("mla", lambda: mla_cases(fh, check, peers)),
+            )
+            for name, step in steps:
+                if name in cases:
+                    try:
+                        step()
+                    except Exception as e:  # noqa: BLE001 - keep the other cases' numbers
+                        emit({"case": name, "impl": "triton", "error": repr(e)[:500]}, fh)
+                    if on_gpu:
+                        torch.cuda.empty_cache()
+            for s in summary(RECORDS):
+                emit({"summary": True, **s}, fh)
+        emit({"meta": True, "wall_s": round(time.time() - t0, 1)}, fh)
+    if not args.sweep:
+        path = args.plot or os.path.splitext(args.out)[0] + ".png"
+        if plot(RECORDS, path):
+            print(path, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
