@@ -276,6 +276,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="max_pages"):
         mgr.tables(["x"], max_pages=2)
     assert mgr.tables(["x"], max_pages=8)[2].shape == (4, 8)
+    slots = mgr.tables([None, "x"])  # fixed batch slots: an empty slot reads -1
+    assert (slots[2][:4] == -1).all() and (slots[2][4:] == mgr.tables(["x"])[2]).all()
+    blocks = mgr.block_tables(["x", None])
+    assert set(blocks) == {0, 1, 3} and (blocks[0][1] == -1).all()  # whole-block groups only
 
 
 def test_size_pools_fills_budget_and_shrinks_sliding_groups():

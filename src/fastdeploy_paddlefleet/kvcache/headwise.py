@@ -28,19 +28,24 @@ release, whole blocks at once: what a layer-level SWA manager can do; head-wise 
 everything), ``none``.
 
 Scheduler integration (FastDeploy ``ResourceManagerV1``-style; FastDeploy's scheduler is not
-part of this package):
+part of this package, ``docs/kvcache.md`` has the details):
 
+* pools: size each group's caches with :func:`size_pools` (or one ``num_blocks`` for all) and
+  allocate layer ``l``'s cache with its group's ``num_blocks``.
 * a waiting request is admitted with :meth:`HeadwiseKVManager.admit` and its first prefill
-  chunk reserved with :meth:`append` (where V1 calls ``allocate_gpu_blocks`` for the chunk);
-  ``insufficient`` means "keep it waiting" (nothing was allocated).
+  chunk reserved with :meth:`append` where V1 allocates blocks for the chunk; ``insufficient``
+  means "keep it waiting" (nothing was allocated). :meth:`held_pages` prices the pages a
+  request will still need, for admission reservations.
 * each step, every running request calls ``append(req_id, n)`` for its next ``n`` tokens (1 for
   decode, the chunk for prefill) BEFORE the step runs; ``insufficient`` -> preempt the newest
   running request (:meth:`preempt`, it re-queues with zero tokens) and retry.
-* after the step ran, :meth:`recycle` (or the next ``append``) releases out-of-window pages.
-* :meth:`finish` frees everything when the request ends.
-* :meth:`tables` gives ``{layer index: int32 [bsz * Hkv, max_pages]}`` for the batch's request
-  order; the worker copies it into ``ForwardMeta.block_tables_headwise`` (a mapping layer ->
-  table, see ``BatchMeta.headwise_table``) next to ``block_tables``.
+* after the step ran (where V1 processes the step's output), :meth:`recycle` releases
+  out-of-window pages; the next ``append`` would do it too.
+* :meth:`finish` frees everything when the request ends or is aborted.
+* :meth:`tables` gives ``{layer index: int32 [bsz * Hkv, max_pages]}`` in batch-slot order
+  (``None`` for an empty slot); the worker copies it into ``ForwardMeta.block_tables_headwise``
+  (a mapping layer -> table, see ``BatchMeta.headwise_table``); :meth:`block_tables` gives the
+  ordinary ``[bsz, max_blocks]`` tables of whole-block groups.
 
 Contract: one ``append`` per request per step, and the previous step of that request has run
 when ``append`` is called (no overlap scheduling of the same request).
@@ -207,6 +212,11 @@ class HeadwiseKVManager:
         ]
         self._reqs: dict[Any, _Request] = {}
         self._layer_group = {li: g.index for g in self.groups for li in g.layers}
+        logger.debug(
+            "head-wise KV manager, mode %s: %s",
+            mode,
+            [(g.kind, g.layers, g.num_kv_heads, self.group_total_pages(g.index)) for g in self.groups],
+        )
 
     # ---- requests -------------------------------------------------------------------------
     def admit(self, req_id: Any) -> None:
@@ -409,12 +419,18 @@ class HeadwiseKVManager:
         hkv = g.num_kv_heads
         return [u * hkv + head if u >= 0 else -1 for u in lanes[0].ids]
 
+    def _slots(self, req_ids: Iterable[Any]) -> list[_Request | None]:
+        return [None if q is None else self._req(q) for q in req_ids]
+
     def group_tables(self, req_ids: Iterable[Any], max_pages: int | None = None) -> dict[int, Any]:
-        """``{group index: int32 [bsz * Hkv, max_pages]}``; row ``b * Hkv + h``, ``-1`` absent."""
+        """``{group index: int32 [bsz * Hkv, max_pages]}``; row ``b * Hkv + h``, ``-1`` absent.
+
+        A ``None`` in ``req_ids`` is an empty batch slot (rows of ``-1``), for hosts with fixed slots.
+        """
         import numpy as np
 
-        reqs = [self._req(q) for q in req_ids]
-        width = max((len(lanes[0].ids) for r in reqs for lanes in r.lanes), default=0)
+        reqs = self._slots(req_ids)
+        width = max((len(lanes[0].ids) for r in reqs if r for lanes in r.lanes), default=0)
         if max_pages is None:
             max_pages = width
         elif not isinstance(max_pages, int) or max_pages < width:
@@ -424,6 +440,8 @@ class HeadwiseKVManager:
             hkv = g.num_kv_heads
             t = np.full((len(reqs) * hkv, max_pages), -1, dtype=np.int32)
             for b, r in enumerate(reqs):
+                if r is None:
+                    continue
                 lanes = r.lanes[g.index]
                 if g.unit == 1:
                     for h, lane in enumerate(lanes):
@@ -444,11 +462,12 @@ class HeadwiseKVManager:
         return {li: per_group[gi] for li, gi in self._layer_group.items()}
 
     def block_tables(self, req_ids: Iterable[Any], max_blocks: int | None = None) -> dict[int, Any]:
-        """``{layer index: int32 [bsz, max_blocks]}`` block ids for whole-block groups only."""
+        """``{layer index: int32 [bsz, max_blocks]}`` block ids for whole-block groups only
+        (``None`` in ``req_ids``: an empty slot)."""
         import numpy as np
 
-        reqs = [self._req(q) for q in req_ids]
-        width = max((len(lanes[0].ids) for r in reqs for lanes in r.lanes), default=0)
+        reqs = self._slots(req_ids)
+        width = max((len(lanes[0].ids) for r in reqs if r for lanes in r.lanes), default=0)
         if max_blocks is None:
             max_blocks = width
         elif not isinstance(max_blocks, int) or max_blocks < width:
@@ -459,8 +478,9 @@ class HeadwiseKVManager:
                 continue
             t = np.full((len(reqs), max_blocks), -1, dtype=np.int32)
             for b, r in enumerate(reqs):
-                ids = r.lanes[g.index][0].ids
-                t[b, : len(ids)] = ids
+                if r is not None:
+                    ids = r.lanes[g.index][0].ids
+                    t[b, : len(ids)] = ids
             for li in g.layers:
                 out[li] = t
         return out
