@@ -92,8 +92,8 @@ def test_ernie_headwise():
     assert len(plan) == 28
     for x in plan:
         assert (x.kind, x.num_q_heads, x.num_kv_heads, x.qk_head_dim) == ("headwise", 20, 4, 128)
-        assert x.sliding_kv_heads == (2, 4) and x.window_left == 4095
-        assert [x.head_window(h) for h in range(4)] == [None, None, 4095, 4095]
+        assert x.sliding_kv_heads == (1, 4) and x.window_left == 4095
+        assert [x.head_window(h) for h in range(4)] == [None, 4095, 4095, 4095]
 
 
 def test_tiny_mla():
