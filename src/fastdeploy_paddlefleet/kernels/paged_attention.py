@@ -34,6 +34,7 @@ from .split_kv_reduce import split_kv_reduce
 
 LOG2E = 1.4426950408889634
 SINK_MODES = {"vanilla": 0, "learnable": 1, "off-by-one": 2}
+PAGE_CHUNK: tl.constexpr = tl.constexpr(16)  # key tiles whose pages are loaded at once
 
 
 @triton.jit
@@ -46,13 +47,67 @@ def _pages(tbl_row, blk, n_blk, kvh, HKV: tl.constexpr, HEADWISE: tl.constexpr):
 
 
 @triton.jit
+def _tile(
+    acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, slot, ok, pos, lo_key, kv_len, window, qk_scale,
+    stride_kp, stride_kr, stride_vp, stride_vr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
+    in one page) or one page per key; ``ok`` marks keys whose page exists."""
+    keys = s + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if MASK:
+        ok = ok & (keys >= lo_key) & (keys < kv_len)
+    if USE_TMA:
+        row = (tl.maximum(page, 0) * BS + s % BS).to(tl.int32)
+        k = k_desc.load([row, 0])
+        v = v_desc.load([row, 0])
+        if MASK:  # stale slots may hold NaN and 0 * NaN = NaN in the P @ V dot
+            v = tl.where(ok[:, None], v, 0.0)
+    else:
+        if BS % BLOCK_N == 0:
+            k_off = page * stride_kp + slot[:, None] * stride_kr
+            v_off = page * stride_vp + slot[:, None] * stride_vr
+        else:
+            k_off = page[:, None] * stride_kp + slot[:, None] * stride_kr
+            v_off = page[:, None] * stride_vp + slot[:, None] * stride_vr
+        k_mask = ok[:, None]
+        v_mask = ok[:, None]
+        if BLOCK_DQK != DQK:
+            k_mask = k_mask & (offs_dk[None, :] < DQK)
+        if BLOCK_DV != DV:
+            v_mask = v_mask & (offs_dv[None, :] < DV)
+        k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
+        v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k))
+    if MASK:
+        vis = ok[None, :] & (keys[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            vis = vis & (pos[:, None] - keys[None, :] <= window)
+        qk = tl.where(vis, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend(
     acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh,
     start, stop, pos, lo_key, kv_len, window, qk_scale,
     stride_kp, stride_kr, stride_vp, stride_vr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr,
-    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
 
@@ -60,57 +115,29 @@ def _attend(
     beyond the page check). Keys below ``lo_key`` or at/after ``kv_len`` are never loaded.
     """
     offs_n = tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for s in range(start, stop, BLOCK_N):
-        keys = s + offs_n
-        if BS % BLOCK_N == 0:  # the tile lies in one page
-            page = _pages(tbl_row, s // BS, n_blk, kvh, HKV, HEADWISE)
-            slot = s % BS + offs_n
-            ok = (page + offs_n * 0) >= 0  # a vector compare (the interpreter mis-splats scalar bools)
-        else:  # the tile spans several pages: gather one page per key
+    if BS % BLOCK_N == 0:  # every tile lies in one page
+        offs_c = tl.arange(0, CHUNK)
+        for c0 in range(start, stop, CHUNK * BLOCK_N):
+            # the pages of CHUNK tiles, loaded up front: no key load waits on a table load, so the
+            # compiler can pipeline the key loads several tiles deep
+            pages = _pages(tbl_row, (c0 + offs_c * BLOCK_N) // BS, n_blk, kvh, HKV, HEADWISE)
+            for s in range(c0, tl.minimum(c0 + CHUNK * BLOCK_N, stop), BLOCK_N):
+                page = tl.sum(tl.where(offs_c == (s - c0) // BLOCK_N, pages, 0))
+                ok = (page + offs_n * 0) >= 0  # a vector compare (the interpreter mis-splats scalar bools)
+                acc, l_i, m_i = _tile(
+                    acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, pos, lo_key,
+                    kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
+                    BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA,
+                )  # fmt: skip
+    else:  # a tile spans several pages: gather one page per key
+        for s in range(start, stop, BLOCK_N):
+            keys = s + offs_n
             page = _pages(tbl_row, keys // BS, n_blk, kvh, HKV, HEADWISE)
-            slot = keys % BS
-            ok = page >= 0
-        if MASK:
-            ok = ok & (keys >= lo_key) & (keys < kv_len)
-        if USE_TMA:
-            row = (tl.maximum(page, 0) * BS + s % BS).to(tl.int32)
-            k = k_desc.load([row, 0])
-            v = v_desc.load([row, 0])
-            if MASK:  # stale slots may hold NaN and 0 * NaN = NaN in the P @ V dot
-                v = tl.where(ok[:, None], v, 0.0)
-        else:
-            if BS % BLOCK_N == 0:
-                k_off = page * stride_kp + slot[:, None] * stride_kr
-                v_off = page * stride_vp + slot[:, None] * stride_vr
-            else:
-                k_off = page[:, None] * stride_kp + slot[:, None] * stride_kr
-                v_off = page[:, None] * stride_vp + slot[:, None] * stride_vr
-            k_mask = ok[:, None]
-            v_mask = ok[:, None]
-            if BLOCK_DQK != DQK:
-                k_mask = k_mask & (offs_dk[None, :] < DQK)
-            if BLOCK_DV != DV:
-                v_mask = v_mask & (offs_dv[None, :] < DV)
-            k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
-            v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k))
-        if MASK:
-            vis = ok[None, :] & (keys[None, :] <= pos[:, None])
-            if HAS_WINDOW:
-                vis = vis & (pos[:, None] - keys[None, :] <= window)
-            qk = tl.where(vis, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
+                kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
+                BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False,
+            )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -201,17 +228,17 @@ def _prefill_kernel(
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -270,17 +297,17 @@ def _decode_kernel(
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, start, ul, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, stop, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dv_ok = offs_dv[None, :] < DV
@@ -313,27 +340,35 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_prefill_config(dqk: int, dv: int, device: torch.device) -> TileConfig:
+def default_prefill_config(dqk: int, dv: int, device: torch.device, elem_size: int = 2) -> TileConfig:
     """Prefill tile shape (tuned on an H200; see benchmarks/NOTES.md)."""
     if device.type != "cuda":
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
+    if elem_size > 2:  # fp32: twice the shared memory per tile
+        return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if max(dqk, dv) > 128:
         return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-def default_decode_config(dqk: int, dv: int, device: torch.device) -> TileConfig:
-    """Decode tile shape (tuned on an H200; see benchmarks/NOTES.md)."""
+def default_decode_config(dqk: int, dv: int, device: torch.device, elem_size: int = 2) -> TileConfig:
+    """Decode tile shape (tuned on an H200; see benchmarks/NOTES.md): 64-key tiles, as many pipeline
+    stages (up to 4) as fit in about 200 KB of shared memory."""
     if device.type != "cuda":
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
-    return TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+    block_n = 64 if elem_size <= 2 else 32
+    per_stage = block_n * (_next_pow2(dqk) + _next_pow2(dv)) * elem_size
+    return TileConfig(
+        block_m=16, block_n=block_n, num_warps=4, num_stages=max(2, min(4, (200 << 10) // per_stage))
+    )
 
 
 def choose_num_splits(num_requests: int, num_kv_heads: int, span: int, block_n: int, sms: int) -> int:
-    """Split count for the decode path: enough programs to fill the GPU (about ``SPLIT_TARGET``
-    waves), at least ``MIN_TILES_PER_SPLIT`` key tiles per split; a power of two (fewer compiles)."""
+    """Split count for the decode path: split only when the (request, kv head) programs cannot fill
+    ``SPLIT_TARGET`` resident programs per SM, keeping at least ``MIN_TILES_PER_SPLIT`` key tiles
+    per split; a power of two (fewer compiles)."""
     programs = max(1, num_requests * num_kv_heads)
-    want = triton.cdiv(SPLIT_TARGET * sms, programs)
+    want = max(1, (SPLIT_TARGET * sms) // programs)
     most = max(1, triton.cdiv(span, block_n) // MIN_TILES_PER_SPLIT)
     splits = max(1, min(want, most, 64))
     return 1 << (splits.bit_length() - 1)
@@ -446,7 +481,7 @@ def paged_attention(
     run_prefill = max_q_len is None or max_q_len > 1
     run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
     if run_prefill:
-        cfg = prefill_config or default_prefill_config(dqk, dv, q.device)
+        cfg = prefill_config or default_prefill_config(dqk, dv, q.device, q.element_size())
         gp = _next_pow2(g)
         block_q = max(1, cfg.block_m // gp)
         desc = _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
@@ -462,7 +497,7 @@ def paged_attention(
     if not run_decode:
         return out
 
-    cfg = decode_config or default_decode_config(dqk, dv, q.device)
+    cfg = decode_config or default_decode_config(dqk, dv, q.device, q.element_size())
     if num_splits is None:
         span = max_context_len if max_context_len is not None else n_blk * bs
         if has_window and win_h0 <= 0 and win_h1 >= hkv:
