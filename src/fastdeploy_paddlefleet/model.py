@@ -21,6 +21,20 @@ Per step the forward converts FastDeploy's ``ForwardMeta`` into the plugin's
 position ``seq_lens_decoder[b] + (t - cu_seqlens_q[b])``, and enters a
 ``StepContext`` on the model's holder while the layers run.
 
+Head-wise KV (``FDFLEET_HEADWISE_KV=1``): the cache pages belong to
+FastDeploy's scheduler, not to the model. When it runs head-wise (a
+:class:`~fastdeploy_paddlefleet.kvcache.headwise.HeadwiseKVManager` at the
+integration point of ``docs/kvcache.md``) it hands ``forward_meta.
+block_tables_headwise`` (one ``[bsz * Hkv, max_pages]`` table, or a mapping
+``layer index -> table``), which :func:`batch_meta_from_forward_meta` carries
+into ``BatchMeta`` and every backend reads per layer whenever it is there,
+switch or not (pages allocated per head cannot be read through
+``block_tables``). The switch is parsed when the model is built (a bad value
+fails at load, naming the variable) and states the expectation: with it on, a
+step without head-wise tables logs one warning (attention then reads
+``block_tables``: correct, but no page is recycled). ``fdfleet verify
+--headwise-kv`` runs the whole path on the manager's tables.
+
 Idle expert-parallel rank: with zero tokens and expert parallelism on, the
 other ranks' MoE layers still wait for this rank's collectives. The forward
 then runs ONE fake token through every layer — attention on a private
@@ -303,6 +317,11 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         self.backend = _resolve_backend(backend)
         self.holder = StepContextHolder()
         self.patch_report = patch_core_attention(model, plan, self.backend, holder=self.holder)
+        from .envs import headwise_kv
+
+        #: FDFLEET_HEADWISE_KV: the host's scheduler is expected to pass head-wise page tables
+        self.headwise_kv = headwise_kv()
+        self._warned_no_headwise = False
         moe_layers = [layer for layer in model.sublayers() if hasattr(layer, "set_ep_group")]
         if ep_group is not None:
             for layer in moe_layers:
@@ -364,6 +383,12 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         if num_tokens == 0 or bool(_get(forward_meta, "is_zero_size")):
             return self._idle_forward()
         meta = batch_meta_from_forward_meta(forward_meta, self.block_size, num_tokens)
+        if self.headwise_kv and meta.block_tables_headwise is None and not self._warned_no_headwise:
+            self._warned_no_headwise = True
+            logger.warning(
+                "FDFLEET_HEADWISE_KV is on but forward_meta has no block_tables_headwise: the scheduler "
+                "does not run head-wise; attention reads block_tables and no page is recycled"
+            )
         caches = pair_caches(_get(forward_meta, "caches"), len(self.plan))
         positions = packed_positions(meta, num_tokens)
         with self.holder.step(StepContext(meta, caches, positions)):

@@ -1,13 +1,18 @@
 """``fdfleet verify``: run the same requests through a model's own attention and the paged path, compare.
 
 The model is minifleet (``--preset``, default ``tiny``, or a minifleet
-``--config``), or a small PaddleFormers model (``--paddleformers ARCH``).
+``--config``), a PaddleFleet model built through PaddleFormers from a
+``--config`` of another ``model_type`` (random init; needs ``paddlefleet``), or
+a small PaddleFormers model (``--paddleformers ARCH``).
+``--headwise-kv`` (default: ``FDFLEET_HEADWISE_KV``) allocates the KV cache in
+head-wise pages with sliding-window recycling; released pages are NaN-filled.
 Exit code 0 when every compared logit is within ``--tolerance`` and greedy
 decoding agrees everywhere, 1 otherwise, 2 on bad input.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import json
@@ -27,7 +32,12 @@ def add_parser(subparsers: Any) -> None:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help="minifleet preset name (default tiny; also tiny-mla)")
-    src.add_argument("--config", default=None, help="config.json of a minifleet model (model_type minifleet)")
+    src.add_argument(
+        "--config",
+        default=None,
+        help="config.json of a minifleet model (model_type minifleet), or of a PaddleFleet model "
+        "built through PaddleFormers (other model types; needs paddlefleet)",
+    )
     p.add_argument(
         "--backend",
         default=None,
@@ -39,6 +49,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference (default 1e-4)")
     p.add_argument("--chunk-size", type=int, default=8, help="prefill chunk size in tokens (default 8)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block (default 4)")
+    p.add_argument(
+        "--headwise-kv",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="head-wise KV pages with sliding-window recycling, released pages NaN-filled "
+        "(default: FDFLEET_HEADWISE_KV, else off)",
+    )
     p.add_argument(
         "--paddleformers",
         metavar="ARCH",
@@ -76,8 +93,21 @@ def _paddleformers_case(args: Any, backend: Any) -> Any:
     return module.build_case(args.paddleformers, args.config, backend, args.seed)
 
 
+def _headwise_kv(flag: bool | None) -> bool:
+    if flag is not None:
+        return flag
+    from ..envs import headwise_kv
+
+    return headwise_kv()  # ValueError naming FDFLEET_HEADWISE_KV on a bad value
+
+
+def _paddlefleet_installed() -> bool:
+    return importlib.util.find_spec("paddlefleet") is not None
+
+
 def _minifleet_config(args: Any) -> Any:
-    """The minifleet config to build; a clear error for a PaddleFleet (non-minifleet) config."""
+    """The minifleet config to build (a name or a raw dict); a PaddleFleet config's raw dict is
+    returned as ``("paddlefleet", raw)``, with a clear error when ``paddlefleet`` is missing."""
     from ..minifleet.config import load_raw_config
 
     if args.config is None:
@@ -93,30 +123,34 @@ def _minifleet_config(args: Any) -> Any:
     model_type = raw.get("model_type", "minifleet")
     if model_type == "minifleet":
         return raw
-    if importlib.util.find_spec("paddlefleet") is None:
+    if not _paddlefleet_installed():
         raise CliError(
             f"--config {args.config!r} is a PaddleFleet model config (model_type {model_type!r}); "
             "building it through PaddleFormers needs the `paddlefleet` package, which is not installed. "
             "Use a minifleet config (model_type minifleet), --preset, or --paddleformers ARCH"
         )
-    raise CliError(
-        f"--config {args.config!r} (model_type {model_type!r}): verifying a PaddleFleet model built through "
-        "PaddleFormers is not supported by this build of `fdfleet verify` yet"
-    )
+    return ("paddlefleet", raw)
 
 
 def _print_table(report: Any) -> None:
-    print(f"{report.name} backend={report.backend} layers patched={report.layers_patched}")
+    hw = report.headwise_kv
+    print(
+        f"{report.name} backend={report.backend} layers patched={report.layers_patched}"
+        + (f" head-wise KV pages={report.pages_total}" if hw else "")
+    )
     print(
         f"{'step':>4} {'tokens':>6} {'prefill':>7} {'decode':>6} {'max|dlogit|':>12} {'greedy':>7} "
-        f"{'blocks':>6} {'ms':>8}"
+        f"{'blocks':>6}" + (f" {'pages':>6} {'freed':>6}" if hw else "") + f" {'ms':>8}"
     )
     for s in report.steps:
         greedy = f"{s.greedy_matches}/{s.greedy_total}" if s.greedy_total else "-"
+        pages = f" {s.pages_used:>6} {s.pages_released:>6}" if hw else ""
         print(
             f"{s.step:>4} {s.num_tokens:>6} {s.num_prefill:>7} {s.num_decode:>6} "
-            f"{s.max_abs_logit_diff:>12.3e} {greedy:>7} {s.blocks_used:>6} {1000 * s.seconds:>8.1f}"
+            f"{s.max_abs_logit_diff:>12.3e} {greedy:>7} {s.blocks_used:>6}{pages} {1000 * s.seconds:>8.1f}"
         )
+    if hw:
+        print(f"head-wise KV: {report.pages_released} pages released by the window rule (NaN-filled)")
     verdict = "PASSED" if report.passed else "FAILED"
     print(
         f"{verdict}: max abs logit diff {report.max_abs_logit_diff:.3e} (tolerance {report.tolerance:g}), "
@@ -126,18 +160,23 @@ def _print_table(report: Any) -> None:
 
 
 def run(args: Any) -> int:
-    from ..runner.verify import build_minifleet_case, run_verify
+    from ..runner import verify as driver
 
     if args.steps < 0:
         raise CliError(f"--steps must be >= 0, got {args.steps}")
+    headwise_kv = _headwise_kv(getattr(args, "headwise_kv", None))
     backend = _backend(args.backend)
     if args.paddleformers:
         if args.preset:
             raise CliError("--paddleformers and --preset cannot be combined")
         case = _paddleformers_case(args, backend)
     else:
-        case = build_minifleet_case(_minifleet_config(args), backend, args.seed)
-    report = run_verify(
+        config = _minifleet_config(args)
+        if isinstance(config, tuple):
+            case = driver.build_paddlefleet_case(config[1], backend, args.seed, name=args.config)
+        else:
+            case = driver.build_minifleet_case(config, backend, args.seed)
+    report = driver.run_verify(
         case,
         decode_steps=args.steps,
         chunk_size=args.chunk_size,
@@ -145,6 +184,7 @@ def run(args: Any) -> int:
         seed=args.seed,
         tolerance=args.tolerance,
         progress=not args.json,
+        headwise_kv=headwise_kv,
     )
     if args.json:
         json.dump(report.to_dict(), sys.stdout)

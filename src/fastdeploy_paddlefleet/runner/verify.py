@@ -1,10 +1,26 @@
 """The verify driver: one model, two attention paths, same requests, compare logits.
 
-Generic over hosts: a host (minifleet, a PaddleFormers model, ...) builds a
-:class:`VerifyCase` with two callables — the model's own eager attention over a
-full sequence, and the patched paged path over a packed batch — and
-:func:`run_verify` drives both the way FastDeploy's worker would (chunked
-prefill, mixed prefill/decode batches, greedy decoding from the paged path).
+Generic over hosts: a host (minifleet, a PaddleFleet model built through
+PaddleFormers, a plain PaddleFormers model, ...) builds a :class:`VerifyCase`
+with two callables — the model's own eager attention over a full sequence, and
+the patched paged path over a packed batch — and :func:`run_verify` drives both
+the way FastDeploy's worker would (chunked prefill, mixed prefill/decode
+batches, greedy decoding from the paged path).
+
+KV allocation: one block table per request (``runner.batch.PagedKVState``), or
+with ``headwise_kv=True`` (``fdfleet verify --headwise-kv``,
+``FDFLEET_HEADWISE_KV=1``) head-wise pages from the
+:class:`~fastdeploy_paddlefleet.kvcache.headwise.HeadwiseKVManager` with
+sliding-window recycling (``runner.headwise_state.HeadwiseKVState``): pages of
+sliding heads are released as requests decode past their windows and filled
+with NaN at once, and the caches start as NaN, so a read of a released or
+never-written slot shows up as a NaN logit (an infinite difference).
+
+Hosts: :func:`build_minifleet_case` (the embedded model) and
+:func:`build_paddlefleet_case` (a PaddleFleet ``GPTModel`` built by
+PaddleFormers' fleet-backed ``AutoModelForCausalLM.from_config``; needs the
+``paddlefleet`` package) share :func:`fleet_case`, which patches one of two
+identical models and walks both through their ``run_function``.
 """
 
 from __future__ import annotations
@@ -12,7 +28,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +78,12 @@ class StepRecord:
     greedy_total: int
     blocks_used: int
     seconds: float
+    #: head-wise KV only: pages in use during the step, pages released right after it
+    pages_used: int | None = None
+    pages_released: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 @dataclass
@@ -80,6 +99,14 @@ class VerifyReport:
     requests: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
+    #: whether KV pages came from the head-wise manager with recycling
+    headwise_kv: bool = False
+    #: head-wise KV only: pages in the pools (all layer groups)
+    pages_total: int | None = None
+
+    @property
+    def pages_released(self) -> int:
+        return sum(s.pages_released or 0 for s in self.steps)
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -106,6 +133,16 @@ class VerifyReport:
             "layers_patched": self.layers_patched,
             "layers_skipped": self.layers_skipped,
             "max_blocks_used": max((s.blocks_used for s in self.steps), default=0),
+            "headwise_kv": self.headwise_kv,
+            **(
+                {
+                    "pages_released": self.pages_released,
+                    "max_pages_used": max((s.pages_used or 0 for s in self.steps), default=0),
+                    "pages_total": self.pages_total,
+                }
+                if self.headwise_kv
+                else {}
+            ),
             "seconds": self.seconds,
             "requests": self.requests,
             "per_step": [s.to_dict() for s in self.steps],
@@ -181,6 +218,7 @@ def run_verify(
     seed: int = 0,
     tolerance: float = 1e-4,
     progress: bool = True,
+    headwise_kv: bool = False,
 ) -> VerifyReport:
     """Run ``case`` through both paths and compare; see the module doc.
 
@@ -189,13 +227,19 @@ def run_verify(
     ``case.paged_logits`` on a shuffled paged KV cache; greedy decoding follows
     the paged path. Every position the paged path produced logits for is
     compared with ``case.native_logits`` over the request's whole sequence so
-    far; greedy agreement counts the positions a next token is picked from.
+    far (a non-finite paged logit counts as an infinite difference); greedy
+    agreement counts the positions a next token is picked from.
+
+    ``headwise_kv``: allocate KV through the head-wise manager with recycling
+    (see the module doc); the step records then carry ``pages_used`` /
+    ``pages_released``.
     """
     import numpy as np
     import paddle
 
     from ..adapter.context import StepContext
     from .batch import PagedKVState, allocate_kv_caches
+    from .headwise_state import HeadwiseKVState
 
     prompt_lens = tuple(prompt_lens) if prompt_lens is not None else default_prompt_lens(case.plan)
     _check_args(prompt_lens, decode_steps, chunk_size, block_size, tolerance)
@@ -213,8 +257,13 @@ def run_verify(
     steps = schedule_steps(prompt_lens, decode_steps, chunk_size)
     max_blocks = -(-(max(prompt_lens) + decode_steps) // block_size)
     num_blocks = sum(-(-(n + decode_steps) // block_size) for n in prompt_lens) + 4
-    state = PagedKVState(num_blocks, block_size, max_blocks, shuffle_seed=seed)
-    caches = allocate_kv_caches(case.cache_plan or case.plan, num_blocks, block_size)
+    if headwise_kv:
+        # NaN everywhere until written: a read of a never-written or released slot poisons the logits
+        caches = allocate_kv_caches(case.cache_plan or case.plan, num_blocks, block_size, fill=float("nan"))
+        state: Any = HeadwiseKVState(case.plan, num_blocks, block_size, max_blocks, caches=caches)
+    else:
+        state = PagedKVState(num_blocks, block_size, max_blocks, shuffle_seed=seed)
+        caches = allocate_kv_caches(case.cache_plan or case.plan, num_blocks, block_size)
 
     report = VerifyReport(
         name=case.name,
@@ -223,6 +272,8 @@ def run_verify(
         layers_patched=case.patch_report.num_patched,
         layers_skipped=len(case.patch_report.skipped),
         extras=dict(case.extras),
+        headwise_kv=bool(headwise_kv),
+        pages_total=state.pages_total if headwise_kv else None,
     )
     bar = _progress(len(steps), case.name, enabled=progress)
     t_all = time.perf_counter()
@@ -236,6 +287,9 @@ def run_verify(
                 logits = case.paged_logits(paddle.to_tensor(ids, dtype="int64"), positions)
             seconds = time.perf_counter() - t0
             logits = logits.astype("float32").numpy()
+            blocks_used = state.blocks_used  # before this step's pages are released
+            pages_used = state.pages_used if headwise_kv else None
+            released = state.recycle([r for r, _ in batch]) if headwise_kv else None
             record = StepRecord(
                 step=i,
                 num_tokens=len(ids),
@@ -244,8 +298,10 @@ def run_verify(
                 max_abs_logit_diff=0.0,
                 greedy_matches=0,
                 greedy_total=0,
-                blocks_used=state.blocks_used,
+                blocks_used=blocks_used,
                 seconds=seconds,
+                pages_used=pages_used,
+                pages_released=released,
             )
             row = 0
             for r, n in batch:
@@ -254,9 +310,10 @@ def run_verify(
                 native = case.native_logits(paddle.to_tensor([req.tokens[:end]], dtype="int64"))
                 native = native.astype("float32").numpy()[0, req.fed : end]
                 paged = logits[row : row + n]
-                record.max_abs_logit_diff = max(
-                    record.max_abs_logit_diff, float(np.abs(paged - native).max())
-                )
+                diff = np.abs(paged - native)
+                # NaN (a released or unwritten page was read) must fail, and max() drops NaN
+                diff = float(diff.max()) if np.isfinite(diff).all() else float("inf")
+                record.max_abs_logit_diff = max(record.max_abs_logit_diff, diff)
                 if end >= req.prompt_len:  # the last token picks the next one
                     nxt = int(paged[-1].argmax())
                     record.greedy_total += 1
@@ -307,6 +364,67 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
 
 
+def pipeline_logits(model: Any, ids: Any, positions: Any) -> Any:
+    """Walk a PaddleFleet-shaped ``model.run_function`` (dicts between layers) over ``ids [1, L]``
+    at ``positions [1, L]`` (int64) -> logits ``[1, L, vocab]`` (what ``GPTModel`` runs, without
+    pipeline parallelism)."""
+    carry: Any = {
+        "input_ids": ids,
+        "position_ids": positions,
+        "attention_mask": None,
+        "attn_mask_startend_row_indices": None,
+    }
+    for layer in model.run_function:
+        carry = layer(carry)
+    return carry["logits"] if isinstance(carry, Mapping) else carry
+
+
+def fleet_case(
+    name: str,
+    native: Any,
+    paged: Any,
+    plan: AttentionPlan,
+    backend: AttentionBackend | str = "reference",
+    extras: dict[str, Any] | None = None,
+) -> VerifyCase:
+    """Patch ``paged`` (same weights as ``native``) with ``plan`` on ``backend``; wrap both as a case.
+
+    Both are PaddleFleet-shaped ``GPTModel`` s (minifleet or PaddleFleet itself): ``native`` keeps
+    its own core attention and runs each request's whole sequence; ``paged`` runs the packed step.
+    """
+    import paddle
+
+    from ..backends import get_backend
+    from ..patch import cache_plan, patch_core_attention, step_holder
+
+    backend = get_backend(backend) if isinstance(backend, str) else backend
+    report = patch_core_attention(paged, plan, backend)
+    vocab = getattr(getattr(paged, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"model config vocab_size must be a positive int, got {vocab!r}")
+
+    def native_logits(ids: Any) -> Any:
+        positions = paddle.arange(int(ids.shape[1]), dtype="int64").unsqueeze(0)
+        return pipeline_logits(native, ids, positions)
+
+    def paged_logits(ids: Any, positions: Any) -> Any:
+        return pipeline_logits(paged, ids.unsqueeze(0), positions.unsqueeze(0))[0]
+
+    native_logits.model = native  # type: ignore[attr-defined]  # for tests and tools
+    paged_logits.model = paged  # type: ignore[attr-defined]
+    return VerifyCase(
+        name=name,
+        plan=plan,
+        holder=step_holder(paged),
+        patch_report=report,
+        vocab_size=vocab,
+        native_logits=native_logits,
+        paged_logits=paged_logits,
+        extras=dict(extras or {}),
+        cache_plan=cache_plan(plan, backend),
+    )
+
+
 def build_minifleet_case(
     config: Any = "tiny", backend: AttentionBackend | str = "reference", seed: int = 0
 ) -> VerifyCase:
@@ -317,35 +435,67 @@ def build_minifleet_case(
     the model was built from (PaddleFleet's attribute config, so an int
     ``sliding_window`` has PaddleFleet's meaning).
     """
-    from ..backends import get_backend
     from ..minifleet import build_minifleet, make_config
-    from ..patch import cache_plan, patch_core_attention, step_holder
     from ..spec import plan_from_config
 
     cfg = make_config(config)
-    backend = get_backend(backend) if isinstance(backend, str) else backend
     native = build_minifleet(cfg, seed=seed)
     paged = build_minifleet(cfg, seed=seed)
-    plan = plan_from_config(cfg)
-    report = patch_core_attention(paged, plan, backend)
-
-    def native_logits(ids: Any) -> Any:
-        return native(ids)
-
-    def paged_logits(ids: Any, positions: Any) -> Any:
-        return paged(ids.unsqueeze(0), position_ids=positions.unsqueeze(0))[0]
-
-    native_logits.model = native  # type: ignore[attr-defined]  # for tests and tools
-    paged_logits.model = paged  # type: ignore[attr-defined]
     name = config if isinstance(config, str) else "minifleet"
-    return VerifyCase(
-        name=f"minifleet:{name}",
-        plan=plan,
-        holder=step_holder(paged),
-        patch_report=report,
-        vocab_size=int(cfg.vocab_size),
-        native_logits=native_logits,
-        paged_logits=paged_logits,
-        extras={"host": "minifleet", "config": str(name)},
-        cache_plan=cache_plan(plan, backend),
-    )
+    extras = {"host": "minifleet", "config": str(name)}
+    return fleet_case(f"minifleet:{name}", native, paged, plan_from_config(cfg), backend, extras)
+
+
+def paddlefleet_config(raw: dict[str, Any]) -> Any:
+    """A PaddleFormers config object of ``raw['model_type']`` from a ``config.json`` dict."""
+    from paddleformers.transformers.auto.configuration import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"config model_type={model_type!r} is not a PaddleFormers architecture")
+    if not raw.get("architectures"):
+        raise ValueError(
+            f"config architectures={raw.get('architectures')!r}: PaddleFormers' from_config needs the "
+            "model class name (e.g. ['Qwen3ForCausalLM'])"
+        )
+    fields = {k: v for k, v in raw.items() if not k.startswith("_")}
+    return CONFIG_MAPPING[model_type].from_dict(fields)
+
+
+def build_paddlefleet_model(config: Any, seed: int) -> Any:  # pragma: no cover - needs paddlefleet
+    """A random-init PaddleFleet ``GPTModel`` in eval mode: PaddleFormers' fleet-backed
+    ``AutoModelForCausalLM.from_config`` (its ``__new__`` returns the ``GPTModel``)."""
+    import copy
+
+    import paddle
+    from paddleformers.transformers import AutoModelForCausalLM
+
+    paddle.seed(seed)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    model.eval()
+    return model
+
+
+def build_paddlefleet_case(
+    raw: dict[str, Any], backend: AttentionBackend | str = "reference", seed: int = 0, name: str = "config"
+) -> VerifyCase:
+    """A :class:`VerifyCase` on a real PaddleFleet model of config dict ``raw`` (needs ``paddlefleet``).
+
+    Two instances from :func:`build_paddlefleet_model` (same seed; the second gets the first's
+    state dict, so they agree even where initialisation is not seeded); the plan is read from the
+    built model's own ``TransformerConfig`` (``model.config``: the host's window convention).
+    """
+    from ..spec import plan_from_config
+
+    config = paddlefleet_config(raw)
+    native = build_paddlefleet_model(config, seed)
+    paged = build_paddlefleet_model(config, seed)
+    missing, unexpected = paged.set_state_dict(native.state_dict())
+    if missing or unexpected:
+        raise ValueError(
+            f"the two {raw.get('model_type')!r} instances differ: missing {list(missing)[:5]}, "
+            f"unexpected {list(unexpected)[:5]}"
+        )
+    plan = plan_from_config(paged.config)
+    extras = {"host": "paddlefleet", "config": str(name), "model_type": raw.get("model_type")}
+    return fleet_case(f"paddlefleet:{raw.get('model_type')}", native, paged, plan, backend, extras)
