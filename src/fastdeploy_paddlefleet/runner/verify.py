@@ -386,11 +386,13 @@ def fleet_case(
     plan: AttentionPlan,
     backend: AttentionBackend | str = "reference",
     extras: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
 ) -> VerifyCase:
     """Patch ``paged`` (same weights as ``native``) with ``plan`` on ``backend``; wrap both as a case.
 
     Both are PaddleFleet-shaped ``GPTModel`` s (minifleet or PaddleFleet itself): ``native`` keeps
     its own core attention and runs each request's whole sequence; ``paged`` runs the packed step.
+    ``vocab_size`` defaults to ``paged.config.vocab_size``.
     """
     import paddle
 
@@ -399,9 +401,9 @@ def fleet_case(
 
     backend = get_backend(backend) if isinstance(backend, str) else backend
     report = patch_core_attention(paged, plan, backend)
-    vocab = getattr(getattr(paged, "config", None), "vocab_size", None)
-    if not isinstance(vocab, int) or vocab <= 0:
-        raise ValueError(f"model config vocab_size must be a positive int, got {vocab!r}")
+    vocab = vocab_size or getattr(getattr(paged, "config", None), "vocab_size", None)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"vocab_size must be a positive int (argument or model config), got {vocab!r}")
 
     def native_logits(ids: Any) -> Any:
         positions = paddle.arange(int(ids.shape[1]), dtype="int64").unsqueeze(0)
@@ -498,4 +500,5 @@ def build_paddlefleet_case(
         )
     plan = plan_from_config(paged.config)
     extras = {"host": "paddlefleet", "config": str(name), "model_type": raw.get("model_type")}
-    return fleet_case(f"paddlefleet:{raw.get('model_type')}", native, paged, plan, backend, extras)
+    name = f"paddlefleet:{raw.get('model_type')}"
+    return fleet_case(name, native, paged, plan, backend, extras, vocab_size=int(config.vocab_size))
