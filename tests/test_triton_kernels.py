@@ -604,7 +604,7 @@ def test_gpu_chunked_prefill_and_mixed(dtype, window):
 def test_gpu_tile_variants(use_tma):
     reqs = [(500, 300), (3000, 1), (10, 1), (0, 200)]
     for cfg in (
-        TileConfig(128, 64, 8, 3, use_tma),
+        TileConfig(128, 64, 8, 3, use_tma, exp_bf16=True),
         TileConfig(128, 128, 8, 2, use_tma),
         TileConfig(64, 64, 4, 3, use_tma),
     ):

@@ -52,10 +52,14 @@ def _tile(
     stride_kp, stride_kr, stride_vp, stride_vr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr,
 ):  # fmt: skip
     """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
-    in one page) or one page per key; ``ok`` marks keys whose page exists."""
+    in one page) or one page per key; ``ok`` marks keys whose page exists.
+
+    ``EXP_BF16``: exponentials as packed bf16 (``ex2.approx.ftz.bf16x2``, half the special-function
+    issue of fp32 ``ex2``; P feeds the bf16 P @ V dot anyway). ``PROFILE`` (timing ablations only,
+    wrong results): 1 drops the softmax (P = S), 2 drops the P @ V dot."""
     keys = s + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -83,20 +87,36 @@ def _tile(
         k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
         v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k))
+    if PROFILE == 1:
+        return tl.dot(qk.to(v.dtype), v, acc), l_i, m_i
     if MASK:
         vis = ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             vis = vis & (pos[:, None] - keys[None, :] <= window)
         qk = tl.where(vis, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
+        x = qk - m_new[:, None]
     else:
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        x = qk * qk_scale - m_new[:, None]
+    if EXP_BF16:
+        p = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.bf16x2 $0, $1;",
+            "=r,r",
+            [x.to(tl.bfloat16)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
+        p_sum = tl.sum(p.to(tl.float32), 1)
+    else:
+        p = tl.exp2(x)
+        p_sum = tl.sum(p, 1)
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + p_sum
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    if PROFILE != 2:
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
@@ -108,6 +128,7 @@ def _attend(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr,
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, CHUNK: tl.constexpr,
+    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
 
@@ -127,7 +148,7 @@ def _attend(
                 acc, l_i, m_i = _tile(
                     acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, pos, lo_key,
                     kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
-                    BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA,
+                    BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
                 )  # fmt: skip
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
@@ -136,7 +157,7 @@ def _attend(
             acc, l_i, m_i = _tile(
                 acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False,
+                BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
             )  # fmt: skip
     return acc, l_i, m_i
 
@@ -176,6 +197,7 @@ def _prefill_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
     HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid = tl.program_id(0)
@@ -228,17 +250,17 @@ def _prefill_kernel(
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -324,13 +346,17 @@ def _decode_kernel(
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape of one kernel: ``block_m`` rows (prefill: query tokens x padded group heads),
-    ``block_n`` keys per step, warps, pipeline stages, and whether K/V tiles load through TMA."""
+    ``block_n`` keys per step, warps, pipeline stages, whether K/V tiles load through TMA, whether
+    the prefill exponentials run as packed bf16 (bf16 inputs on a GPU only), and a timing ablation
+    switch (``profile`` 1: no softmax, 2: no P @ V; results are wrong when set)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
     use_tma: bool = False
+    exp_bf16: bool = False
+    profile: int = 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -340,15 +366,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_prefill_config(dqk: int, dv: int, device: torch.device, elem_size: int = 2) -> TileConfig:
-    """Prefill tile shape (tuned on an H200; see benchmarks/NOTES.md)."""
+def default_prefill_config(
+    dqk: int, dv: int, device: torch.device, elem_size: int = 2, sliding: bool = False
+) -> TileConfig:
+    """Prefill tile shape (tuned on an H200; see benchmarks/NOTES.md): 128-row tiles over 8 warps,
+    64-row tiles over 4 warps (two programs per SM) for sliding layers; bf16 exponentials."""
     if device.type != "cuda":
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
     if elem_size > 2:  # fp32: twice the shared memory per tile
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if max(dqk, dv) > 128:
-        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, exp_bf16=True)
+    if sliding:
+        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, exp_bf16=True)
+    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, exp_bf16=True)
 
 
 def default_decode_config(dqk: int, dv: int, device: torch.device, elem_size: int = 2) -> TileConfig:
@@ -481,7 +512,7 @@ def paged_attention(
     run_prefill = max_q_len is None or max_q_len > 1
     run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
     if run_prefill:
-        cfg = prefill_config or default_prefill_config(dqk, dv, q.device, q.element_size())
+        cfg = prefill_config or default_prefill_config(dqk, dv, q.device, q.element_size(), has_window)
         gp = _next_pow2(g)
         block_q = max(1, cfg.block_m // gp)
         desc = _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
@@ -492,6 +523,7 @@ def paged_attention(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk,
             num_reqs, 2, qk_scale, window, win_h0, win_h1,
             G=g, GP=gp, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SINK_MODE=sink_mode, USE_TMA=desc is not None,
+            EXP_BF16=cfg.exp_bf16 and q.dtype == torch.bfloat16 and q.is_cuda, PROFILE=cfg.profile,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
         )  # fmt: skip
     if not run_decode:
