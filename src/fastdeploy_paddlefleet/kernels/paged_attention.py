@@ -370,27 +370,27 @@ def default_prefill_config(
     dqk: int, dv: int, device: torch.device, elem_size: int = 2, sliding: bool = False
 ) -> TileConfig:
     """Prefill tile shape (tuned on an H200; see benchmarks/NOTES.md): 128-row tiles over 8 warps,
-    64-row tiles over 4 warps (two programs per SM) for sliding layers; bf16 exponentials."""
+    64-row tiles over 4 warps (two programs per SM) for sliding layers."""
     if device.type != "cuda":
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
     if elem_size > 2:  # fp32: twice the shared memory per tile
         return TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if max(dqk, dv) > 128:
-        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, exp_bf16=True)
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     if sliding:
-        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, exp_bf16=True)
-    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, exp_bf16=True)
+        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
 def default_decode_config(dqk: int, dv: int, device: torch.device, elem_size: int = 2) -> TileConfig:
-    """Decode tile shape (tuned on an H200; see benchmarks/NOTES.md): 64-key tiles, as many pipeline
-    stages (up to 4) as fit in about 200 KB of shared memory."""
+    """Decode tile shape (tuned on an H200; see benchmarks/NOTES.md): 64-key tiles, 3 pipeline
+    stages (fewer if they do not fit in about 200 KB of shared memory)."""
     if device.type != "cuda":
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
     block_n = 64 if elem_size <= 2 else 32
     per_stage = block_n * (_next_pow2(dqk) + _next_pow2(dv)) * elem_size
     return TileConfig(
-        block_m=16, block_n=block_n, num_warps=4, num_stages=max(2, min(4, (200 << 10) // per_stage))
+        block_m=16, block_n=block_n, num_warps=4, num_stages=max(2, min(3, (200 << 10) // per_stage))
     )
 
 
