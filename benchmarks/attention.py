@@ -744,6 +744,7 @@ def summary(records: list[dict]) -> list[dict]:
 
 
 def plot(records: list[dict], path: str) -> bool:
+    """Two panels (decode GB/s, prefill TFLOP/s): per case, one labelled bar per implementation."""
     try:
         import matplotlib
 
@@ -751,38 +752,40 @@ def plot(records: list[dict], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in records if "case" in r and "error" not in r and r.get("impl") != "copy"]
+    rows = [r for r in records if "case" in r and "error" not in r and r.get("kind") != "copy"]
     copy = next((r["gbps"] for r in records if r.get("case") == "copy"), None)
-    fig, axes = plt.subplots(1, 2, figsize=(16, 6))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = {impl: plt.get_cmap("tab10")(i % 10) for i, impl in enumerate(impls)}
+    fig, axes = plt.subplots(2, 1, figsize=(14, 10))
     for ax, key, title in (
         (axes[0], "gbps", "decode: effective GB/s"),
         (axes[1], "tflops", "prefill: TFLOP/s"),
     ):
         sel = [r for r in rows if key in r]
-        cases = list(dict.fromkeys(r["case"] for r in sel))
-        impls = list(dict.fromkeys(r["impl"] for r in sel))
-        width = 0.8 / max(1, len(impls))
-        for i, impl in enumerate(impls):
-            xs, ys = [], []
-            for j, c in enumerate(cases):
-                r = next((r for r in sel if r["case"] == c and r["impl"] == impl), None)
-                if r:
-                    xs.append(j + i * width)
-                    ys.append(r[key])
-            ax.bar(xs, ys, width, label=impl)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-        ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)
+        x, ticks, labels, seen = 0.0, [], [], set()
+        for case in dict.fromkeys(r["case"] for r in sel):
+            group = [r for r in sel if r["case"] == case]
+            for i, r in enumerate(group):
+                label = None if r["impl"] in seen else r["impl"]
+                seen.add(r["impl"])
+                ax.bar(x + i, r[key], 0.9, color=colors[r["impl"]], label=label)
+                ax.text(x + i, r[key], f"{r[key]:.0f}", ha="center", va="bottom", fontsize=7)
+            ticks.append(x + (len(group) - 1) / 2)
+            labels.append(case)
+            x += len(group) + 1
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(title)
         if key == "gbps" and copy:
             ax.axhline(copy, color="k", ls="--", lw=1, label=f"copy {copy:.0f}")
-            ax.axhline(0.9 * copy, color="r", ls=":", lw=1, label="90% copy")
-        ax.legend(fontsize=7)
+            ax.axhline(0.9 * copy, color="r", ls=":", lw=1, label="90% of copy")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     meta = next((r for r in records if r.get("meta")), {})
     fig.suptitle(
-        f"paged attention, {meta.get('device', '?')}, bf16, block 64 (triton {meta.get('triton', '?')})"
+        f"paged attention, {meta.get('device', '?')}, bf16, block 64, triton {meta.get('triton', '?')}"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     return True
 
 
