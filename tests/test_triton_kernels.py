@@ -355,6 +355,10 @@ def test_bad_arguments_raise():
         paged_attention(q, kc, kc, cu, cu[:1], tbl, scale=1.0, sink_kind="learnable")
     with pytest.raises(ValueError, match="key_cache"):
         paged_attention(q, kc[:, :, :, :8], kc, cu, cu[:1], tbl, scale=1.0)
+    with pytest.raises(ValueError, match="window_left"):
+        paged_attention(q, kc, kc, cu, cu[:1], tbl, scale=1.0, window_left=-1)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(q, kc, kc, cu, cu[:1], tbl, scale=1.0, num_splits=0)
     with pytest.raises(ValueError, match="multiple"):
         paged_attention(torch.zeros(3, 3, 16), kc, kc, cu, cu[:1], tbl, scale=1.0)
 

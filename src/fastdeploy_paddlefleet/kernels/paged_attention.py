@@ -10,9 +10,11 @@ One launch API, :func:`paged_attention`, two kernels:
 * ``_decode_kernel``: one program per (request with one query token, kv head, split). With more than
   one split it writes partial results that ``split_kv_reduce`` merges (flash-decoding).
 
-Both share the inner loop ``_attend``. Sinks enter the online softmax as its initial state
-(``m = sink, l = 1``); off-by-one uses a zero sink. Scores run in base 2 (``qk_scale`` folds
-``log2(e)``). Fully masked rows give 0.
+Both share the inner loop ``_attend``. It loads the page indices of ``PAGE_CHUNK`` key tiles before
+an inner loop, so no key load waits on a table load inside the loop: that is what lets Triton
+pipeline the K/V loads several tiles deep (benchmarks/NOTES.md). Sinks enter the online softmax
+as its initial state (``m = sink, l = 1``); off-by-one uses a zero sink. Scores run in base 2
+(``qk_scale`` folds ``log2(e)``). Fully masked rows give 0.
 
 Cache layout (FastDeploy): ``key_cache [num_blocks, Hkv, block_size, Dqk]``, ``value_cache
 [num_blocks, Hkv, block_size, Dv]``. Page ``p`` is slice ``p`` of the cache viewed as
@@ -65,7 +67,7 @@ def _tile(
     offs_dv = tl.arange(0, BLOCK_DV)
     if MASK:
         ok = ok & (keys >= lo_key) & (keys < kv_len)
-    if USE_TMA:
+    if USE_TMA:  # an absent page (-1) reads page 0 instead, and everything read from it is masked
         row = (tl.maximum(page, 0) * BS + s % BS).to(tl.int32)
         k = k_desc.load([row, 0])
         v = v_desc.load([row, 0])
@@ -481,6 +483,12 @@ def paged_attention(
     _check_cache("value_cache", value_cache, hkv, dv)
     if hkv <= 0 or hq % hkv:
         raise ValueError(f"q heads {hq} must be a multiple of the cache's kv heads {hkv}")
+    if window_left is not None and window_left < 0:
+        raise ValueError(f"window_left must be >= 0 or None, got {window_left}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
     if sink_kind not in SINK_MODES:
         raise ValueError(f"sink_kind must be one of {sorted(SINK_MODES)}, got {sink_kind!r}")
     sink_mode = SINK_MODES[sink_kind]
