@@ -586,6 +586,7 @@ def sweep(fh):
         nbytes = keys * 2 * D * 2
         for bn, w, s, tma, splits in dec_variants:
             cfg = TileConfig(16, bn, w, s, tma)
+            row = {"sweep": name, "block_n": bn, "warps": w, "stages": s, "tma": tma, "splits": splits}
             try:
                 ms, errs = run_ours(
                     name,
@@ -598,33 +599,9 @@ def sweep(fh):
                     decode_config=cfg,
                     num_splits=splits,
                 )
-                emit(
-                    {
-                        "sweep": name,
-                        "block_n": bn,
-                        "warps": w,
-                        "stages": s,
-                        "tma": tma,
-                        "splits": splits,
-                        "ms": round(ms, 4),
-                        "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
-                        **errs,
-                    },
-                    fh,
-                )
+                emit({**row, "ms": round(ms, 4), "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1), **errs}, fh)
             except Exception as e:  # noqa: BLE001
-                emit(
-                    {
-                        "sweep": name,
-                        "block_n": bn,
-                        "warps": w,
-                        "stages": s,
-                        "tma": tma,
-                        "splits": splits,
-                        "error": repr(e)[:300],
-                    },
-                    fh,
-                )
+                emit({**row, "error": repr(e)[:300]}, fh)
         del batch
     pre_variants = [  # (block_m, block_n, warps, stages, tma, exp_bf16, profile)
         (128, 64, 8, 3, False, False, 0), (128, 64, 8, 3, False, True, 0), (64, 64, 4, 3, False, False, 0),
@@ -642,6 +619,8 @@ def sweep(fh):
             if prof and window is not None:
                 continue  # the ablations once, on the causal case
             cfg = TileConfig(bm, bn, w, s, tma, fast, prof)
+            row = {"sweep": name, "block_m": bm, "block_n": bn, "warps": w, "stages": s, "tma": tma}
+            row.update(exp_bf16=fast, profile=prof)
             try:
                 ms, errs = run_ours(
                     name,
@@ -653,35 +632,10 @@ def sweep(fh):
                     check=None if prof else [(0, [5, n // 2, n - 1])],
                     prefill_config=cfg,
                 )
-                emit(
-                    {
-                        "sweep": name,
-                        "block_m": bm,
-                        "block_n": bn,
-                        "warps": w,
-                        "stages": s,
-                        "tma": tma,
-                        "exp_bf16": fast,
-                        "profile": prof,
-                        "ms": round(ms, 4),
-                        "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
-                        **errs,
-                    },
-                    fh,
-                )
+                tflops = round(flops / (ms * 1e-3) / 1e12, 1)
+                emit({**row, "ms": round(ms, 4), "tflops": tflops, **errs}, fh)
             except Exception as e:  # noqa: BLE001
-                emit(
-                    {
-                        "sweep": name,
-                        "block_m": bm,
-                        "block_n": bn,
-                        "warps": w,
-                        "stages": s,
-                        "tma": tma,
-                        "error": repr(e)[:300],
-                    },
-                    fh,
-                )
+                emit({**row, "error": repr(e)[:300]}, fh)
         del batch
 
 
