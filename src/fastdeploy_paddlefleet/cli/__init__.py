@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ("plan", "verify", "bench")
+SUBCOMMANDS = ("plan", "verify")
 
 
 class CliError(Exception):
@@ -20,16 +20,12 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fdfleet", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="fdfleet", description="Serve PaddleFleet models in FastDeploy: inspect plans, verify parity."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            continue
-        module.add_parser(sub)
+        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
     return parser
 
 
