@@ -22,3 +22,19 @@ def test_entry_point_registers_nothing_without_fastdeploy(caplog):
     records = [r for r in caplog.records if r.name.startswith("fastdeploy_paddlefleet")]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     assert "fastdeploy" in records[0].getMessage()
+
+
+def test_log_level_switch_applies_to_the_package_logger(monkeypatch):
+    from fastdeploy_paddlefleet import plugin
+
+    pkg = logging.getLogger("fastdeploy_paddlefleet")
+    before = pkg.level
+    try:
+        monkeypatch.setenv("FDFLEET_LOG_LEVEL", "debug")
+        plugin.register()
+        assert pkg.level == logging.DEBUG
+        monkeypatch.setenv("FDFLEET_LOG_LEVEL", "chatty")
+        with pytest.raises(ValueError, match="FDFLEET_LOG_LEVEL"):
+            plugin.register()
+    finally:
+        pkg.setLevel(before)

@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+
+from .envs import log_level
 
 logger = logging.getLogger(__name__)
+
+
+def _apply_log_level() -> None:
+    """``FDFLEET_LOG_LEVEL``, when set, is the level of every ``fastdeploy_paddlefleet`` logger."""
+    if os.environ.get("FDFLEET_LOG_LEVEL", "").strip():
+        logging.getLogger(__package__).setLevel(log_level())
 
 
 def register() -> bool:
@@ -19,6 +28,7 @@ def register() -> bool:
     Returns ``True`` when something was registered, ``False`` when FastDeploy
     is not installed.
     """
+    _apply_log_level()
     if importlib.util.find_spec("fastdeploy") is None:
         logger.info("fastdeploy is not installed; paddlefleet plugin registration skipped")
         return False
