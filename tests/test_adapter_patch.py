@@ -17,7 +17,8 @@ from fastdeploy_paddlefleet.backends.reference import ReferenceBackend
 from fastdeploy_paddlefleet.minifleet import TransformerLayer, build_minifleet
 from fastdeploy_paddlefleet.patch import cache_plan, patch_core_attention, step_holder, unpatch_core_attention
 from fastdeploy_paddlefleet.runner.batch import PagedKVState, allocate_kv_caches
-from fastdeploy_paddlefleet.runner.verify import build_minifleet_case, run_verify
+from fastdeploy_paddlefleet.runner.fleet_case import build_minifleet_case
+from fastdeploy_paddlefleet.runner.verify import run_verify
 from fastdeploy_paddlefleet.spec import plan_from_config
 
 

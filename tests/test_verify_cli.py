@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from fastdeploy_paddlefleet.cli import main
-from fastdeploy_paddlefleet.runner.verify import build_minifleet_case, run_verify, schedule_steps
+from fastdeploy_paddlefleet.runner.fleet_case import build_minifleet_case
+from fastdeploy_paddlefleet.runner.verify import run_verify, schedule_steps
 
 JSON_KEYS = {"passed", "backend", "max_abs_logit_diff", "greedy_agreement", "steps", "layers_patched"}
 

@@ -25,6 +25,7 @@ from fastdeploy_paddlefleet.cli import verify as verify_cli  # noqa: E402
 from fastdeploy_paddlefleet.kvcache import headwise as headwise_mod  # noqa: E402
 from fastdeploy_paddlefleet.kvcache.headwise import HeadwiseKVManager  # noqa: E402
 from fastdeploy_paddlefleet.minifleet import build_minifleet  # noqa: E402
+from fastdeploy_paddlefleet.runner import fleet_case  # noqa: E402
 from fastdeploy_paddlefleet.runner import verify as driver  # noqa: E402
 from fastdeploy_paddlefleet.runner.batch import allocate_kv_caches  # noqa: E402
 from fastdeploy_paddlefleet.runner.headwise_state import HeadwiseKVState  # noqa: E402
@@ -153,7 +154,7 @@ def test_negative_control_reading_a_released_page_fails(capsys, monkeypatch):
 def test_negative_control_releasing_inside_the_window_is_refused(monkeypatch):
     """A manager releasing one block early that marks it -1: the backend refuses the table."""
     _release_one_block_early(monkeypatch)
-    case = driver.build_minifleet_case("tiny", "reference")
+    case = fleet_case.build_minifleet_case("tiny", "reference")
     with pytest.raises(ValueError, match="block_tables_headwise"):
         driver.run_verify(case, progress=False, headwise_kv=True)
 
@@ -302,7 +303,7 @@ def fake_paddlefleet(monkeypatch):
         return build_minifleet("tiny", seed=seed + len(built))
 
     monkeypatch.setattr(verify_cli, "_paddlefleet_installed", lambda: True)
-    monkeypatch.setattr(driver, "build_paddlefleet_model", build)
+    monkeypatch.setattr(fleet_case, "build_paddlefleet_model", build)
     return built
 
 
@@ -320,8 +321,8 @@ def test_paddlefleet_config_builds_twins_patches_one_and_verifies(capsys, tmp_pa
 
 def test_paddlefleet_twins_differ_without_the_state_dict_copy(tmp_path, fake_paddlefleet):
     """The fake builds differ, so the copy in build_paddlefleet_case is what makes them agree."""
-    a = driver.build_paddlefleet_model(None, 0)
-    b = driver.build_paddlefleet_model(None, 0)
+    a = fleet_case.build_paddlefleet_model(None, 0)
+    b = fleet_case.build_paddlefleet_model(None, 0)
     assert any(
         not np.array_equal(a.state_dict()[k].numpy(), b.state_dict()[k].numpy()) for k in a.state_dict()
     )

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 
 SUBCOMMANDS = ("plan", "verify")
 
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ..envs import log_level
 
+    # paddle warns at import about a compiler cache that only extension builds use
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
     try:
         logging.basicConfig(level=log_level(), format="%(levelname)s %(name)s: %(message)s")
         parser = build_parser()

@@ -160,6 +160,7 @@ def _print_table(report: Any) -> None:
 
 
 def run(args: Any) -> int:
+    from ..runner import fleet_case
     from ..runner import verify as driver
 
     if args.steps < 0:
@@ -173,9 +174,9 @@ def run(args: Any) -> int:
     else:
         config = _minifleet_config(args)
         if isinstance(config, tuple):
-            case = driver.build_paddlefleet_case(config[1], backend, args.seed, name=args.config)
+            case = fleet_case.build_paddlefleet_case(config[1], backend, args.seed, name=args.config)
         else:
-            case = driver.build_minifleet_case(config, backend, args.seed)
+            case = fleet_case.build_minifleet_case(config, backend, args.seed)
     report = driver.run_verify(
         case,
         decode_steps=args.steps,
