@@ -368,3 +368,23 @@ def test_backend_raises_the_same_errors():
     a = args(q=paddle.zeros([T, 8, DQK]))
     with pytest.raises(ValueError, match=r"q.shape\[1\] must be 4"):
         backend.forward(**a)
+
+
+def test_metadata_is_copied_to_the_host_once_per_step(monkeypatch):
+    """Every layer of a step shares one BatchMeta: its host copies are made once, not per layer,
+    and a field replaced on the object is copied again."""
+    from fastdeploy_paddlefleet.backends import checks
+
+    calls = []
+    real = checks.to_numpy
+    monkeypatch.setattr(checks, "to_numpy", lambda x: calls.append(1) or real(x))
+    a = args()
+    validate_inputs(**a)
+    first = len(calls)
+    assert first > 0
+    for index in range(4):  # more layers, same step
+        validate_inputs(**dict(a, layer=layer_(index=index)))
+    assert len(calls) == first
+    a["meta"].seq_lens_decoder = paddle.to_tensor([5, 0], dtype="int32")
+    validate_inputs(**a)
+    assert len(calls) == first + 1

@@ -4,12 +4,14 @@
 for the contract) and raises ``ValueError`` / ``TypeError`` naming the bad
 argument and its value. It works with paddle, torch or numpy tensors: shapes
 and dtypes are read through ``.shape`` / ``.dtype``, and the small int
-metadata is copied to the host once (:func:`to_numpy`). The host copy is
+metadata is copied to the host once per step: the copies are memoized on the
+``BatchMeta`` object, which every layer of a step shares, so a model with N
+layers pays one device-to-host copy per step, not N. The host copy is
 returned as a :class:`HostMeta` so a backend that needs the ints on the host
 does not copy them again.
 
-Cost: shape checks plus one host copy of ``[bsz]``-sized arrays and the block
-tables; no pass over q/k/v or the cache contents.
+Cost: shape checks plus (once per step) one host copy of ``[bsz]``-sized
+arrays and the block tables; no pass over q/k/v or the cache contents.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ def to_numpy(x: Any) -> Any:
     if hasattr(x, "numpy"):  # paddle (copies device tensors to the host)
         return x.numpy()
     return np.asarray(x)
+
+
+def _host(meta: BatchMeta, name: str, x: Any) -> Any:
+    """``to_numpy(x)`` as int64, memoized on ``meta`` per field and tensor object (layers share it)."""
+    cache = meta.__dict__.setdefault("_host_arrays", {})
+    hit = cache.get(name)
+    if hit is None or hit[0] is not x:  # keyed on the object: a replaced field is copied again
+        hit = cache[name] = (x, to_numpy(x).astype("int64", copy=False))
+    return hit[1]
 
 
 def to_list(x: Any) -> list:
@@ -109,7 +120,7 @@ def _int_array(meta: BatchMeta, name: str, length: int | None) -> Any:
     x = getattr(meta, name)
     if x is None:
         raise ValueError(f"meta.{name} is required, got None")
-    a = to_numpy(x).astype("int64", copy=False)
+    a = _host(meta, name, x)
     if a.ndim != 1:
         raise ValueError(f"meta.{name} must be 1-D, got shape {list(a.shape)}")
     if length is not None and a.shape[0] != length:
@@ -241,7 +252,7 @@ def validate_inputs(
 
     if meta.block_tables is None:
         raise ValueError("meta.block_tables is required, got None")
-    tables = to_numpy(meta.block_tables).astype("int64", copy=False)
+    tables = _host(meta, "block_tables", meta.block_tables)
     if tables.ndim != 2 or tables.shape[0] != bsz:
         raise ValueError(
             f"meta.block_tables must have shape [bsz={bsz}, max_blocks], got {list(tables.shape)}"
@@ -250,7 +261,7 @@ def validate_inputs(
     lo, hi = _read_ranges(layer, dec, end, bs)  # [bsz, Hkv]
     page_table = meta.headwise_table(layer.index)
     if page_table is not None:
-        page_table = to_numpy(page_table).astype("int64", copy=False)
+        page_table = _host(meta, f"page_table@{id(page_table)}", page_table)
         if page_table.ndim != 2 or page_table.shape[0] != bsz * hkv:
             raise ValueError(
                 f"head-wise table of layer {layer.index} must have shape "
