@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..backends.base import BatchMeta
@@ -181,6 +181,34 @@ def token_positions(meta: BatchMeta) -> Any:
     return paddle.to_tensor(pos.astype("int64"))
 
 
+def check_steps(
+    steps: Sequence[tuple[Hashable, int]],
+    cached_tokens: Callable[[Hashable], int],
+    block_size: int,
+    max_blocks_per_seq: int,
+) -> list[int]:
+    """Validate one step's ``(request id, new tokens)`` list; return each request's block count after it.
+
+    ``ValueError`` for a repeated id, a token count that is not an int >= 0, or a request that would
+    need more than ``max_blocks_per_seq`` blocks.
+    """
+    ids = [rid for rid, _ in steps]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"steps repeat a request id: {ids}")
+    totals = []
+    for rid, n in steps:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"new tokens for request {rid!r} must be an int >= 0, got {n!r}")
+        total = _ceil_div(cached_tokens(rid) + n, block_size)
+        if total > max_blocks_per_seq:
+            raise ValueError(
+                f"request {rid!r} needs {total} blocks for {cached_tokens(rid) + n} tokens, "
+                f"max_blocks_per_seq={max_blocks_per_seq}"
+            )
+        totals.append(total)
+    return totals
+
+
 class PagedKVState:
     """Per-request block lists and cached-token counts; builds one ``BatchMeta`` per step."""
 
@@ -223,19 +251,9 @@ class PagedKVState:
         ``max_blocks_per_seq``, a repeated id) no state changes.
         """
         ids = [rid for rid, _ in steps]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"steps repeat a request id: {ids}")
-        need: list[int] = []
-        for rid, n in steps:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"new tokens for request {rid!r} must be an int >= 0, got {n!r}")
-            total = _ceil_div(self.cached_tokens(rid) + n, self.block_size)
-            if total > self.max_blocks_per_seq:
-                raise ValueError(
-                    f"request {rid!r} needs {total} blocks for {self.cached_tokens(rid) + n} tokens, "
-                    f"max_blocks_per_seq={self.max_blocks_per_seq}"
-                )
-            need.append(max(0, total - len(self._blocks.get(rid, []))))
+        totals = check_steps(steps, self.cached_tokens, self.block_size, self.max_blocks_per_seq)
+        held = [len(self._blocks.get(rid, [])) for rid in ids]
+        need = [max(0, total - h) for total, h in zip(totals, held, strict=True)]
         if sum(need) > self.allocator.num_free:
             raise ValueError(f"step needs {sum(need)} new blocks, only {self.allocator.num_free} free")
         new = self.allocator.allocate(sum(need))

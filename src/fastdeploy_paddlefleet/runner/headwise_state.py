@@ -30,7 +30,7 @@ from typing import Any
 from ..backends.base import BatchMeta
 from ..kvcache.headwise import HeadwiseKVManager, RecycleMode
 from ..spec.layer import AttentionPlan
-from .batch import _positive_int, build_meta, token_positions
+from .batch import _positive_int, build_meta, check_steps, token_positions
 
 logger = logging.getLogger(__name__)
 
@@ -104,17 +104,7 @@ class HeadwiseKVState:
         requests before the failing one keep their reservation: a scheduler would preempt).
         """
         ids = [rid for rid, _ in steps]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"steps repeat a request id: {ids}")
-        for rid, n in steps:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"new tokens for request {rid!r} must be an int >= 0, got {n!r}")
-            total = -(-(self.cached_tokens(rid) + n) // self.block_size)
-            if total > self.max_blocks_per_seq:
-                raise ValueError(
-                    f"request {rid!r} needs {total} blocks for {self.cached_tokens(rid) + n} tokens, "
-                    f"max_blocks_per_seq={self.max_blocks_per_seq}"
-                )
+        check_steps(steps, self.cached_tokens, self.block_size, self.max_blocks_per_seq)
         mgr = self.manager
         before = self._owned()
         dec = []
