@@ -49,11 +49,6 @@ def _host(meta: BatchMeta, name: str, x: Any) -> Any:
     return hit[1]
 
 
-def to_list(x: Any) -> list:
-    """Python list of a 1-D tensor / array / list (ints stay ints)."""
-    return to_numpy(x).tolist()
-
-
 def dtype_name(dtype: Any) -> str:
     """``paddle.float32`` / ``torch.float32`` / ``float32`` -> ``float32``."""
     return str(dtype).rsplit(".", 1)[-1]
