@@ -48,7 +48,13 @@ part of this package, ``docs/kvcache.md`` has the details):
   ordinary ``[bsz, max_blocks]`` tables of whole-block groups.
 
 Contract: one ``append`` per request per step, and the previous step of that request has run
-when ``append`` is called (no overlap scheduling of the same request).
+when ``append`` is called (no overlap scheduling of the same request). ``append`` is atomic and
+self-sufficient: it releases what the windows allow (every group) before it allocates, so it
+needs no prior :meth:`recycle`, and ``can_append`` gives its answer on every state.
+
+Bounds: a group holds at most ``MAX_PAGES`` (``2**31 - 1``, int32 page ids) pages and a request
+at most ``MAX_TOKENS`` tokens (int32 sequence lengths); larger sizes are refused at construction
+(``ValueError``). Pools are lazy: memory grows with the pages in use, not with the pool size.
 """
 
 from __future__ import annotations
@@ -65,6 +71,27 @@ logger = logging.getLogger(__name__)
 RecycleMode = Literal["headwise", "layer", "none"]
 RECYCLE_MODES: tuple[str, ...] = ("headwise", "layer", "none")
 _INF = float("inf")
+#: pages of one group's pool at most: page ids must fit the int32 tables
+MAX_PAGES = 2**31 - 1
+#: tokens of one request at most (int32 ``seq_lens_*``)
+MAX_TOKENS = 2**31 - 1
+
+
+def _unhashable(req_id: Any) -> TypeError:
+    return TypeError(f"req_id={req_id!r}: expected a hashable id, got {type(req_id).__name__}")
+
+
+def _count(name: str, value: Any, lo: int = 0, hi: int = MAX_TOKENS) -> int:
+    """``value`` as an int in ``[lo, hi]``: ``TypeError`` for a non-integer (``bool`` and ``2.0``
+    included), ``ValueError`` out of range; both name ``name`` and the value."""
+    if type(value) is int and lo <= value <= hi:  # the common case, cheap
+        return value
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}={value!r}: expected an int, got {type(value).__name__}")
+    v = value.__index__()
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}={value!r}: expected an int in [{lo}, {hi}]")
+    return v
 
 
 @dataclass(frozen=True)
@@ -135,14 +162,32 @@ _OK = AllocResult(True)
 
 
 class _Pool:
-    """Free list of allocation units (blocks or pages) of one group."""
+    """Free allocation units (blocks or pages) of one group, handed out lazily.
 
-    __slots__ = ("num_units", "free")
+    Units ``fresh .. num_units - 1`` have never been used; ``free`` holds the ones given back
+    (reused first, last in first out). Construction costs nothing whatever the pool size.
+    """
+
+    __slots__ = ("num_units", "free", "fresh")
 
     def __init__(self, num_units: int) -> None:
         self.num_units = num_units
-        # pop() takes from the end: hand out low ids first (easier to read in tests/debugging)
-        self.free = list(range(num_units - 1, -1, -1))
+        self.free: list[int] = []
+        self.fresh = 0
+
+    def available(self) -> int:
+        return len(self.free) + self.num_units - self.fresh
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.fresh >= self.num_units:  # callers check available() first
+            raise RuntimeError("head-wise KV pool: allocation past the checked capacity")
+        self.fresh += 1
+        return self.fresh - 1
+
+    def give(self, unit: int) -> None:
+        self.free.append(unit)
 
 
 class _Lane:
@@ -192,20 +237,39 @@ class HeadwiseKVManager:
         block_size: int,
         mode: RecycleMode = "headwise",
     ) -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size={block_size!r}: expected a positive int")
+        block_size = _count("block_size", block_size, 1, MAX_TOKENS)
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
         self.groups = groups_from_plan(plan, mode)
         if not self.groups:
             raise ValueError(f"plan has no layers: {plan!r}")
         self.mode = mode
         self.block_size = block_size
-        if isinstance(num_blocks, int):
-            blocks = [num_blocks] * len(self.groups)
+        ng = len(self.groups)
+        if isinstance(num_blocks, Mapping):
+            extra = sorted(set(num_blocks) - set(range(ng)), key=repr)
+            if extra:
+                raise ValueError(f"num_blocks names groups {extra!r}; the plan has groups 0..{ng - 1}")
+            lacking = [g for g in range(ng) if g not in num_blocks]
+            if lacking:
+                raise ValueError(f"num_blocks has no entry for layer group(s) {lacking} (of {ng})")
+            blocks = [num_blocks[g] for g in range(ng)]
+        elif isinstance(num_blocks, Sequence) and not isinstance(num_blocks, str | bytes):
+            if len(num_blocks) != ng:
+                raise ValueError(
+                    f"num_blocks={list(num_blocks)!r} has {len(num_blocks)} entries; the plan has "
+                    f"{ng} layer groups (see groups_from_plan)"
+                )
+            blocks = list(num_blocks)
+        elif isinstance(num_blocks, bool) or not hasattr(num_blocks, "__index__"):
+            raise TypeError(
+                f"num_blocks={num_blocks!r}: expected an int or one int per layer group, "
+                f"got {type(num_blocks).__name__}"
+            )
         else:
-            blocks = [num_blocks[g.index] for g in self.groups]
-        for g, nb in zip(self.groups, blocks, strict=True):
-            if not isinstance(nb, int) or nb < 0:
-                raise ValueError(f"num_blocks[{g.index}]={nb!r}: expected an int >= 0")
+            blocks = [num_blocks] * ng
+        for i, (g, nb) in enumerate(zip(self.groups, blocks, strict=True)):
+            blocks[i] = _count(f"num_blocks[{g.index}]", nb, 0, MAX_PAGES // g.num_kv_heads)
         self.num_blocks = blocks
         self._pools = [
             _Pool(nb * g.num_kv_heads // g.unit) for g, nb in zip(self.groups, blocks, strict=True)
@@ -220,19 +284,34 @@ class HeadwiseKVManager:
 
     # ---- requests -------------------------------------------------------------------------
     def admit(self, req_id: Any) -> None:
-        """Register a request with no tokens (allocation happens in :meth:`append`)."""
+        """Register a request with no tokens (allocation happens in :meth:`append`).
+
+        ``req_id``: any hashable but ``None`` (``None`` marks an empty batch slot in :meth:`tables`).
+        """
+        if req_id is None:
+            raise ValueError("req_id=None: None marks an empty batch slot in tables(); use another id")
+        try:
+            hash(req_id)
+        except TypeError:
+            raise _unhashable(req_id) from None
         if req_id in self._reqs:
             raise ValueError(f"req_id={req_id!r} is already admitted")
         self._reqs[req_id] = _Request(self.groups)
 
     def _req(self, req_id: Any) -> _Request:
-        r = self._reqs.get(req_id)
+        try:
+            r = self._reqs.get(req_id)
+        except TypeError:
+            raise _unhashable(req_id) from None
         if r is None:
             raise ValueError(f"req_id={req_id!r} is not admitted")
         return r
 
     def __contains__(self, req_id: Any) -> bool:
-        return req_id in self._reqs
+        try:
+            return req_id in self._reqs
+        except TypeError:  # unhashable: never admitted
+            return False
 
     @property
     def requests(self) -> list[Any]:
@@ -249,11 +328,9 @@ class HeadwiseKVManager:
         out-of-window pages, which the new tokens may reuse. On ``insufficient`` nothing
         changes (no release, no allocation).
         """
-        if not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"n_tokens={n_tokens!r}: expected an int >= 0")
         r = self._req(req_id)
+        new_n = r.num_tokens + self._n_tokens(r, n_tokens)
         bs = self.block_size
-        new_n = r.num_tokens + n_tokens
         computed = r.num_tokens
         have = -(-r.num_tokens // bs)
         need = -(-new_n // bs)
@@ -267,14 +344,21 @@ class HeadwiseKVManager:
         r.num_tokens = new_n
         return _OK
 
+    def _n_tokens(self, r: _Request, n_tokens: Any) -> int:
+        n = _count("n_tokens", n_tokens)
+        if r.num_tokens + n > MAX_TOKENS:
+            raise ValueError(
+                f"n_tokens={n_tokens!r}: the request would hold {r.num_tokens + n} tokens, "
+                f"more than MAX_TOKENS={MAX_TOKENS}"
+            )
+        return n
+
     reserve = append
 
     def can_append(self, req_id: Any, n_tokens: int) -> AllocResult:
         """Dry run of :meth:`append`: would it succeed now? Changes nothing."""
-        if not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"n_tokens={n_tokens!r}: expected an int >= 0")
         r = self._req(req_id)
-        need = -(-(r.num_tokens + n_tokens) // self.block_size)
+        need = -(-(r.num_tokens + self._n_tokens(r, n_tokens)) // self.block_size)
         missing = self._missing(r, r.num_tokens, need)
         return AllocResult(not missing, missing)
 
@@ -302,20 +386,24 @@ class HeadwiseKVManager:
 
     # ---- internals ------------------------------------------------------------------------
     def _missing(self, r: _Request, computed: int, need: int) -> dict[int, int]:
-        """Pages per group that releasing up to ``computed`` and growing to ``need`` blocks lacks."""
+        """Pages per group that releasing up to ``computed`` and growing to ``need`` blocks lacks
+        (exactly what :meth:`_apply` would take from and give back to each pool)."""
         bs = self.block_size
         missing = {}
         for g, lanes, pool in zip(self.groups, r.lanes, self._pools, strict=True):
-            short = -len(pool.free)
+            short = -pool.available()
             for lane in lanes:
                 target = lane.release_target(computed, bs)
-                short += max(0, need - max(len(lane.ids), target)) - max(0, target - lane.released)
+                have = len(lane.ids)
+                short -= max(0, min(target, have) - lane.released)  # pages given back
+                short += max(0, need - max(have, target))  # pages taken
             if short > 0:
                 missing[g.index] = short * g.unit
         return missing
 
     def _apply(self, r: _Request, computed: int, need: int | None) -> None:
-        """Release up to ``computed`` then grow every lane to ``need`` blocks (caller checked)."""
+        """Release up to ``computed`` in every group, THEN grow every lane to ``need`` blocks
+        (the caller checked with :meth:`_missing` that the pools hold enough)."""
         bs = self.block_size
         nxt = _INF
         for lanes, pool in zip(r.lanes, self._pools, strict=True):
@@ -325,15 +413,18 @@ class HeadwiseKVManager:
                 while lane.released < target:
                     k = lane.released
                     if k < len(ids):
-                        pool.free.append(ids[k])
+                        pool.give(ids[k])
                         ids[k] = -1
                     else:  # never allocated and already out of the window
                         ids.append(-1)
                     lane.released += 1
-                if need is not None:
-                    while len(ids) < need:
-                        ids.append(pool.free.pop())
                 nxt = min(nxt, lane.next_release_at(bs))
+        if need is not None:
+            for lanes, pool in zip(r.lanes, self._pools, strict=True):
+                for lane in lanes:
+                    ids = lane.ids
+                    while len(ids) < need:
+                        ids.append(pool.take())
         r.computed = computed
         r.next_release = nxt
 
@@ -350,17 +441,20 @@ class HeadwiseKVManager:
 
     @property
     def free_pages(self) -> int:
-        return sum(len(p.free) * g.unit for g, p in zip(self.groups, self._pools, strict=True))
+        return sum(p.available() * g.unit for g, p in zip(self.groups, self._pools, strict=True))
 
     @property
     def used_pages(self) -> int:
         return self.total_pages - self.free_pages
 
     def group_free_pages(self, group: int) -> int:
-        return len(self._pools[group].free) * self.groups[group].unit
+        return self._pools[self._group(group)].available() * self.groups[group].unit
 
     def group_total_pages(self, group: int) -> int:
-        return self._pools[group].num_units * self.groups[group].unit
+        return self._pools[self._group(group)].num_units * self.groups[group].unit
+
+    def _group(self, group: Any) -> int:
+        return _count("group", group, 0, len(self.groups) - 1)
 
     def request_pages(self, req_id: Any) -> dict[int, int]:
         """Pages held by ``req_id`` per group."""
@@ -374,9 +468,8 @@ class HeadwiseKVManager:
         """Pages per group one request holds with ``num_tokens`` cached once every query before
         ``computed`` (default ``num_tokens``) has run: the release rule in closed form, for
         schedulers that reserve room for future tokens. Touches no state."""
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens={num_tokens!r}: expected an int >= 0")
-        c = num_tokens if computed is None else computed
+        num_tokens = _count("num_tokens", num_tokens)
+        c = num_tokens if computed is None else _count("computed", computed, 0, num_tokens)
         bs = self.block_size
         blocks = -(-num_tokens // bs)
         out = {}
@@ -412,14 +505,17 @@ class HeadwiseKVManager:
     # ---- tables ---------------------------------------------------------------------------
     def head_pages(self, req_id: Any, group: int, head: int) -> list[int]:
         """Page ids of ``req_id``'s kv ``head`` in ``group`` by logical block (``-1``: absent)."""
-        g = self.groups[group]
+        g = self.groups[self._group(group)]
         lanes = self._req(req_id).lanes[group]
+        head = _count("head", head, 0, g.num_kv_heads - 1)
         if g.unit == 1:
             return list(lanes[head].ids)
         hkv = g.num_kv_heads
         return [u * hkv + head if u >= 0 else -1 for u in lanes[0].ids]
 
     def _slots(self, req_ids: Iterable[Any]) -> list[_Request | None]:
+        if isinstance(req_ids, str | bytes) or not isinstance(req_ids, Iterable):
+            raise TypeError(f"req_ids={req_ids!r}: expected a sequence of request ids (None: empty slot)")
         return [None if q is None else self._req(q) for q in req_ids]
 
     def group_tables(self, req_ids: Iterable[Any], max_pages: int | None = None) -> dict[int, Any]:
@@ -433,7 +529,7 @@ class HeadwiseKVManager:
         width = max((len(lanes[0].ids) for r in reqs if r for lanes in r.lanes), default=0)
         if max_pages is None:
             max_pages = width
-        elif not isinstance(max_pages, int) or max_pages < width:
+        elif _count("max_pages", max_pages) < width:
             raise ValueError(f"max_pages={max_pages!r}: expected an int >= {width} (longest page list)")
         out = {}
         for g in self.groups:
@@ -470,7 +566,7 @@ class HeadwiseKVManager:
         width = max((len(lanes[0].ids) for r in reqs if r for lanes in r.lanes), default=0)
         if max_blocks is None:
             max_blocks = width
-        elif not isinstance(max_blocks, int) or max_blocks < width:
+        elif _count("max_blocks", max_blocks) < width:
             raise ValueError(f"max_blocks={max_blocks!r}: expected an int >= {width} (longest block list)")
         out = {}
         for g in self.groups:
@@ -504,8 +600,24 @@ def size_pools(
     ``blocks_g = N * per_request_g + transient_g``. Without releasing lanes it is FastDeploy's
     uniform ``num_blocks``.
     """
-    if context_len <= 0:
-        raise ValueError(f"context_len={context_len!r}: expected > 0")
+    import math
+
+    groups = list(groups)
+    if not groups or not all(isinstance(g, LayerGroup) for g in groups):
+        raise TypeError(f"groups={groups!r}: expected a non-empty list of LayerGroup (groups_from_plan)")
+    block_size = _count("block_size", block_size, 1)
+    context_len = _count("context_len", context_len, 1)
+    max_batched_tokens = _count("max_batched_tokens", max_batched_tokens)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | float):
+        raise TypeError(f"budget_bytes={budget_bytes!r}: expected a number of bytes")
+    if not math.isfinite(budget_bytes) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes={budget_bytes!r}: expected a finite number > 0")
+    if not isinstance(block_bytes, Mapping):
+        raise TypeError(f"block_bytes={block_bytes!r}: expected a mapping group index -> bytes per block")
+    for g in groups:
+        if g.index not in block_bytes:
+            raise ValueError(f"block_bytes has no entry for group {g.index} (keys {sorted(block_bytes)})")
+        _count(f"block_bytes[{g.index}]", block_bytes[g.index], 1, 2**62)
     per_req, trans = [], []
     full_blocks = -(-context_len // block_size)
     for g in groups:
@@ -524,4 +636,12 @@ def size_pools(
     if budget_bytes <= fixed or per_n <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r}: too small for the transient prefill pages")
     n = (budget_bytes - fixed) / per_n
-    return [int(n * p + t) for p, t in zip(per_req, trans, strict=True)]
+    blocks = [int(n * p + t) for p, t in zip(per_req, trans, strict=True)]
+    for g, nb in zip(groups, blocks, strict=True):
+        if nb * g.num_kv_heads > MAX_PAGES:
+            raise ValueError(
+                f"budget_bytes={budget_bytes!r} gives group {g.index} {nb} blocks x {g.num_kv_heads} "
+                "kv heads, "
+                f"more than MAX_PAGES={MAX_PAGES} pages (int32 page ids); use a larger block_size"
+            )
+    return blocks
