@@ -20,6 +20,7 @@ def _write_kv_kernel(
     stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk,
     HKV: tl.constexpr, BLOCK_HKV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr,
+    PAGE_H: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     b = tl.load(Bid + t)
@@ -32,9 +33,11 @@ def _write_kv_kernel(
     h_ok = (offs_h < HKV) & (blk + offs_h * 0 < n_blk)  # vector compares only (interpreter splat bug)
     if HEADWISE:
         page = tl.load(Tbl + (b * HKV + offs_h) * stride_tbl + blk, mask=h_ok, other=-1).to(tl.int64)
+        if PAGE_H != HKV:  # pages are numbered in the layer's view: block * HKV + head
+            page = tl.where(page >= 0, page // HKV * PAGE_H + page % HKV, -1)
     else:
         block = tl.load(Tbl + b * stride_tbl + blk + offs_h * 0, mask=h_ok, other=-1).to(tl.int64)
-        page = tl.where(block >= 0, block * HKV + offs_h, -1)
+        page = tl.where(block >= 0, block * PAGE_H + offs_h, -1)
     ok = h_ok & (page >= 0)
     t64 = t.to(tl.int64)
     offs_dk = tl.arange(0, BLOCK_DQK)
@@ -63,18 +66,32 @@ def write_kv_cache(
 ) -> None:
     """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` into ``key_cache [NB, Hkv, BS, Dqk]`` /
     ``value_cache [NB, Hkv, BS, Dv]`` in place. ``block_tables [bsz, max_blocks]`` or, with
-    ``headwise=True``, ``[bsz * Hkv, max_pages]`` page tables."""
+    ``headwise=True``, ``[bsz * Hkv, max_pages]`` page tables.
+
+    The caches may be strided views of the leading heads and channels of wider tensors (FastDeploy's
+    one cache shape for every layer): blocks are addressed through ``stride(0)``, nothing is copied."""
     t, hkv, dqk = k.shape
     dv = v.shape[2]
     if t == 0:
         return
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"k and v need a contiguous last dim, got strides {k.stride()} and {v.stride()}")
+    page_h = []
     for name, c, d in (("key_cache", key_cache, dqk), ("value_cache", value_cache, dv)):
         if c.dim() != 4 or c.shape[1] != hkv or c.shape[3] != d or c.stride(3) != 1:
             raise ValueError(f"{name} must be [num_blocks, {hkv}, block_size, {d}], got {list(c.shape)}")
-        if c.stride(0) != hkv * c.stride(1):
-            raise ValueError(f"{name} must be contiguous over its [num_blocks, Hkv] dims, got {c.stride()}")
+        s0, s1 = c.stride(0), c.stride(1)
+        if s1 <= 0 or s0 % s1 or s0 // s1 < hkv:
+            raise ValueError(
+                f"{name} must be a view of [num_blocks, heads >= {hkv}, block_size, {d}+], got strides "
+                f"{c.stride()}"
+            )
+        page_h.append(s0 // s1)
+    if page_h[0] != page_h[1]:
+        raise ValueError(
+            f"key_cache and value_cache must have the same heads per block, got strides "
+            f"{key_cache.stride()} and {value_cache.stride()}"
+        )
     _write_kv_kernel[(t,)](
         k, v, key_cache, value_cache, batch_id_per_token, cu_seqlens_q, seq_lens_decoder, block_tables,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -82,5 +99,5 @@ def write_kv_cache(
         block_tables.stride(0), block_tables.shape[1],
         HKV=hkv, BLOCK_HKV=triton.next_power_of_2(hkv), DQK=dqk, DV=dv,
         BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
-        BS=key_cache.shape[2], HEADWISE=bool(headwise), num_warps=4,
+        BS=key_cache.shape[2], HEADWISE=bool(headwise), PAGE_H=page_h[0], num_warps=4,
     )  # fmt: skip
