@@ -28,10 +28,12 @@ def dense_attention(
     scale: float,
     windows: list[int | None],
     sinks: np.ndarray | None,
+    logits_soft_cap: float | None = None,
 ) -> np.ndarray:
     """One sequence. ``q [n, Hq, Dqk]`` at positions ``q_pos0..``; ``k [L, Hkv, Dqk]``,
     ``v [L, Hkv, Dv]`` at positions ``0..L-1``; ``windows[h]`` per kv head; ``sinks [Hq]``
-    logits or ``None``. Returns ``[n, Hq * Dv]`` float64."""
+    logits or ``None``; ``logits_soft_cap``: scores become ``cap * tanh(scores / cap)`` before the
+    mask and the sink (the sink is not capped). Returns ``[n, Hq * Dv]`` float64."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     n, hq, _ = q.shape
     length, hkv, dv = v.shape
@@ -41,6 +43,8 @@ def dense_attention(
     for head in range(hq):
         h = head // group
         scores = scale * q[:, head] @ k[:, h].T  # [n, L]
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
         mask = visibility(q_pos, np.arange(length), windows[h])
         scores = np.where(mask, scores, -np.inf)
         if sinks is not None:

@@ -22,12 +22,14 @@ def dense_attention(
     sink_kind: str = "vanilla",
     sinks: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One request. ``q [n, Hq, Dqk]`` at ``q_positions [n]`` (default: the last ``n`` positions),
     ``k [L, Hkv, Dqk]`` / ``v [L, Hkv, Dv]`` at positions ``0..L-1``. Key ``j`` is visible to query
     ``i`` iff ``j <= i`` and, for kv heads in ``sliding_heads`` (all when ``None``) with a window,
     ``i - j <= window_left``. ``sink_kind``: ``vanilla`` / ``off-by-one`` / ``learnable`` (``sinks
-    [Hq]``). Returns ``[n, Hq, Dv]`` in ``compute_dtype``; rows that see nothing are 0."""
+    [Hq]``). ``logits_soft_cap``: scores become ``cap * tanh(scores / cap)`` (sinks are not capped).
+    Returns ``[n, Hq, Dv]`` in ``compute_dtype``; rows that see nothing are 0."""
     n, hq, _ = q.shape
     length, hkv, _ = v.shape
     g = hq // hkv
@@ -38,6 +40,8 @@ def dense_attention(
     kf = k.to(compute_dtype).repeat_interleave(g, dim=1)
     vf = v.to(compute_dtype).repeat_interleave(g, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", qf, kf) * scale  # [Hq, n, L]
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     i = q_positions.to(dev).long()[:, None]
     j = torch.arange(length, device=dev)[None, :]
     causal = j <= i  # [n, L]

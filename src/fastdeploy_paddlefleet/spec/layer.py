@@ -43,7 +43,8 @@ class LayerAttention:
     ``full`` layer). Query head ``h`` reads kv head ``h // group_size``.
     ``kv_head_range`` / ``q_head_range`` are the global head indices this
     rank holds (kv heads may be replicated when kv heads < tp_size); sinks are
-    sliced with ``q_head_range``.
+    sliced with ``q_head_range``. ``logits_soft_cap`` caps the scaled scores
+    (never the sink) before the softmax.
     """
 
     index: int
@@ -59,6 +60,9 @@ class LayerAttention:
     mla: MLADims | None = None
     q_head_range: tuple[int, int] = (0, 0)
     kv_head_range: tuple[int, int] = (0, 0)
+    #: attention logit soft-capping: scores ``s`` become ``cap * tanh(s / cap)`` before the softmax
+    #: (HF ``attn_logit_softcapping``, FlashInfer ``logits_soft_cap``); None: no capping
+    logits_soft_cap: float | None = None
 
     @property
     def group_size(self) -> int:
