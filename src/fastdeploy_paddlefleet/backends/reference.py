@@ -77,10 +77,37 @@ def _pages(host: HostMeta, layer: LayerAttention, b: int) -> Any:
     return np.where(blocks >= 0, blocks * hkv + np.arange(hkv)[:, None], -1)
 
 
+def _flat(cache: Any) -> tuple[Any, Any]:
+    """``cache [NB, H, BS, D]`` (possibly a strided view of a wider cache) as a contiguous 1-D alias
+    of the memory it spans, and its element strides ``[4]`` (numpy int64).
+
+    Gathers and scatters then address rows by element offset: paddle's gather / index kernels would
+    otherwise make a non-contiguous view contiguous first, a copy of the whole cache per call.
+    """
+    import numpy as np
+    import paddle
+
+    strides = np.asarray(cache.strides, dtype="int64")
+    if strides[3] != 1:
+        raise ValueError(f"kv cache channels must be contiguous, got strides {list(cache.strides)}")
+    span = int(sum((int(n) - 1) * int(st) for n, st in zip(cache.shape, strides, strict=True))) + 1
+    flat = cache if cache.is_contiguous() and cache.ndim == 1 else paddle.as_strided(cache, [span], [1])
+    return flat, strides
+
+
+def _row_offsets(strides: Any, block: Any, head: Any, slot: Any, dim: int) -> Any:
+    """Element offsets ``[N * dim]`` of rows ``(block, head, slot)`` (numpy ``[N]`` each), row-major."""
+    import numpy as np
+
+    base = block * strides[0] + head * strides[1] + slot * strides[2]
+    return (base.reshape(-1, 1) + np.arange(dim)[None, :]).reshape(-1)
+
+
 def _write_cache(
     k: Any, v: Any, kv_cache: tuple[Any, Any], layer: LayerAttention, host: HostMeta, block_size: int
 ) -> None:
-    """Scatter this step's ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` into their cache slots (in place)."""
+    """Scatter this step's ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` into their cache slots (in place;
+    the caches may be strided views of wider tensors)."""
     import numpy as np
     import paddle
 
@@ -97,13 +124,11 @@ def _write_cache(
         slot_idx.append(np.repeat(pos % block_size, hkv))
     if not block_idx:
         return
-    key_cache, value_cache = kv_cache
-    index = tuple(
-        paddle.to_tensor(np.concatenate(a), dtype="int64", place=key_cache.place)
-        for a in (block_idx, head_idx, slot_idx)
-    )
-    key_cache.index_put_(index, k.reshape([-1, layer.qk_head_dim]).astype(key_cache.dtype))
-    value_cache.index_put_(index, v.reshape([-1, layer.v_head_dim]).astype(value_cache.dtype))
+    block, head, slot = (np.concatenate(a) for a in (block_idx, head_idx, slot_idx))
+    for cache, x, dim in ((kv_cache[0], k, layer.qk_head_dim), (kv_cache[1], v, layer.v_head_dim)):
+        flat, strides = _flat(cache)
+        index = paddle.to_tensor(_row_offsets(strides, block, head, slot, dim), place=cache.place)
+        flat.index_put_((index,), x.reshape([-1]).astype(cache.dtype))
 
 
 def _gather(cache: Any, pages: Any, lo: int, end: int, block_size: int, hkv: int) -> Any:
@@ -113,16 +138,18 @@ def _gather(cache: Any, pages: Any, lo: int, end: int, block_size: int, hkv: int
 
     pos = np.arange(lo, end)
     page = pages[:, pos // block_size]  # [H, L]; validated: no -1 in this range
-    index = paddle.to_tensor(
-        np.stack([page // hkv, page % hkv, np.broadcast_to(pos % block_size, page.shape)], axis=-1),
-        dtype="int64",
-        place=cache.place,
+    dim = int(cache.shape[3])
+    flat, strides = _flat(cache)
+    offsets = _row_offsets(
+        strides, page // hkv, page % hkv, np.broadcast_to(pos % block_size, page.shape), dim
     )
+    index = paddle.to_tensor(offsets, dtype="int64", place=cache.place)
+    shape = [page.shape[0], page.shape[1], dim]
     name = dtype_name(cache.dtype)
     if name in ("float16", "bfloat16"):
-        # gather 16-bit floats as their bits: paddle's CPU gather_nd has no fp16/bf16 kernel
-        return paddle.gather_nd(cache.view("int16"), index).view(name).astype("float32")
-    return paddle.gather_nd(cache, index).astype("float32")
+        # gather 16-bit floats as their bits: paddle's CPU gather has no fp16/bf16 kernel
+        return paddle.gather(flat.view("int16"), index).view(name).astype("float32").reshape(shape)
+    return paddle.gather(flat, index).astype("float32").reshape(shape)
 
 
 def _attend_run(
@@ -134,12 +161,14 @@ def _attend_run(
     k_pos0: int,
     window: int | None,
     scale: float,
+    soft_cap: float | None = None,
 ) -> Any:
     """Dense attention of one request for a run of kv heads.
 
     ``q [H, G, n, Dqk]`` at positions ``q_pos0 + i``; ``key [H, L, Dqk]``,
     ``value [H, L, Dv]`` at positions ``k_pos0 + j``; ``sink [H, G]`` logits or
-    ``None``. Returns ``[H, G, n, Dv]`` fp32.
+    ``None``; ``soft_cap``: scores become ``cap * tanh(scores / cap)`` (the sink is not capped).
+    Returns ``[H, G, n, Dv]`` fp32.
     """
     import numpy as np
     import paddle
@@ -149,6 +178,8 @@ def _attend_run(
     scores = (
         paddle.matmul(q.reshape([h, g * n, dqk]), key, transpose_y=True).reshape([h, g, n, length]) * scale
     )
+    if soft_cap is not None:
+        scores = paddle.tanh(scores / soft_cap) * soft_cap
     i = np.arange(q_pos0, q_pos0 + n)[:, None]
     j = np.arange(k_pos0, k_pos0 + length)[None, :]
     visible = (j <= i) & (True if window is None else i - j <= window)  # [n, L]
@@ -221,7 +252,17 @@ class ReferenceBackend(AttentionBackend):
                 value = _gather(kv_cache[1], pages[h0:h1], lo, end, bs, hkv)
                 sink = None if sink_logits is None else sink_logits[h0:h1]
                 per_run.append(
-                    _attend_run(q_b[h0:h1], key, value, sink, dec, lo, window, layer.softmax_scale)
+                    _attend_run(
+                        q_b[h0:h1],
+                        key,
+                        value,
+                        sink,
+                        dec,
+                        lo,
+                        window,
+                        layer.softmax_scale,
+                        layer.logits_soft_cap,
+                    )
                 )
             o = per_run[0] if len(per_run) == 1 else paddle.concat(per_run, axis=0)  # [Hkv, G, n, Dv]
             outs.append(o.transpose([2, 0, 1, 3]).reshape([n, hq * dv]))
