@@ -51,9 +51,15 @@ def dtype_bytes(dtype: Any) -> int:
     raise ValueError(f"unknown cache dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)} or float8_*")
 
 
+#: sizes (tokens, block sizes) are int32 on the device
+MAX_INT = 2**31 - 1
+#: KV memory per rank at most (1 PiB): far above any device, low enough for exact byte counts
+MAX_MEMORY_GIB = 2**20
+
+
 def _count(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
+        raise ValueError(f"{name} must be an integer in [{minimum}, {MAX_INT}], got {value!r}")
     return value
 
 
@@ -142,8 +148,10 @@ def kv_budget(
     """Capacity of ``memory_gib`` GiB of KV cache for ``plan`` at ``context`` tokens per request."""
     bs = _count(block_size, "block_size")
     ctx = _count(context, "context")
-    if isinstance(memory_gib, bool) or not isinstance(memory_gib, int | float) or not memory_gib > 0:
+    if isinstance(memory_gib, bool) or not isinstance(memory_gib, int | float):
         raise ValueError(f"memory_gib must be a positive number, got {memory_gib!r}")
+    if not 0 < memory_gib <= MAX_MEMORY_GIB:
+        raise ValueError(f"memory_gib must be a number in (0, {MAX_MEMORY_GIB}] GiB, got {memory_gib!r}")
     if len(plan) == 0:
         raise ValueError("plan has no layers")
     nbytes = dtype_bytes(dtype)

@@ -56,15 +56,37 @@ class _Fields:
         return default if value is None else value
 
 
+#: upper bounds of config sizes, checked before anything is built (default: int32, ``MAX_INT``)
+MAX_INT = 2**31 - 1
+MAX_LAYERS = 10_000
+MAX_HEADS = 65_536
+MAX_HEAD_DIM = 65_536
+LIMITS: dict[str, int] = {
+    "num_hidden_layers": MAX_LAYERS,
+    "num_layers": MAX_LAYERS,
+    **dict.fromkeys(
+        ("num_attention_heads", "num_key_value_heads", "num_query_groups", "swa_num_attention_heads")
+        + ("swa_num_key_value_heads",),
+        MAX_HEADS,
+    ),
+    **dict.fromkeys(
+        ("head_dim", "kv_channels", "v_head_dim", "swa_head_dim", "swa_v_head_dim", "kv_lora_rank")
+        + ("qk_nope_head_dim", "qk_rope_head_dim", "qk_nope_head_dim + qk_rope_head_dim"),
+        MAX_HEAD_DIM,
+    ),
+}
+
+
 def _int(value: Any, field: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{field} must be an integer >= {minimum}, got {value!r}")
+    maximum = LIMITS.get(field, MAX_INT)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{field} must be an integer in [{minimum}, {maximum}], got {value!r}")
     return value
 
 
 def _positive(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{field} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{field} must be a finite positive number, got {value!r}")
     return float(value)
 
 
@@ -87,12 +109,23 @@ def load_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         raise TypeError(f"config source must be a path, preset name or mapping, got {type(source).__name__}")
     path = Path(source)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"config {str(source)!r}: a directory without a config.json")
         path = path / "config.json"
+    elif path.exists() and not path.is_file():
+        raise ValueError(f"config {str(source)!r}: not a regular file")
     if path.is_file():
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_bytes().decode("utf-8-sig")  # a UTF-8 byte-order mark is fine
+            data = json.loads(text)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): not a config.json") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: invalid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{path}: invalid JSON: nested too deeply") from None
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
         return data
@@ -273,8 +306,13 @@ def plan_from_config(
     head_dim_field, head_dim = f.named("head_dim")
     if head_dim is None:
         if mla is None:
-            _, hidden = _required(f, "hidden_size", " (head_dim is not set)")
+            hidden_field, hidden = _required(f, "hidden_size", " (head_dim is not set)")
             head_dim = hidden // heads
+            if head_dim == 0:
+                raise ValueError(
+                    f"{hidden_field}={hidden} is smaller than {heads_field}={heads}: "
+                    "head_dim would be 0 (set head_dim)"
+                )
     else:
         head_dim = _int(head_dim, head_dim_field)
     v_dim = f.get("v_head_dim")
@@ -292,6 +330,8 @@ def plan_from_config(
         scale = _positive(f.get("query_pre_attn_scalar"), "query_pre_attn_scalar") ** -0.5
 
     window_left, window_set, conv = _window(f, convention)
+    if window_left is not None and window_left > MAX_INT:
+        raise ValueError(f"sliding_window gives window_left={window_left}, more than {MAX_INT}")
     flags = _sliding_flags(f, n, window_set)
     ratios = _ratios(f, n)
     per_layer_ratio = isinstance(f.get("head_wise_swa_ratio"), list | tuple)
