@@ -165,6 +165,34 @@ def check_fastdeploy_cache_settings(fd_config: Any = None, environ: Mapping[str,
         )
 
 
+def check_cache_list(caches: Sequence[Any], num_layers: int) -> None:
+    """Refuse ``forward_meta.caches`` laid out other than ``[k0, v0, k1, v1, ...]`` in a float dtype,
+    naming the FastDeploy setting that produces it: one tensor per layer (``MLA_ATTN`` / ``DSA_ATTN``),
+    four per layer (block-wise fp8: ``[k, v, k_scales, v_scales]``), or integer data (a quantized cache)."""
+    items = list(caches)
+    if items and all(isinstance(c, tuple | list) for c in items):
+        return  # already paired (our own runner)
+    if num_layers and len(items) == num_layers:
+        raise ValueError(
+            f"forward_meta.caches holds one tensor per layer ({len(items)} for {num_layers} layers): "
+            "FD_ATTENTION_BACKEND=MLA_ATTN / DSA_ATTN caches a compressed latent, which the paddlefleet "
+            "plugin cannot read; unset FD_ATTENTION_BACKEND"
+        )
+    if num_layers and len(items) == 4 * num_layers:
+        raise ValueError(
+            f"forward_meta.caches holds four tensors per layer ({len(items)} for {num_layers} layers): "
+            "kv_cache_quant_type=block_wise_fp8 puts scale tensors between the layers' K and V, which the "
+            "paddlefleet plugin does not read; remove kv_cache_quant_type"
+        )
+    for i, c in enumerate(items[:2]):
+        name = str(getattr(c, "dtype", "")).rsplit(".", 1)[-1]
+        if name.startswith(("uint", "int")):
+            raise TypeError(
+                f"forward_meta.caches[{i}] has dtype {name}: a quantized KV cache (kv_cache_quant_type), "
+                "which the paddlefleet plugin does not read; remove kv_cache_quant_type"
+            )
+
+
 def layer_cache_views(
     caches: Sequence[tuple[Any, Any]], plan: AttentionPlan | Sequence[LayerAttention]
 ) -> list[tuple[Any, Any]]:
@@ -247,6 +275,7 @@ __all__ = [
     "LATENT_CACHE_BACKENDS",
     "UniformCache",
     "UniformCost",
+    "check_cache_list",
     "check_fastdeploy_cache_settings",
     "fastdeploy_kv_heads",
     "fit_fastdeploy_model_config",
