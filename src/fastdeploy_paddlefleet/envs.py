@@ -12,7 +12,8 @@ a launcher may set a variable after the package was imported.
 Values are case-insensitive and may carry surrounding whitespace. An empty
 value counts as unset (so ``FDFLEET_BACKEND= cmd`` gives the default); any
 other value outside the accepted set raises ``ValueError`` naming the variable
-and the value.
+and the value. :func:`check_all` parses every switch at once (the CLI calls it
+before any command, so a bad value is refused by every command).
 """
 
 from __future__ import annotations
@@ -98,3 +99,13 @@ def model_impl_is_paddlefleet() -> bool:
     if value.strip().lower() != "paddlefleet":
         raise ValueError(f"{MODEL_IMPL_VAR}={value!r} is not 'paddlefleet' (the plugin sets it; unset it)")
     return True
+
+
+def check_all() -> None:
+    """Parse every switch now: ``ValueError`` naming the first bad variable and its value."""
+    for getter in _GETTERS:
+        getter()
+
+
+#: every switch's getter (check_all runs them all)
+_GETTERS = (backend_name, headwise_kv, log_level, model_impl_is_paddlefleet)

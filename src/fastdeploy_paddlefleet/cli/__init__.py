@@ -3,6 +3,13 @@
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``
 and ``run(args) -> int``; this module only dispatches, so ``fdfleet plan``
 never imports paddle, torch or triton.
+
+Every bad input ends the same way: one line ``fdfleet: error: ...`` on stderr
+naming the flag, field, file or variable, and exit code 2 (argparse's usage
+errors included). Before any command runs, every ``FDFLEET_*`` switch is
+parsed (``envs.check_all``), so a bad value is refused by every command, not
+only by the one that reads it. A missing optional dependency names the extra
+that brings it. A closed stdout (``fdfleet plan ... | head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -10,38 +17,140 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
+import os
 import sys
 import warnings
+from collections.abc import Callable
+from typing import NoReturn
 
 SUBCOMMANDS = ("plan", "verify")
+
+#: top-level module of an optional dependency -> the extra of this package that installs it
+EXTRAS: dict[str, str] = {
+    "paddle": "verify",
+    "tqdm": "verify",
+    "paddleformers": "paddleformers",
+    "triton": "kernels",
+    "torch": "kernels",
+}
+
+logger = logging.getLogger(__name__)
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line on stderr, exit code 2."""
 
 
+def missing_extra(error: ModuleNotFoundError, what: str) -> CliError | None:
+    """A :class:`CliError` naming the extra to install when ``error`` is an optional dependency
+    (``None`` for anything else, e.g. a module of this package)."""
+    root = (error.name or "").split(".")[0]
+    extra = EXTRAS.get(root)
+    if extra is None:
+        return None
+    return CliError(
+        f"{what} needs {root!r}, which is not installed: "
+        f"pip install 'fastdeploy-paddlefleet[{extra}]' (or the extra from a source checkout: "
+        f"pip install -e '.[{extra}]')"
+    )
+
+
+def int_arg(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int in ``[low, high]`` (argparse names the flag on error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}], got {text!r}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_arg(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        bracket = "(" if low_open else "["
+        if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number in {bracket}{_num(low)}, {_num(high)}], got {text!r}"
+            )
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fdfleet", description="Serve PaddleFleet models in FastDeploy: inspect plans, verify parity."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for name in SUBCOMMANDS:
         importlib.import_module(f"{__name__}.{name}").add_parser(sub)
     return parser
 
 
+def _quiet_stdout() -> None:
+    """The reader closed stdout: point it at /dev/null so the interpreter's final flush is silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to redirect
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    from ..envs import log_level
+    from ..envs import check_all, log_level
 
     # paddle warns at import about a compiler cache that only extension builds use
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    args = None
     try:
         logging.basicConfig(level=log_level(), format="%(levelname)s %(name)s: %(message)s")
         parser = build_parser()
         args = parser.parse_args(argv)
-        return int(args.func(args) or 0)
-    except (CliError, ValueError, TypeError, FileNotFoundError, OSError) as e:
-        print(f"fdfleet: error: {e}", file=sys.stderr)
+        check_all()  # a bad FDFLEET_* value is refused by every command
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # `fdfleet plan ... | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 0
+    except KeyboardInterrupt:
+        print("fdfleet: interrupted", file=sys.stderr)
+        return 130
+    except ModuleNotFoundError as e:
+        err = missing_extra(e, f"fdfleet {getattr(args, 'command', '')}".rstrip())
+        if err is None:
+            raise
+        print(f"fdfleet: error: {err}", file=sys.stderr)
+        return 2
+    except (CliError, ValueError, TypeError, OSError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__  # one line
+        print(f"fdfleet: error: {message}", file=sys.stderr)
         return 2
 
 

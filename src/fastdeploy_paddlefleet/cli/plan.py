@@ -14,6 +14,7 @@ from typing import Any
 from ..kvcache.layout import KVBudget, format_bytes, kv_budget
 from ..presets import list_presets
 from ..spec import AttentionPlan, LayerAttention, plan_from_config
+from . import float_arg, int_arg
 
 LAYER_KEYS = (
     "index",
@@ -40,17 +41,25 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "source", metavar="SOURCE", help=f"config.json path, model directory or preset ({presets})"
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--tp-rank", type=int, default=0, help="which rank to show (default 0)")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
+    p.add_argument("--tp", type=int_arg(1, 65536), default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--tp-rank", type=int_arg(0, 65535), default=0, help="which rank to show (default 0)")
+    p.add_argument(
+        "--block-size", type=int_arg(1, 2**20), default=64, help="tokens per KV block (default 64)"
+    )
     p.add_argument(
         "--dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp8, int8, fp32 (default bf16)"
     )
     p.add_argument(
-        "--memory-gib", type=float, default=40.0, help="KV cache memory per rank in GiB (default 40)"
+        "--memory-gib",
+        type=float_arg(0, 2**20, low_open=True),
+        default=40.0,
+        help="KV cache memory per rank in GiB (default 40)",
     )
     p.add_argument(
-        "--context", type=int, default=8192, help="tokens per request for the budget (default 8192)"
+        "--context",
+        type=int_arg(1, 2**31 - 1),
+        default=8192,
+        help="tokens per request for the budget (default 8192)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)

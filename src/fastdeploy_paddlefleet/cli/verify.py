@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Any
 
-from . import CliError
+from . import CliError, float_arg, int_arg, missing_extra
 
 PADDLEFORMERS_CASES = "fastdeploy_paddlefleet.runner.paddleformers_case"
 
@@ -44,11 +44,27 @@ def add_parser(subparsers: Any) -> None:
         choices=("auto", "reference", "triton"),
         help="attention backend (default: FDFLEET_BACKEND, else auto = triton on GPU, reference on CPU)",
     )
-    p.add_argument("--steps", type=int, default=8, help="decode steps per request after prefill (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference (default 1e-4)")
-    p.add_argument("--chunk-size", type=int, default=8, help="prefill chunk size in tokens (default 8)")
-    p.add_argument("--block-size", type=int, default=4, help="tokens per KV cache block (default 4)")
+    p.add_argument(
+        "--steps",
+        type=int_arg(0, 65536),
+        default=8,
+        help="decode steps per request after the prefill (default 8)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int_arg(0, 2**32 - 1),
+        default=0,
+        help="seed of the weights and the prompts (default 0)",
+    )
+    p.add_argument(
+        "--tolerance", type=float_arg(0, 1e30), default=1e-4, help="max abs logit difference (default 1e-4)"
+    )
+    p.add_argument(
+        "--chunk-size", type=int_arg(1, 65536), default=8, help="prefill chunk size in tokens (default 8)"
+    )
+    p.add_argument(
+        "--block-size", type=int_arg(1, 1024), default=4, help="tokens per KV cache block (default 4)"
+    )
     p.add_argument(
         "--headwise-kv",
         action=argparse.BooleanOptionalAction,
@@ -79,18 +95,20 @@ def _backend(name: str | None) -> Any:
             name = backend_name()
     try:
         return get_backend(name)
-    except (ImportError, ModuleNotFoundError) as e:
+    except ModuleNotFoundError as e:
+        raise (missing_extra(e, f"attention backend {name!r}") or e) from e
+    except ImportError as e:
         raise CliError(f"attention backend {name!r} is not available: {e}") from e
 
 
 def _paddleformers_case(args: Any, backend: Any) -> Any:
     try:
         module = importlib.import_module(PADDLEFORMERS_CASES)
+        return module.build_case(args.paddleformers, args.config, backend, args.seed)
     except ModuleNotFoundError as e:
-        if e.name in (PADDLEFORMERS_CASES, "paddleformers"):
+        if e.name == PADDLEFORMERS_CASES:
             raise CliError(f"--paddleformers needs {e.name!r}, which is not installed in this build") from e
-        raise
-    return module.build_case(args.paddleformers, args.config, backend, args.seed)
+        raise (missing_extra(e, "--paddleformers") or e) from e
 
 
 def _headwise_kv(flag: bool | None) -> bool:
@@ -184,7 +202,7 @@ def run(args: Any) -> int:
         block_size=args.block_size,
         seed=args.seed,
         tolerance=args.tolerance,
-        progress=not args.json,
+        progress=not args.json and sys.stderr.isatty(),  # no carriage returns in logs
         headwise_kv=headwise_kv,
     )
     if args.json:
