@@ -1,13 +1,28 @@
 """The Triton backend: this step's K/V into the paged cache, then paged attention (``kernels/``).
 
-Same contract as the reference backend (``backends/base.py``). Paddle tensors cross to torch by
-DLPack (zero-copy, so cache writes land in the caller's cache) and the output goes back to paddle;
-torch tensors pass straight through. Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1``
-(tests).
+Same contract as the reference backend (``backends/base.py``); the caches may be strided views of
+FastDeploy's one cache shape (``kvcache/uniform.py``), read in place. Tensors meet the kernels
+the way FastDeploy runs Triton on paddle tensors (``kernels/_framework.py``):
+
+* torch tensors go straight to the kernels;
+* paddle tensors with torch installed cross by DLPack (zero-copy, so cache writes land in the
+  caller's cache) and the kernels launch on *Paddle's* current CUDA stream (ordered with Paddle's
+  work, recorded by a CUDA graph Paddle captures); the output goes back to paddle;
+* paddle tensors without torch (a FastDeploy deployment) go straight to the kernels, with Triton
+  on Paddle's torch proxy (``paddle.enable_compat(scope={"triton"})``).
+
+Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (tests, torch tensors).
+
+Host synchronisation: ``validate=True`` checks every call's shapes and, with ``host_checks``, the
+metadata's contents through a host copy (once per step). The host copy is skipped while a CUDA
+graph is being captured, and ``host_checks=False`` (set by the model under FastDeploy) skips it
+always: the launch bounds then come from ``meta.max_seq_len_this_time`` when known and from the
+tensors' shapes otherwise, never from the step's values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -48,18 +63,48 @@ def _to_paddle(x: Any) -> Any:
     return paddle.utils.dlpack.from_dlpack(x)
 
 
+def _paddle_int32(x: Any) -> Any:
+    """A paddle int32 tensor (a no-op when it is one)."""
+    import paddle
+
+    if x is None:
+        return None
+    if not isinstance(x, paddle.Tensor):
+        x = paddle.to_tensor(x)
+    return x if str(x.dtype).endswith("int32") else x.astype("int32")
+
+
+def _capturing(x: Any) -> bool:
+    """Whether a CUDA graph is being captured on the stream ``x``'s framework launches on."""
+    if getattr(getattr(x, "device", None), "type", None) != "cuda" and not getattr(x, "is_cuda", False):
+        return False
+    if _is_torch(x):
+        import torch
+
+        return bool(torch.cuda.is_current_stream_capturing())
+    try:
+        from paddle.base import core
+
+        return bool(core.is_cuda_graph_capturing())
+    except (ImportError, AttributeError):
+        return False
+
+
 class TritonBackend(AttentionBackend):
     """Paged attention through the Triton kernels of :mod:`fastdeploy_paddlefleet.kernels`.
 
-    ``validate=True`` runs :func:`backends.checks.validate_inputs` on every call (shape checks; the
-    small metadata arrays are copied to the host once per step, shared by every layer).
+    ``validate=True`` runs :func:`backends.checks.validate_inputs` on every call; its host copy of the
+    metadata (once per step, shared by every layer) only with ``host_checks`` and outside CUDA
+    graph capture.
     """
 
     name = "triton"
     supports_unequal_v_dim = True
 
-    def __init__(self, validate: bool = True) -> None:
+    def __init__(self, validate: bool = True, host_checks: bool = True) -> None:
         self.validate = validate
+        #: copy the metadata to the host to check its contents (off under FastDeploy: no host sync)
+        self.host_checks = host_checks
 
     def check_layer(self, layer: LayerAttention) -> None:
         if layer.num_kv_heads <= 0 or layer.num_q_heads % layer.num_kv_heads:
@@ -82,37 +127,73 @@ class TritonBackend(AttentionBackend):
     ) -> Any:
         """Write K/V into ``kv_cache`` then attend: ``q [T, Hq, Dqk]`` -> ``[T, Hq * Dv]`` (q's dtype
         and framework)."""
-        from ..kernels.cache_write import write_kv_cache
-        from ..kernels.paged_attention import paged_attention
+        from ..kernels import _framework as fw
 
         if self.validate:
             self._validate(q, k, v, layer, meta, kv_cache, sinks)
         self.check_layer(layer)
-        return_paddle = not _is_torch(q)
-        tq = _to_torch(q)
-        dev = tq.device
-        tk, tv = _to_torch(k, dev), _to_torch(v, dev)
-        kc, vc = _to_torch(kv_cache[0]), _to_torch(kv_cache[1])
-        dtype = str(tq.dtype).rsplit(".", 1)[-1]
-        if dtype not in _DTYPES:
-            raise TypeError(f"the triton backend runs {_DTYPES}, got q.dtype={tq.dtype}")
-        if kc.dtype != tq.dtype or vc.dtype != tq.dtype:
-            raise TypeError(f"kv_cache dtype must match q ({tq.dtype}), got {kc.dtype} / {vc.dtype}")
-        if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests), got q on {dev}"
-            )
-        cu = _to_torch(meta.cu_seqlens_q, dev, int32=True)
-        dec = _to_torch(meta.seq_lens_decoder, dev, int32=True)
-        bid = _to_torch(meta.batch_id_per_token, dev, int32=True)
         table = meta.headwise_table(layer.index)
         headwise = table is not None
-        table = _to_torch(table if headwise else meta.block_tables, dev, int32=True)
+        if _is_torch(q) or fw.torch is not None:
+            return_paddle = not _is_torch(q)
+            tq = _to_torch(q)
+            dev = tq.device
+            args = (
+                tq,
+                _to_torch(k, dev),
+                _to_torch(v, dev),
+                _to_torch(kv_cache[0]),
+                _to_torch(kv_cache[1]),
+                _to_torch(meta.cu_seqlens_q, dev, int32=True),
+                _to_torch(meta.seq_lens_decoder, dev, int32=True),
+                _to_torch(meta.batch_id_per_token, dev, int32=True),
+                _to_torch(table if headwise else meta.block_tables, dev, int32=True),
+                _to_torch(sinks, dev) if layer.sink == "learnable" else None,
+            )
+            stream = fw.paddle_stream(dev) if return_paddle else contextlib.nullcontext()
+            with stream:
+                out = self._launch(*args, layer, meta, headwise)
+            out = out.view(out.shape[0], -1)
+            return _to_paddle(out) if return_paddle else out
+        # paddle tensors, no torch: FastDeploy's way (Triton on Paddle's torch proxy)
+        fw.ensure_paddle_compat()
+        out = self._launch(
+            q,
+            k,
+            v,
+            kv_cache[0],
+            kv_cache[1],
+            _paddle_int32(meta.cu_seqlens_q),
+            _paddle_int32(meta.seq_lens_decoder),
+            _paddle_int32(meta.batch_id_per_token),
+            _paddle_int32(table if headwise else meta.block_tables),
+            sinks if layer.sink == "learnable" else None,
+            layer,
+            meta,
+            headwise,
+        )
+        return out.reshape([int(out.shape[0]), -1])
 
-        write_kv_cache(tk, tv, kc, vc, bid, cu, dec, table, headwise=headwise)
+    @staticmethod
+    def _launch(q, k, v, kc, vc, cu, dec, bid, table, sinks, layer, meta, headwise) -> Any:
+        """The cache write and the attention launch on tensors of one framework; ``out [T, Hq, Dv]``."""
+        from ..kernels.cache_write import write_kv_cache
+        from ..kernels.paged_attention import paged_attention
+
+        dtype = str(q.dtype).rsplit(".", 1)[-1]
+        if dtype not in _DTYPES:
+            raise TypeError(f"the triton backend runs {_DTYPES}, got q.dtype={q.dtype}")
+        if kc.dtype != q.dtype or vc.dtype != q.dtype:
+            raise TypeError(f"kv_cache dtype must match q ({q.dtype}), got {kc.dtype} / {vc.dtype}")
+        if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests), got q on "
+                f"{q.device}"
+            )
+        write_kv_cache(k, v, kc, vc, bid, cu, dec, table, headwise=headwise)
         slides = layer.sliding_kv_heads is not None and layer.window_left is not None
-        out = paged_attention(
-            tq,
+        return paged_attention(
+            q,
             kc,
             vc,
             cu,
@@ -123,16 +204,17 @@ class TritonBackend(AttentionBackend):
             window_left=layer.window_left if slides else None,
             sliding_heads=layer.sliding_kv_heads if slides else None,
             sink_kind=layer.sink,
-            sinks=_to_torch(sinks, dev) if layer.sink == "learnable" else None,
+            sinks=sinks,
             max_q_len=meta.max_seq_len_this_time,
             max_context_len=meta.max_context_len,
+            logits_soft_cap=layer.logits_soft_cap,
         )
-        out = out.view(out.shape[0], -1)
-        return _to_paddle(out) if return_paddle else out
 
-    @staticmethod
-    def _validate(q, k, v, layer, meta, kv_cache, sinks) -> None:
+    def _validate(self, q, k, v, layer, meta, kv_cache, sinks) -> None:
         # also checks the host maxima the kernels size their launches from
-        from .checks import validate_inputs
+        from .checks import validate_inputs, validate_shapes
 
-        validate_inputs(q, k, v, layer, meta, kv_cache, sinks)
+        if self.host_checks and not _capturing(q):
+            validate_inputs(q, k, v, layer, meta, kv_cache, sinks)
+        else:
+            validate_shapes(q, k, v, layer, meta, kv_cache, sinks)
