@@ -5,6 +5,7 @@ a launcher may set a variable after the package was imported.
 
 * ``FDFLEET_BACKEND``: ``auto`` (default) | ``reference`` | ``triton``
 * ``FDFLEET_HEADWISE_KV``: boolean, default ``False``
+* ``FDFLEET_PREFILL_KERNEL``: ``auto`` (default) | ``hopper`` | ``portable``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
   ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
@@ -107,5 +108,21 @@ def check_all() -> None:
         getter()
 
 
+PREFILL_KERNELS: tuple[str, ...] = ("auto", "hopper", "portable")
+
+
+def prefill_kernel() -> str:
+    """``FDFLEET_PREFILL_KERNEL``: ``auto`` (default: the Hopper Gluon kernel on sm_90 when it can run
+    the inputs, else the portable Triton one), ``hopper`` (required; an error if it cannot run) or
+    ``portable`` (always the portable Triton kernel)."""
+    value = _raw("FDFLEET_PREFILL_KERNEL")
+    if value is None:
+        return "auto"
+    v = value.strip().lower()
+    if v not in PREFILL_KERNELS:
+        raise ValueError(f"FDFLEET_PREFILL_KERNEL={value!r} is not one of {', '.join(PREFILL_KERNELS)}")
+    return v
+
+
 #: every switch's getter (check_all runs them all)
-_GETTERS = (backend_name, headwise_kv, log_level, model_impl_is_paddlefleet)
+_GETTERS = (backend_name, headwise_kv, log_level, model_impl_is_paddlefleet, prefill_kernel)
