@@ -25,6 +25,7 @@ head-wise table gives the page directly. ``-1`` entries are never dereferenced.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ def _tile(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
     USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
     in one page) or one page per key; ``ok`` marks keys whose page exists.
@@ -90,6 +92,8 @@ def _tile(
         k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
         v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k))
+    if SOFTCAP != 0.0:  # soft-capping: qk_scale is scale / cap, SOFTCAP is cap * log2(e)
+        qk = _tanh(qk * qk_scale) * (SOFTCAP / qk_scale)  # the scaling below makes it SOFTCAP * tanh
     if PROFILE == 1:
         return tl.dot(qk.to(v.dtype), v, acc), l_i, m_i
     if MASK:
@@ -132,6 +136,7 @@ def _attend(
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr,
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, CHUNK: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
 
@@ -152,6 +157,7 @@ def _attend(
                     acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, pos, lo_key,
                     kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                     BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
+                    SOFTCAP,
                 )  # fmt: skip
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
@@ -161,8 +167,17 @@ def _attend(
                 acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                 BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
+                SOFTCAP,
             )  # fmt: skip
     return acc, l_i, m_i
+
+
+@triton.jit
+def _tanh(x):
+    """``tanh(x)`` from one ``exp2`` of ``-2|x|`` (no overflow for any ``|x|``; the interpreter has no tanh)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|) in (0, 1]
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -201,6 +216,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
     HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid = tl.program_id(0)
@@ -254,16 +270,19 @@ def _prefill_kernel(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
+        SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
+        SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
+        SOFTCAP,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -284,6 +303,7 @@ def _decode_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -323,16 +343,19 @@ def _decode_kernel(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, start, ul, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
+        False, 0, SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
+        False, 0, SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, stop, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
+        False, 0, SOFTCAP,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dv_ok = offs_dv[None, :] < DV
@@ -463,6 +486,7 @@ def paged_attention(
     num_splits: int | None = None,
     prefill_config: TileConfig | None = None,
     decode_config: TileConfig | None = None,
+    logits_soft_cap: float | None = None,
     prefill_impl: str | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the paged cache (which already holds this step's K/V).
@@ -480,7 +504,11 @@ def paged_attention(
       without a device sync. ``max_q_len`` must not understate: rows it rules out stay unwritten.
     * ``prefill_impl``: ``hopper`` (the warp-specialised Gluon kernel, ``kernels/hopper_prefill.py``),
       ``portable`` (the Triton kernel here) or ``None``: ``FDFLEET_PREFILL_KERNEL`` (default ``auto``:
-      hopper on sm_90 when Gluon imports and the inputs suit it, unless ``prefill_config`` is given).
+      hopper on sm_90 when Gluon imports and the inputs suit it, unless ``prefill_config`` is given;
+      ``logits_soft_cap`` always runs the portable kernel).
+    * ``logits_soft_cap``: scores ``s = scale * q.k`` become ``cap * tanh(s / cap)`` before the
+      softmax (Gemma-2's ``attn_logit_softcapping``, FlashInfer's ``logits_soft_cap``); sinks are not
+      capped. ``None``: no capping (a compile-time switch: the uncapped kernels are unchanged).
 
     Returns ``out [T, Hq, Dv]`` in q's dtype. Requests with one query token go through the decode
     kernel (split-KV when the batch is too small to fill the GPU), longer ones through the prefill
@@ -519,12 +547,21 @@ def paged_attention(
     win_h0, win_h1 = sliding_heads if (has_window and sliding_heads is not None) else (0, hkv)
     window = int(window_left) if has_window else 0
     qk_scale = float(scale) * LOG2E
+    softcap = 0.0
+    if logits_soft_cap is not None:  # qk_scale becomes scale / cap; cap * log2(e) a compile-time constant
+        cap = float(logits_soft_cap)
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
+        if prefill_impl == "hopper":
+            raise ValueError("prefill_impl='hopper' has no soft-capping; use 'portable' with logits_soft_cap")
+        qk_scale, softcap, prefill_impl = float(scale) / cap, cap * LOG2E, "portable"
     n_blk, stride_tbl = block_tables.shape[1], block_tables.stride(0)
     common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
     consts = dict(
         HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
         BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window,
     )  # fmt: skip
+    consts["SOFTCAP"] = softcap
     sink_arg = sinks if sink_mode == 1 else q  # any pointer when unused
 
     # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
