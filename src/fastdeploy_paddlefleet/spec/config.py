@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .layer import SINK_KINDS, AttentionPlan, LayerAttention, MLADims
+from .model_types import hf_overrides, text_model
 
 CONVENTIONS: tuple[str, ...] = ("hf", "paddlefleet-tuple", "paddlefleet-int")
 
@@ -42,11 +43,13 @@ class _Fields:
             self._read = lambda name: getattr(config, name, None)
             is_pretrained = any(c.__name__.lower() == "pretrainedconfig" for c in type(config).__mro__)
             self.origin = "pretrained" if is_pretrained else "object"
+        #: read before the config: a model type's resolved values (``model_types``); None = absent
+        self.overrides: dict[str, Any] = {}
 
     def named(self, name: str) -> tuple[str, Any]:
         """``(field name actually found, value)``; ``(name, None)`` when absent."""
         for alias in ALIASES.get(name, (name,)):
-            value = self._read(alias)
+            value = self.overrides[alias] if alias in self.overrides else self._read(alias)
             if value is not None:
                 return alias, value
         return name, None
@@ -296,7 +299,11 @@ def plan_from_config(
         source, config = str(config), load_config(config)
     else:
         source = "<dict>" if isinstance(config, Mapping) else f"<{type(config).__name__}>"
+    config, wrapped = text_model(config)  # a multimodal wrapper plans its text model
+    if wrapped:
+        source = f"{source} ({wrapped})"
     f = _Fields(config)
+    f.overrides = hf_overrides(config, f.origin, convention)  # the model type's own defaults and rules
 
     _, n = _required(f, "num_hidden_layers")
     heads_field, heads = _required(f, "num_attention_heads")
@@ -329,6 +336,8 @@ def plan_from_config(
     elif f.get("query_pre_attn_scalar") is not None:
         scale = _positive(f.get("query_pre_attn_scalar"), "query_pre_attn_scalar") ** -0.5
 
+    soft_cap = f.get("attn_logit_softcapping")
+    soft_cap = None if soft_cap is None else _positive(soft_cap, "attn_logit_softcapping")
     window_left, window_set, conv = _window(f, convention)
     if window_left is not None and window_left > MAX_INT:
         raise ValueError(f"sliding_window gives window_left={window_left}, more than {MAX_INT}")
@@ -401,11 +410,14 @@ def plan_from_config(
                 mla=None if mla is None else mla[0],
                 q_head_range=q_range,
                 kv_head_range=kv_range,
+                logits_soft_cap=soft_cap,
             )
         )
 
     any_sliding = any(flags[i] and window_left is not None for i in range(n))
     extras = {"model_type": model_type} if model_type else {}
+    if wrapped:
+        extras["text_config_of"] = wrapped
     return AttentionPlan(
         layers=tuple(layers),
         convention=conv if any_sliding else "none",
