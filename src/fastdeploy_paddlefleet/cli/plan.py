@@ -66,10 +66,12 @@ def add_parser(subparsers: Any) -> None:
 
 
 def layer_dict(layer: LayerAttention) -> dict[str, Any]:
-    """The ``--json`` view of one layer (exactly ``LAYER_KEYS``)."""
+    """The ``--json`` view of one layer: ``LAYER_KEYS``, plus ``logits_soft_cap`` on a layer that caps."""
     d = {key: getattr(layer, key) for key in LAYER_KEYS}
     d["sliding_kv_heads"] = list(layer.sliding_kv_heads) if layer.sliding_kv_heads else None
     d["mla"] = dataclasses.asdict(layer.mla) if layer.mla is not None else None
+    if layer.logits_soft_cap is not None:
+        d["logits_soft_cap"] = layer.logits_soft_cap
     return d
 
 
@@ -97,7 +99,7 @@ def format_indices(indices: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _row(layer: LayerAttention, tp: bool) -> tuple[str, ...]:
+def _row(layer: LayerAttention, tp: bool, cap: bool = False) -> tuple[str, ...]:
     slide = "-" if layer.sliding_kv_heads is None else "{}-{}".format(*layer.sliding_kv_heads)
     mla = "-"
     if layer.mla is not None:
@@ -113,6 +115,8 @@ def _row(layer: LayerAttention, tp: bool) -> tuple[str, ...]:
         f"{layer.softmax_scale:.6g}",
         mla,
     )
+    if cap:
+        row += ("-" if layer.logits_soft_cap is None else f"{layer.logits_soft_cap:g}",)
     if tp:
         row += ("{}-{}".format(*layer.q_head_range), "{}-{}".format(*layer.kv_head_range))
     return row
@@ -121,12 +125,15 @@ def _row(layer: LayerAttention, tp: bool) -> tuple[str, ...]:
 def format_table(plan: AttentionPlan) -> str:
     """Per-layer table; identical layers share one row, listed by index (``0-22/2`` = every 2nd)."""
     tp = plan.tp_size > 1
+    cap = any(layer.logits_soft_cap is not None for layer in plan)
     header = ("layers", "kind", "q/kv heads", "qk/v dim", "window_left", "sliding kv", "sink", "scale", "mla")
+    if cap:
+        header += ("soft cap",)
     if tp:
         header += ("q heads (sinks)", "kv heads")
     groups: dict[tuple[str, ...], list[int]] = {}
     for layer in plan:
-        groups.setdefault(_row(layer, tp), []).append(layer.index)
+        groups.setdefault(_row(layer, tp, cap), []).append(layer.index)
     rows = [header] + [(format_indices(idx),) + row for row, idx in groups.items()]
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -163,9 +170,9 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_config(args.source, tp_size=args.tp, tp_rank=args.tp_rank)
     budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, args.context)
     if args.json:
-        print(json.dumps(plan_json(args.source, plan, budget)))
+        print(json.dumps(plan_json(plan.source, plan, budget)))
         return 0
-    head = f"{args.source}: {len(plan)} layers, window convention {plan.convention}"
+    head = f"{plan.source}: {len(plan)} layers, window convention {plan.convention}"
     if plan.tp_size > 1:
         head += f", tp rank {plan.tp_rank} of {plan.tp_size}"
     print(head)
