@@ -8,9 +8,10 @@ logical block ``pos // block_size``, slot ``pos % block_size``. The page of kv h
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
+from ._framework import torch  # noqa: F401 - annotations (None without torch)
 
 
 @triton.jit

@@ -7,9 +7,10 @@ log-sum-exp ``lse_s``. The merged output is ``sum_s 2^(lse_s - m) o_s / (sum_s 2
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
+from ._framework import torch  # noqa: F401 - annotations (None without torch)
 
 
 @triton.jit
