@@ -6,7 +6,8 @@ never imports paddle, torch or triton.
 
 Every bad input ends the same way: one line ``fdfleet: error: ...`` on stderr
 naming the flag, field, file or variable, and exit code 2 (argparse's usage
-errors included). Before any command runs, every ``FDFLEET_*`` switch is
+errors included); an unexpected exception (a bug) prints one line and exits
+70. Before any command runs, every ``FDFLEET_*`` switch is
 parsed (``envs.check_all``), so a bad value is refused by every command, not
 only by the one that reads it. A missing optional dependency names the extra
 that brings it. A closed stdout (``fdfleet plan ... | head``) ends quietly.
@@ -25,6 +26,8 @@ from collections.abc import Callable
 from typing import NoReturn
 
 SUBCOMMANDS = ("plan", "verify")
+#: exit code of an unexpected exception (a bug); bad input exits 2, a failed verify 1
+INTERNAL_ERROR = 70
 
 #: top-level module of an optional dependency -> the extra of this package that installs it
 EXTRAS: dict[str, str] = {
@@ -50,9 +53,8 @@ def missing_extra(error: ModuleNotFoundError, what: str) -> CliError | None:
     if extra is None:
         return None
     return CliError(
-        f"{what} needs {root!r}, which is not installed: "
-        f"pip install 'fastdeploy-paddlefleet[{extra}]' (or the extra from a source checkout: "
-        f"pip install -e '.[{extra}]')"
+        f"{what} needs {root!r}, which is not installed: install this package's {extra!r} extra "
+        f"(from a source checkout: pip install -e '.[{extra}]')"
     )
 
 
@@ -152,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__  # one line
         print(f"fdfleet: error: {message}", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug, not a bad input: one line, the traceback in the debug log
+        logger.debug("internal error", exc_info=True)
+        message = " ".join(str(e).split())
+        print(
+            f"fdfleet: internal error: {type(e).__name__}: {message} "
+            "(FDFLEET_LOG_LEVEL=DEBUG shows the traceback; please report it)",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover
