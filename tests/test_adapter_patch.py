@@ -14,7 +14,12 @@ import pytest
 
 from fastdeploy_paddlefleet.adapter import PagedCoreAttention, StepContext, StepContextHolder
 from fastdeploy_paddlefleet.backends.reference import ReferenceBackend
-from fastdeploy_paddlefleet.minifleet import TransformerLayer, build_minifleet
+from fastdeploy_paddlefleet.minifleet import (
+    AttnMaskType,
+    TransformerLayer,
+    build_minifleet,
+    causal_startend_row_indices,
+)
 from fastdeploy_paddlefleet.patch import cache_plan, patch_core_attention, step_holder, unpatch_core_attention
 from fastdeploy_paddlefleet.runner.batch import PagedKVState, allocate_kv_caches
 from fastdeploy_paddlefleet.runner.fleet_case import build_minifleet_case
@@ -59,7 +64,9 @@ def test_signature_positional_keyword_kwargs_bshd_shd():
     assert isinstance(adapter, PagedCoreAttention)
     layer = plan[2]
     q, k, v = qkv(layer, 9)
-    want = adapter.original()(q, k, v, None).numpy()  # the host's eager attention
+    # the host's own attention on its FlashMask path (the one head-wise / sliding layers take)
+    rows = causal_startend_row_indices(1, 9)
+    want = adapter.original()(q, k, v, None, rows, attn_mask_type=AttnMaskType.causal).numpy()
     holder = step_holder(model)
     calls = {
         "positional (recompute path)": lambda: adapter(
@@ -83,7 +90,14 @@ def test_signature_positional_keyword_kwargs_bshd_shd():
             None,
         ),
         "five positional, rest keyword": lambda: adapter(
-            q, k, v, None, None, attn_mask_type="causal", packed_seq_params=None, use_rr_flash_attention=False
+            q,
+            k,
+            v,
+            None,
+            rows,
+            attn_mask_type=AttnMaskType.causal,
+            packed_seq_params=None,
+            attention_bias=None,
         ),
         "all keyword + unknown kwargs": lambda: adapter(
             query=q, key=k, value=v, attention_mask=None, some_future_arg=1, another=None
@@ -98,6 +112,24 @@ def test_signature_positional_keyword_kwargs_bshd_shd():
         got = adapter(q[0], k[0], v[0], None)  # SHD: [s, heads, dim]
     assert got.shape == [9, layer.num_q_heads * layer.v_head_dim]
     np.testing.assert_allclose(got.numpy(), want[0], atol=1e-5)
+    with pytest.raises(ValueError, match="causal only"), holder.step(one_request_step(plan, 9)):
+        adapter(q, k, v, None, rows, attn_mask_type=AttnMaskType.padding)
+
+
+def test_mla_adapter_reads_kv_heads_from_the_plan_not_the_module():
+    """PaddleFleet's MLA core attention reports the config's kv heads (2) while K/V carry 4."""
+    model = build_minifleet("tiny-mla", seed=0)
+    core = model.decoder.layers[0].self_attn.core_attention
+    assert core.num_query_groups_per_partition == 2
+    plan = plan_from_config(model.config)
+    patch_core_attention(model, plan, ReferenceBackend())
+    adapter = model.decoder.layers[0].self_attn.core_attention
+    q, k, v = qkv(plan[0], 7)
+    assert k.shape[2] == 4
+    want = core(q, k, v, None, causal_startend_row_indices(1, 7), attn_mask_type=AttnMaskType.causal).numpy()
+    with step_holder(model).step(one_request_step(plan, 7)):
+        got = adapter(q, k, v, None, None, attn_mask_type=AttnMaskType.causal).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_missing_step_context_raises_value_error():
@@ -168,15 +200,27 @@ def test_unpatching_breaks_paged_parity():
     case = build_minifleet_case("tiny", ReferenceBackend(), seed=0)
     assert run_verify(case, decode_steps=2, progress=False).passed
     unpatch_core_attention(case.paged_logits.model)  # the case now runs the host's own attention per chunk
+    # the paged path feeds no start/end rows: the host's sliding layers refuse its eager path
+    with pytest.raises(ValueError, match="attn_mask_startend_row_indices"):
+        run_verify(case, decode_steps=2, progress=False)
+    full = {**build_minifleet("tiny").config.__dict__, "sliding_window": None, "head_wise_swa_ratio": 0.0}
+    case = build_minifleet_case(full, ReferenceBackend(), seed=0)
+    unpatch_core_attention(case.paged_logits.model)  # full attention: runs, per chunk, without context
     report = run_verify(case, decode_steps=2, progress=False)
     assert not report.passed and report.max_abs_logit_diff > 1e-2
 
 
-def test_wrong_window_breaks_parity():
+@pytest.mark.parametrize("shift", [-1, 1, -4])
+def test_wrong_window_breaks_parity(shift):
+    """minifleet builds its masks from FlashMask rows, not from the plan: a window off by one
+    (the plan reading ``(8, 0)`` as 9 keys, or 7) fails its parity check."""
     case = build_minifleet_case("tiny", ReferenceBackend(), seed=0)
     plan = case.plan
     wrong = dataclasses.replace(
-        plan, layers=tuple(dataclasses.replace(l, window_left=3) if l.window_left else l for l in plan)
+        plan,
+        layers=tuple(
+            dataclasses.replace(l, window_left=l.window_left + shift) if l.window_left else l for l in plan
+        ),
     )
     model = case.paged_logits.model
     unpatch_core_attention(model)

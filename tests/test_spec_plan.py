@@ -98,9 +98,11 @@ def test_ernie_headwise():
 
 def test_tiny_mla():
     plan = plan_from_config("tiny-mla")
-    assert [x.kind for x in plan] == ["full", "sliding", "full"]
+    assert [x.kind for x in plan] == ["full", "full", "full"]  # PaddleFleet's MLA layers never slide
     for x in plan:
+        # one kv head per query head, whatever num_key_value_heads (2) says
         assert (x.num_q_heads, x.num_kv_heads, x.qk_head_dim, x.v_head_dim) == (4, 4, 24, 16)
+        assert x.sink == "learnable"
         assert x.mla.q_lora_rank is None and x.mla.kv_lora_rank == 32
         assert x.softmax_scale == pytest.approx(24**-0.5)
 
@@ -121,8 +123,9 @@ def test_path_and_directory(tmp_path):
 def test_attribute_object_is_paddlefleet_int():
     ns = types.SimpleNamespace(**base(sliding_window=16))
     plan = plan_from_config(ns)
-    assert plan.convention == "paddlefleet-int"
-    assert [x.window_left for x in plan] == [16] * 4
+    assert plan.convention == "paddlefleet-int" and plan.extras["rules"] == "paddlefleet"
+    # PaddleFleet's FlashMask path: key j's first masked row is j + 16, 16 keys including the query
+    assert [x.window_left for x in plan] == [15] * 4
 
 
 def test_pretrained_config_like_object_is_hf():
@@ -150,13 +153,82 @@ def test_real_paddleformers_gpt_oss_config():
 
 
 def test_tuple_window_and_explicit_convention():
-    assert plan_from_config(base(sliding_window=[9, 0]))[0].window_left == 9
-    assert plan_from_config(base(sliding_window=(9, 0)), convention="paddlefleet-tuple")[0].window_left == 9
-    assert plan_from_config(base(sliding_window=9), convention="paddlefleet-int")[0].window_left == 9
-    assert plan_from_config(base(sliding_window=9, window_convention="paddlefleet-int"))[0].window_left == 9
+    # every form of W means W keys including the query: window_left = W - 1
+    assert plan_from_config(base(sliding_window=[9, 0]))[0].window_left == 8
+    assert plan_from_config(base(sliding_window=(9, 0)), convention="paddlefleet-tuple")[0].window_left == 8
+    assert plan_from_config(base(sliding_window=9), convention="paddlefleet-int")[0].window_left == 8
+    assert plan_from_config(base(sliding_window=9, window_convention="paddlefleet"))[0].window_left == 8
     ns = types.SimpleNamespace(**base(sliding_window=9))
     p = plan_from_config(ns, convention="hf")
-    assert p.convention == "hf" and p[0].window_left == 8
+    assert p.convention == "hf" and p[0].window_left == 8 and p.extras["rules"] == "hf"
+    with pytest.raises(ValueError, match="PaddleFleet's form"):
+        plan_from_config(base(sliding_window=[9, 0]), convention="hf")
+
+
+def test_which_rules_read_a_config():
+    """PaddleFleet's rules: an attribute object, a tuple window, model_type minifleet, or asked for."""
+    both = base(sliding_window=8, window_attn_skip_freq=2, layer_types=["sliding_attention"] * 4)
+    assert plan_from_config(both).extras["rules"] == "hf"  # a plain dict: HF (layer_types wins)
+    assert [x.kind for x in plan_from_config(both)] == ["sliding"] * 4
+    for cfg, kw in (
+        (types.SimpleNamespace(**both), {}),
+        (both, {"convention": "paddlefleet"}),
+        (dict(both, window_convention="paddlefleet"), {}),
+        (dict(both, sliding_window=[8, 0]), {}),
+        (dict(both, model_type="minifleet"), {}),
+    ):
+        plan = plan_from_config(cfg, **kw)
+        assert plan.extras["rules"] == "paddlefleet"
+        # PaddleFleet reads window_attn_skip_freq only (transformer/utils.py is_layer_window_attention)
+        assert [x.kind for x in plan] == ["full", "sliding", "full", "sliding"]
+        assert plan[1].window_left == 7
+
+
+def test_paddlefleet_ignores_use_sliding_window_and_pattern():
+    ns = types.SimpleNamespace(**base(sliding_window=8, use_sliding_window=False, sliding_window_pattern=2))
+    assert [x.kind for x in plan_from_config(ns)] == ["sliding"] * 4
+
+
+def test_paddlefleet_mtp_layers_continue_the_layer_count():
+    ns = types.SimpleNamespace(
+        **base(sliding_window=8, window_attn_skip_freq=[0, 1, 0, 1, 1, 0], mtp_num_layers=2)
+    )
+    plan = plan_from_config(ns)
+    assert [x.index for x in plan] == list(range(6))
+    assert [x.kind for x in plan] == ["full", "sliding", "full", "sliding", "sliding", "full"]
+    ns.mtp_num_layers = None
+    ns.num_nextn_predict_layers = 1  # the HF name, when TransformerConfig has no mtp_num_layers
+    assert len(plan_from_config(ns)) == 5
+    ns.window_attn_skip_freq = [0, 1, 0, 1]  # no entry for the MTP layer
+    with pytest.raises(ValueError, match="window_attn_skip_freq"):
+        plan_from_config(ns)
+    assert len(plan_from_config(base(num_nextn_predict_layers=1))) == 4  # HF configs: no MTP entries
+
+
+def test_paddlefleet_infinite_window_keeps_sliding_heads():
+    """-1: PaddleFleet's layers are still is_swa (sliding heads, dims, sink) but nothing is truncated."""
+    ns = types.SimpleNamespace(
+        **base(sliding_window=-1, window_attn_skip_freq=[1, 0, 0, 0], swa_num_key_value_heads=2)
+    )
+    ns.add_swa_attention_sink_bias = True
+    plan = plan_from_config(ns)
+    assert plan.convention == "none"
+    assert [(x.kind, x.num_kv_heads, x.sink, x.window_left) for x in plan[:2]] == [
+        ("full", 2, "learnable", None),
+        ("full", 4, "vanilla", None),
+    ]
+
+
+def test_paddlefleet_mla_never_slides_and_sets_its_own_scale():
+    ns = types.SimpleNamespace(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, multi_latent_attention=True,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=4, sliding_window=4,
+        softmax_scale=0.5, rotary_scaling_factor=40.0, mscale_all_dim=1.0,
+    )  # fmt: skip
+    plan = plan_from_config(ns)
+    assert [x.kind for x in plan] == ["full", "full"]
+    mscale = 0.1 * math.log(40.0) + 1.0
+    assert all(x.num_kv_heads == 4 and x.softmax_scale == pytest.approx(mscale**2 / 4.0) for x in plan)
 
 
 def test_infinite_window_and_no_window():
@@ -183,7 +255,7 @@ def test_aliases_old_field_names():
     assert len(plan) == 3
     assert [x.kind for x in plan] == ["full", "sliding", "sliding"]
     assert all((x.num_kv_heads, x.qk_head_dim, x.v_head_dim) == (2, 32, 32) for x in plan)
-    assert plan[1].window_left == 5
+    assert plan[1].window_left == 4
     assert plan_from_config(base(sliding_window_size=10))[0].window_left == 9
     mimo = base(sliding_window=10, hybrid_layer_pattern=[0, 1, 1, 0])
     assert [x.kind for x in plan_from_config(mimo)] == ["full", "sliding", "sliding", "full"]
@@ -239,8 +311,8 @@ def test_swa_overrides():
     plan = plan_from_config(cfg)
     full, slide = plan[0], plan[1]
     assert (full.num_q_heads, full.num_kv_heads, full.qk_head_dim, full.v_head_dim) == (8, 4, 32, 32)
-    assert (slide.num_q_heads, slide.num_kv_heads, slide.qk_head_dim, slide.v_head_dim) == (4, 1, 16, 16)
-    # swa_v_head_dim falls back to v_head_dim when set
+    # swa_v_head_dim falls back to v_head_dim (itself head_dim), never to swa_head_dim
+    assert (slide.num_q_heads, slide.num_kv_heads, slide.qk_head_dim, slide.v_head_dim) == (4, 1, 16, 32)
     plan = plan_from_config(dict(cfg, v_head_dim=24))
     assert (plan[0].v_head_dim, plan[1].v_head_dim) == (24, 24)
     plan = plan_from_config(dict(cfg, v_head_dim=24, swa_v_head_dim=8))
@@ -398,3 +470,15 @@ def test_paddleformers_deepseek_config_is_mla_despite_base_class_flag():
     assert getattr(cfg, "multi_latent_attention", False) is False
     x = plan_from_config(cfg)[0]
     assert (x.qk_head_dim, x.v_head_dim, x.mla.kv_lora_rank) == (24, 16, 16)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "expected"),
+    [(0.0, (0, 4)), (0.2, (0, 4)), (1.0, (0, 4)), (0.5, (2, 4)), (0.75, (1, 4))],
+)
+def test_paddlefleet_headwise_ratio_all_heads_edge_cases(ratio, expected):
+    """n = int(r * Hkv): 0 < n < Hkv slides the last n kv heads, anything else every head."""
+    ns = types.SimpleNamespace(**base(sliding_window=8, head_wise_swa_ratio=ratio))
+    plan = plan_from_config(ns)
+    assert all(x.sliding_kv_heads == expected and x.window_left == 7 for x in plan)
+    assert all(x.kind == ("sliding" if expected == (0, 4) else "headwise") for x in plan)

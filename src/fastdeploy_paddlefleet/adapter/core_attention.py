@@ -189,8 +189,18 @@ class PagedCoreAttention(paddle.nn.Layer):
 
         Returns ``[b, s, Hq * Dv]`` (or ``[s, Hq * Dv]``), the original layout.
         Masks and the other PaddleFleet arguments are ignored: visibility comes
-        from the plan and the step's batch metadata.
+        from the plan (PaddleFleet's window, head-wise split and causal mask, as
+        its FlashMask path builds them) and the step's batch metadata. K/V carry
+        the plan's kv heads (for MLA one per query head, whatever the module's
+        ``num_query_groups_per_partition`` says). An ``attn_mask_type`` other
+        than causal (PaddleFleet's ``AttnMaskType.causal``, or ``"causal"``) is
+        refused: the paged path is causal only.
         """
+        if attn_mask_type is not None and getattr(attn_mask_type, "name", attn_mask_type) != "causal":
+            raise ValueError(
+                f"layer {self.layer.index}: attn_mask_type={attn_mask_type!r}, but the paged attention "
+                "is causal only"
+            )
         ctx = self.holder.get()
         l = self.layer
         lead = list(query.shape[:-2])

@@ -1,23 +1,53 @@
 """minifleet attention: ``SelfAttention``, ``MLASelfAttention`` and their ``DotProductAttention``.
 
-``DotProductAttention`` mirrors PaddleFleet's core attention: same constructor
-attributes, same call signature, inputs ``[b, s, heads, dim]`` with K/V not
-repeated for GQA, output ``[b, s, heads * v_dim]``. Its forward is plain dense
-eager attention with an explicit boolean mask; a sink is a score column
-appended before the softmax and dropped after it, as PaddleFleet's eager path
-does. Masks, sinks and head counts come from the raw config fields.
+``DotProductAttention`` mirrors PaddleFleet's core attention
+(``transformer/dot_product_attention.py``): same constructor attributes, same
+call signature, inputs ``[b, s, heads, dim]`` with K/V not repeated for GQA,
+output ``[b, s, heads * v_dim]``. Its forward takes the host's two paths, as
+dense eager attention:
+
+* with ``attn_mask_startend_row_indices`` (PaddleFleet's FlashMask path, the
+  one sliding layers must take): the layer's window and head-wise split are
+  folded into the start/end rows the way ``startend_row_indices_add_sliding_window``
+  does (key ``j``'s first masked row becomes ``j + W``), and the dense mask is
+  read back from the rows with FlashMask's documented rules;
+* without them (the eager path): a causal mask (or the given ``attention_mask``)
+  filled with ``-10000`` before the softmax; a sliding layer refuses this path.
+
+A sink is a score column appended before the softmax and dropped after it.
+Masks, sinks and head counts come from the raw config fields, never from the
+plan, so a convention slip in the plan shows up in minifleet's parity check.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
 import paddle
 import paddle.nn.functional as F
 
-from .config import MiniFleetConfig, layer_head_wise_ratio, window_left_of
+from .config import MiniFleetConfig, layer_head_wise_ratio, window_left_size
 from .norm import RMSNorm
+
+#: the masked-score fill of PaddleFleet's eager softmax (``transformer/utils.py`` ``attention_mask_func``)
+EAGER_MASK_FILL = -10000.0
+
+
+class AttnMaskType(enum.Enum):
+    """PaddleFleet's ``transformer/enums.py`` ``AttnMaskType`` (same members and values).
+
+    The FlashMask path is causal only for ``AttnMaskType.causal``: a string
+    ``"causal"`` is not equal to it, as in PaddleFleet.
+    """
+
+    padding = 1
+    causal = 2
+    no_mask = 3
+    padding_causal = 4
+    arbitrary = 5
+    causal_bottom_right = 6
 
 
 def rotate_half_rope(x: paddle.Tensor, position_ids: paddle.Tensor, theta: float) -> paddle.Tensor:
@@ -35,18 +65,87 @@ def default_position_ids(batch: int, seq: int) -> paddle.Tensor:
     return paddle.arange(seq, dtype="int64").unsqueeze(0).expand([batch, seq])
 
 
-class DotProductAttention(paddle.nn.Layer):
-    """PaddleFleet's core attention, dense and eager.
+def causal_startend_row_indices(batch: int, seq: int) -> paddle.Tensor:
+    """``[batch, 1, seq, 1]`` int32, every entry ``seq``: one causal document per row (what
+    PaddleFleet's data path feeds the FlashMask path for unpacked causal sequences)."""
+    return paddle.full([batch, 1, seq, 1], seq, dtype="int32")
 
-    ``layer_number`` is 1-based here, as in older PaddleFleet: code that maps
-    modules to layers must keep its own count.
+
+def add_sliding_window(startend: paddle.Tensor, left: int, ratio: float, num_kv_heads: int) -> paddle.Tensor:
+    """Fold a left window ``left`` (W keys including the query) into start/end rows.
+
+    ``startend [b, 1 or Hkv, s, 1 or 2]``: column 0 holds each key's first
+    masked row below the diagonal. Sliding kv heads get ``min(row, j + left)``;
+    with ``n = int(ratio * Hkv)`` and ``0 < n < Hkv`` only the LAST ``n`` kv
+    heads slide, otherwise all of them (ratio 0 included). ``left <= 0``
+    changes nothing. Returns ``[b, Hkv, s, same columns]``.
+    """
+    if left <= 0:
+        return startend
+    b, heads, s, cols = startend.shape
+    if cols not in (1, 2):
+        raise ValueError(f"attn_mask_startend_row_indices must have 1 or 2 columns here, got {cols}")
+    if heads not in (1, num_kv_heads):
+        raise ValueError(
+            f"attn_mask_startend_row_indices has {heads} heads; expected 1 or {num_kv_heads} (kv heads)"
+        )
+    rows = startend.astype("int32").expand([b, num_kv_heads, s, cols])
+    first = rows[..., 0]
+    window = (paddle.arange(s, dtype="int32") + left).reshape([1, 1, s]).expand([b, num_kv_heads, s])
+    slid = paddle.minimum(first, window)
+    n_slide = int(ratio * num_kv_heads)
+    if 0 < n_slide < num_kv_heads:
+        keep = paddle.arange(num_kv_heads).reshape([1, num_kv_heads, 1]) < num_kv_heads - n_slide
+        slid = paddle.where(keep.expand([b, num_kv_heads, s]), first, slid)
+    return paddle.concat([slid.unsqueeze(-1), rows[..., 1:]], axis=-1) if cols == 2 else slid.unsqueeze(-1)
+
+
+def startend_masked(startend: paddle.Tensor, q_len: int, causal: bool) -> paddle.Tensor:
+    """Dense ``[b, heads, q_len, s]`` bool (True: masked) from FlashMask start/end rows.
+
+    FlashMask's documented rules for key (column) ``j``, query (row) ``i``:
+    causal with one column ``[LTS]``: masked iff ``j > i`` or ``i >= LTS``;
+    causal with two ``[LTS, LTE]``: ``j > i`` or ``LTS <= i < LTE``; non-causal
+    with two ``[LTS, UTE]``: ``i >= LTS`` or ``i < UTE``; non-causal with four
+    ``[LTS, LTE, UTS, UTE]``: ``LTS <= i < LTE`` or ``UTS <= i < UTE``.
+    Queries and keys are the same rows here (``q_len == s``).
+    """
+    b, heads, s, cols = startend.shape
+    if q_len != s:
+        raise ValueError(f"minifleet's FlashMask path needs q_len == k_len, got {q_len} and {s}")
+    st = startend.astype("int64").transpose([0, 1, 3, 2]).unsqueeze(-2)  # [b, h, cols, 1, s]
+    i = paddle.arange(q_len, dtype="int64").reshape([1, 1, q_len, 1])
+    j = paddle.arange(s, dtype="int64").reshape([1, 1, 1, s])
+    col = [st[:, :, c] for c in range(cols)]  # each [b, h, 1, s]
+    if causal:
+        if cols == 1:
+            masked = i >= col[0]
+        elif cols == 2:
+            masked = paddle.logical_and(i >= col[0], i < col[1])
+        else:
+            raise ValueError(f"causal start/end rows must have 1 or 2 columns, got {cols}")
+        return paddle.logical_or(masked, (j > i).expand(masked.shape))
+    if cols == 2:
+        return paddle.logical_or(i >= col[0], i < col[1])
+    if cols == 4:
+        lower = paddle.logical_and(i >= col[0], i < col[1])
+        return paddle.logical_or(lower, paddle.logical_and(i >= col[2], i < col[3]))
+    raise ValueError(f"non-causal start/end rows must have 2 or 4 columns, got {cols}")
+
+
+class DotProductAttention(paddle.nn.Layer):
+    """PaddleFleet's core attention, dense and eager, on both of the host's paths (module doc).
+
+    ``layer_number`` is 0-based, as in PaddleFleet's layer specs (decoder layers
+    count the empty head layers, MTP layers restart at 0): code that maps
+    modules to layers keeps its own count.
     """
 
     def __init__(
         self,
         config: MiniFleetConfig,
         layer_number: int,
-        attn_mask_type: str = "causal",
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
         attention_type: str = "self",
         is_mtp_layer: bool = False,
         is_swa: bool = False,
@@ -63,12 +162,13 @@ class DotProductAttention(paddle.nn.Layer):
         self.config = config
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
         self.is_mtp_layer = is_mtp_layer
         self.is_swa = is_swa
-        self.k_channels = k_channels or config.head_dim
-        self.v_channels = v_channels or config.head_dim
-        heads = num_attention_heads or config.num_attention_heads
-        kv_heads = num_key_value_heads or config.num_key_value_heads
+        self.k_channels = k_channels if k_channels is not None else config.head_dim
+        self.v_channels = v_channels if v_channels is not None else config.head_dim
+        heads = num_attention_heads if num_attention_heads is not None else config.num_attention_heads
+        kv_heads = num_key_value_heads if num_key_value_heads is not None else config.num_key_value_heads
         tp = 1  # minifleet has no tensor parallelism
         self.num_attention_heads_per_partition = heads // tp
         self.num_query_groups_per_partition = kv_heads // tp
@@ -76,7 +176,7 @@ class DotProductAttention(paddle.nn.Layer):
         self.hidden_size_per_partition = self.k_channels * heads // tp
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
         self.sliding_window = config.sliding_window if is_swa else None
-        index = layer_number - 1 if layer_index is None else layer_index
+        index = layer_number if layer_index is None else layer_index
         self.head_wise_swa_ratio = layer_head_wise_ratio(config, index) if is_swa else 0.0
 
         kind = config.softmax_type
@@ -95,27 +195,38 @@ class DotProductAttention(paddle.nn.Layer):
                 default_initializer=paddle.nn.initializer.Normal(0.0, 1.0),
             )
 
-    def kv_head_windows(self, num_kv_heads: int) -> list[int | None]:
-        """Each kv head's left window (``None``: full), from the raw config fields."""
-        left = window_left_of(self.sliding_window)
-        if left is None:
-            return [None] * num_kv_heads
-        r = self.head_wise_swa_ratio
-        n_slide = num_kv_heads if r == 0 else int(r * num_kv_heads)
-        n_full = num_kv_heads - n_slide
-        return [None] * n_full + [left] * n_slide
-
-    def visible_mask(self, seq: int, num_kv_heads: int, group: int) -> paddle.Tensor:
-        """``[heads, seq, seq]`` bool: query ``i`` of a head sees key ``j``."""
-        i = paddle.arange(seq, dtype="int64").unsqueeze(1)
-        j = paddle.arange(seq, dtype="int64").unsqueeze(0)
-        masks = []
-        for left in self.kv_head_windows(num_kv_heads):
-            m = j <= i
-            if left is not None:
-                m = paddle.logical_and(m, i - j <= left)
-            masks.extend([m] * group)
-        return paddle.stack(masks, axis=0)
+    def masked(
+        self,
+        b: int,
+        q_len: int,
+        k_len: int,
+        num_kv_heads: int,
+        attention_mask: paddle.Tensor | None,
+        startend: paddle.Tensor | None,
+        attn_mask_type: Any,
+    ) -> tuple[paddle.Tensor | None, float]:
+        """``(mask [b, 1 or Hkv, q, k] bool True = masked, or None; fill value)`` of one call."""
+        if startend is not None:  # the FlashMask path
+            if self.sliding_window is not None:
+                left = window_left_size(self.sliding_window)
+                startend = add_sliding_window(startend, left, self.head_wise_swa_ratio, num_kv_heads)
+            return startend_masked(startend, q_len, attn_mask_type == AttnMaskType.causal), float("-inf")
+        if self.is_swa:
+            raise ValueError(
+                f"layer {self.layer_number}: a sliding-window layer needs attn_mask_startend_row_indices "
+                "(PaddleFleet's FlashMask path; its eager path refuses sliding layers)"
+            )
+        if attention_mask is not None:  # the eager path takes the given mask as it is
+            mask = attention_mask
+            if mask.dtype != paddle.bool:  # PaddleFormers' float masks: 1.0 attend, 0.0 masked
+                mask = mask < 0.5
+            return mask, EAGER_MASK_FILL
+        if self.attn_mask_type == AttnMaskType.causal and q_len > 1:
+            if q_len != k_len:
+                raise ValueError(f"the causal mask is for self attention, got q_len={q_len}, k_len={k_len}")
+            i = paddle.arange(q_len).unsqueeze(1)
+            return (paddle.arange(k_len).unsqueeze(0) > i).reshape([1, 1, q_len, k_len]), EAGER_MASK_FILL
+        return None, EAGER_MASK_FILL
 
     def forward(
         self,
@@ -141,29 +252,42 @@ class DotProductAttention(paddle.nn.Layer):
     ) -> paddle.Tensor:
         """``query [b, s, Hq, Dqk]``, ``key [b, s, Hkv, Dqk]``, ``value [b, s, Hkv, Dv]`` -> ``[b, s, Hq*Dv]``
 
-        ``attention_mask`` (optional, bool, broadcastable to ``[b, Hq, s, s]``)
-        is True where a key is masked out, PaddleFleet's convention; it is
-        combined with the causal / sliding-window mask.
+        ``Hkv`` is read from ``value.shape[2]`` (MLA hands every query head its
+        own K/V while the module reports the config's kv heads).
+        ``attn_mask_startend_row_indices [b, 1 or Hkv, s, cols]`` selects the
+        FlashMask path, causal iff ``attn_mask_type == AttnMaskType.causal``;
+        without it, ``attention_mask`` (bool, True = masked; or a float 1/0
+        mask) replaces the default causal mask.
         """
-        b, s, hq, _ = query.shape
-        hkv = key.shape[2]
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by DotProductAttention")
+        b, q_len, hq, _ = query.shape
+        k_len, hkv = key.shape[1], value.shape[2]
         group = hq // hkv
+        mask, fill = self.masked(
+            b, q_len, k_len, hkv, attention_mask, attn_mask_startend_row_indices, attn_mask_type
+        )
         k = paddle.repeat_interleave(key, group, axis=2) if group > 1 else key
         v = paddle.repeat_interleave(value, group, axis=2) if group > 1 else value
         q32 = query.astype("float32").transpose([0, 2, 1, 3])  # [b, Hq, s, D]
         k32 = k.astype("float32").transpose([0, 2, 3, 1])  # [b, Hq, D, s]
         scores = paddle.matmul(q32, k32) * self.softmax_scale  # [b, Hq, s, s]
-        visible = self.visible_mask(s, hkv, group).unsqueeze(0)
-        if attention_mask is not None:
-            visible = paddle.logical_and(visible, paddle.logical_not(attention_mask.astype("bool")))
-        scores = paddle.where(visible, scores, paddle.full_like(scores, float("-inf")))
+        visible_any = None
+        if mask is not None:
+            if mask.ndim == 4 and mask.shape[1] not in (1, hq):  # per kv head -> per query head
+                mask = paddle.repeat_interleave(mask.astype("int32"), group, axis=1)
+            mask = mask.astype("bool").expand(scores.shape)
+            scores = paddle.where(mask, paddle.full_like(scores, fill), scores)
+            visible_any = paddle.logical_not(mask).any(axis=-1, keepdim=True)  # [b, Hq, s, 1]
         if self.softmax_offset is not None:
-            sink = self.softmax_offset.astype("float32").reshape([1, hq, 1, 1]).expand([b, hq, s, 1])
+            sink = self.softmax_offset.astype("float32").reshape([1, hq, 1, 1]).expand([b, hq, q_len, 1])
             probs = F.softmax(paddle.concat([scores, sink], axis=-1), axis=-1)[..., :-1]
         else:
             probs = F.softmax(scores, axis=-1)
+        if visible_any is not None and fill == float("-inf"):  # FlashMask: a row with no key gives zeros
+            probs = paddle.where(visible_any.expand(probs.shape), probs, paddle.zeros_like(probs))
         out = paddle.matmul(probs, v.astype("float32").transpose([0, 2, 1, 3]))  # [b, Hq, s, Dv]
-        return out.transpose([0, 2, 1, 3]).reshape([b, s, -1]).astype(query.dtype)
+        return out.transpose([0, 2, 1, 3]).reshape([b, q_len, -1]).astype(query.dtype)
 
 
 def _layer_shape(config: MiniFleetConfig, is_swa: bool) -> tuple[int, int, int, int, float]:
@@ -181,13 +305,29 @@ def _layer_shape(config: MiniFleetConfig, is_swa: bool) -> tuple[int, int, int, 
 
 
 class SelfAttention(paddle.nn.Layer):
-    """GQA self attention: fused QKV projection, RoPE, core attention, optional output gate."""
+    """GQA self attention: fused QKV projection, RoPE, core attention, optional output gate.
 
-    def __init__(self, config: MiniFleetConfig, layer_index: int, is_swa: bool) -> None:
+    ``layer_number`` is PaddleFleet's 0-based number (empty head layers
+    counted; an MTP layer's own index); ``layer_index`` is the plan's layer
+    index (decoder layers 0.., MTP layers after them); ``is_swa`` comes from
+    :func:`~.config.is_window_layer`. Sliding layers use the ``swa_*`` heads,
+    dims and rope theta.
+    """
+
+    def __init__(
+        self,
+        config: MiniFleetConfig,
+        layer_index: int,
+        is_swa: bool,
+        layer_number: int | None = None,
+        is_mtp_layer: bool = False,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.layer_number = layer_index + 1
+        self.layer_number = layer_index if layer_number is None else layer_number
+        self.attn_mask_type = AttnMaskType.causal
         self.is_swa = is_swa
+        self.is_mtp_layer = is_mtp_layer
         hq, hkv, d, dv, theta = _layer_shape(config, is_swa)
         self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim = hq, hkv, d, dv
         self.rope_theta = theta
@@ -197,6 +337,9 @@ class SelfAttention(paddle.nn.Layer):
         self.core_attention = DotProductAttention(
             config,
             self.layer_number,
+            self.attn_mask_type,
+            "self",
+            is_mtp_layer=is_mtp_layer,
             is_swa=is_swa,
             softmax_scale=config.softmax_scale,
             k_channels=d,
@@ -228,7 +371,8 @@ class SelfAttention(paddle.nn.Layer):
             v,
             attention_mask,
             attn_mask_startend_row_indices,
-            attn_mask_type="causal",
+            attn_mask_type=self.attn_mask_type,
+            attention_bias=None,
             packed_seq_params=None,
         )
         if self.gate_proj is not None:
@@ -236,23 +380,44 @@ class SelfAttention(paddle.nn.Layer):
         return self.o_proj(out)
 
 
+def mla_softmax_scale(config: MiniFleetConfig) -> float:
+    """PaddleFleet's MLA scale: ``mscale ** 2 / sqrt(qk_nope + qk_rope)`` with
+    ``mscale = 0.1 * mscale_all_dim * ln(rotary_scaling_factor) + 1`` (1 when the factor is <= 1);
+    ``softmax_scale`` is not read (``transformer/multi_latent_attention.py``)."""
+    factor = float(getattr(config, "rotary_scaling_factor", None) or 1.0)
+    mscale_all_dim = float(getattr(config, "mscale_all_dim", None) or 0.0)
+    mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1.0 else 1.0
+    return mscale * mscale / math.sqrt(config.qk_nope_head_dim + config.qk_rope_head_dim)
+
+
 class MLASelfAttention(paddle.nn.Layer):
     """DeepSeek-style multi-head latent attention (no weight absorption).
 
     q/k head dim = ``qk_nope_head_dim + qk_rope_head_dim``, v head dim =
-    ``v_head_dim``; K/V carry every query head, so the core attention is built
-    with kv heads = q heads.
+    ``v_head_dim``; K/V carry every query head. As in PaddleFleet, the core
+    attention is built without ``is_swa`` (MLA layers never slide) and without
+    ``num_key_value_heads``, so it reports the config's kv head count while
+    K/V have one head per query head; its scale is :func:`mla_softmax_scale`.
     """
 
-    def __init__(self, config: MiniFleetConfig, layer_index: int, is_swa: bool) -> None:
+    def __init__(
+        self,
+        config: MiniFleetConfig,
+        layer_index: int,
+        is_swa: bool = False,
+        layer_number: int | None = None,
+        is_mtp_layer: bool = False,
+    ) -> None:
         super().__init__()
         c = config
         self.config = config
-        self.layer_number = layer_index + 1
-        self.is_swa = is_swa
+        self.layer_number = layer_index if layer_number is None else layer_number
+        self.attn_mask_type = AttnMaskType.causal
+        self.is_swa = False  # PaddleFleet's MLA core attention gets no is_swa
+        self.is_mtp_layer = is_mtp_layer
         self.num_heads = c.num_attention_heads
         self.nope, self.rope, self.v_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        self.rope_theta = c.swa_rope_theta if is_swa else c.rope_theta
+        self.rope_theta = c.rope_theta
         h, hq, qk = c.hidden_size, self.num_heads, self.nope + self.rope
         if c.q_lora_rank:
             self.q_a_proj = paddle.nn.Linear(h, c.q_lora_rank, bias_attr=False)
@@ -266,12 +431,11 @@ class MLASelfAttention(paddle.nn.Layer):
         self.core_attention = DotProductAttention(
             config,
             self.layer_number,
-            is_swa=is_swa,
-            softmax_scale=c.softmax_scale,
+            self.attn_mask_type,
+            "self",
+            softmax_scale=mla_softmax_scale(c),
             k_channels=qk,
             v_channels=self.v_head_dim,
-            num_attention_heads=hq,
-            num_key_value_heads=hq,
             layer_index=layer_index,
         )
         self.o_proj = paddle.nn.Linear(hq * self.v_head_dim, h, bias_attr=False)
@@ -300,6 +464,6 @@ class MLASelfAttention(paddle.nn.Layer):
         q = paddle.concat([q_nope, q_pe], axis=-1)
         k = paddle.concat([k_nope, k_pe.expand([b, s, hq, rope])], axis=-1)
         out = self.core_attention(
-            q, k, v, attention_mask, attn_mask_startend_row_indices, attn_mask_type="causal"
+            q, k, v, attention_mask, attn_mask_startend_row_indices, attn_mask_type=self.attn_mask_type
         )
         return self.o_proj(out)

@@ -32,7 +32,8 @@ class MiniFleetConfig(SimpleNamespace):
     """An attribute bag like PaddleFleet's ``TransformerConfig``: every raw field plus defaults.
 
     Being an attribute object (not a dict / HF ``PretrainedConfig``) matters:
-    an int ``sliding_window`` here has PaddleFleet's meaning (``left = W``).
+    ``spec.plan_from_config`` reads it with PaddleFleet's rules (which layers
+    slide, MTP layers, MLA), as the host's own ``TransformerConfig`` is read.
     """
 
     def get(self, name: str, default: Any = None) -> Any:
@@ -81,8 +82,8 @@ def make_config(config: dict | str | os.PathLike | MiniFleetConfig) -> MiniFleet
     c["swa_num_attention_heads"] = int(c.get("swa_num_attention_heads") or heads)
     c["swa_num_key_value_heads"] = int(c.get("swa_num_key_value_heads") or c["num_key_value_heads"])
     c["swa_head_dim"] = int(c.get("swa_head_dim") or c["head_dim"])
-    # the sliding value dim falls back to an explicit v_head_dim, else to the sliding head dim
-    c["swa_v_head_dim"] = int(c.get("swa_v_head_dim") or raw.get("v_head_dim") or c["swa_head_dim"])
+    # TransformerConfig: swa_v_head_dim falls back to v_head_dim (never to swa_head_dim)
+    c["swa_v_head_dim"] = int(c.get("swa_v_head_dim") or c["v_head_dim"])
     c["rope_theta"] = float(c.get("rope_theta") or 10000.0)
     c["swa_rope_theta"] = float(c.get("swa_rope_theta") or c["rope_theta"])
     defaults = {
@@ -94,6 +95,8 @@ def make_config(config: dict | str | os.PathLike | MiniFleetConfig) -> MiniFleet
         "window_attn_skip_freq": None,
         "head_wise_swa_ratio": 0.0,
         "multi_latent_attention": False,
+        "mtp_num_layers": 0,
+        "num_empty_layers_add_in_head": 0,
         "q_lora_rank": None,
         "gated_attention": False,
         "layernorm_epsilon": 1e-6,
@@ -123,12 +126,23 @@ def make_config(config: dict | str | os.PathLike | MiniFleetConfig) -> MiniFleet
     ):
         if hq % hkv:
             raise ValueError(f"config fields {what} must divide evenly, got {hq}/{hkv}")
-    window_left_of(c["sliding_window"])  # validates its form
+    window_left_size(c["sliding_window"])  # validates its form
+    for name in ("mtp_num_layers", "num_empty_layers_add_in_head"):
+        if isinstance(c[name], bool) or not isinstance(c[name], int) or c[name] < 0:
+            raise ValueError(f"config field {name!r} must be an int >= 0, got {c[name]!r}")
     return MiniFleetConfig(**c)
 
 
 def is_window_layer(config: MiniFleetConfig, layer_index: int) -> bool:
-    """PaddleFleet's rule for which (0-based) layers are sliding-window layers."""
+    """PaddleFleet's rule for which layers are sliding-window (``is_swa``) layers.
+
+    ``layer_index`` is 0-based, counted after the empty head layers; MTP
+    layers continue after ``num_hidden_layers``. Only ``sliding_window``
+    (truthy) and ``window_attn_skip_freq`` decide; ``layer_types`` and
+    ``use_sliding_window`` are not read. (PaddleFleet:
+    ``transformer/attention.py`` ``Attention.__init__`` with
+    ``transformer/utils.py`` ``is_layer_window_attention``.)
+    """
     window = config.sliding_window
     if not window:
         return False
@@ -146,21 +160,21 @@ def is_window_layer(config: MiniFleetConfig, layer_index: int) -> bool:
     raise ValueError(f"config field 'window_attn_skip_freq' must be an int or a list, got {freq!r}")
 
 
-def window_left_of(sliding_window: Any) -> int | None:
-    """Past tokens a sliding query sees besides itself; ``None`` for no window.
+def window_left_size(sliding_window: Any) -> int | None:
+    """PaddleFleet's left window size ``W`` (int ``W`` or tuple ``(W, right)``); ``None`` when unset.
 
-    PaddleFleet: a ``(left, right)`` tuple -> ``left``; an int ``W`` -> ``W``
-    (its newest code); a negative size means an infinite window.
+    It is what the FlashMask path adds to a key's row to get its first masked
+    row (``j + W``): a query sees W keys including itself. A size <= 0 truncates nothing.
     """
     if sliding_window is None:
         return None
     if isinstance(sliding_window, list | tuple):
         if len(sliding_window) != 2 or int(sliding_window[1]) != 0:
             raise ValueError(f"config field 'sliding_window' must be (left, 0), got {sliding_window!r}")
-        left = int(sliding_window[0])
-    else:
-        left = int(sliding_window)
-    return None if left < 0 else left
+        return int(sliding_window[0])
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise ValueError(f"config field 'sliding_window' must be an int or (left, 0), got {sliding_window!r}")
+    return sliding_window
 
 
 def layer_head_wise_ratio(config: MiniFleetConfig, layer_index: int) -> float:

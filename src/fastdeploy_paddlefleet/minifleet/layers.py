@@ -50,16 +50,31 @@ class GPTEmbedding(paddle.nn.Layer):
 
 
 class TransformerLayer(paddle.nn.Layer):
-    """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
+    """Pre-norm block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``.
 
-    def __init__(self, config: MiniFleetConfig, layer_index: int) -> None:
+    ``layer_index`` is the plan's index (decoder layers ``0..N-1``, MTP layers
+    ``N..``). ``layer_number`` follows PaddleFleet: a decoder layer's index plus
+    ``num_empty_layers_add_in_head``, an MTP layer's own 0-based index; the
+    sliding rule reads it back as PaddleFleet's ``Attention`` does.
+    """
+
+    def __init__(self, config: MiniFleetConfig, layer_index: int, is_mtp_layer: bool = False) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.layer_number = layer_index + 1
-        is_swa = is_window_layer(config, layer_index)
-        attn_cls = MLASelfAttention if config.multi_latent_attention else SelfAttention
+        self.is_mtp_layer = is_mtp_layer
+        if is_mtp_layer:
+            self.layer_number = layer_index - config.num_hidden_layers
+            for_swa = self.layer_number + config.num_hidden_layers
+        else:
+            self.layer_number = layer_index + config.num_empty_layers_add_in_head
+            for_swa = self.layer_number - config.num_empty_layers_add_in_head
+        mla = bool(config.multi_latent_attention)
+        is_swa = not mla and is_window_layer(config, for_swa)  # MLA core attention gets no is_swa
+        attn_cls = MLASelfAttention if mla else SelfAttention
         self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
-        self.self_attn = attn_cls(config, layer_index, is_swa)
+        self.self_attn = attn_cls(
+            config, layer_index, is_swa, layer_number=self.layer_number, is_mtp_layer=is_mtp_layer
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
         if int(config.num_experts or 0) > 0:
             from .moe import MoEMLP  # lazily: only MoE configs need it
@@ -79,6 +94,38 @@ class TransformerLayer(paddle.nn.Layer):
         h = h + self.mlp(self.post_attention_layernorm(h))
         out = dict(x)
         out["hidden_states"] = h
+        return out
+
+
+class EmptyLayer(paddle.nn.Layer):
+    """An empty pipeline layer (``num_empty_layers_add_in_head``): passes the dict through."""
+
+    def forward(self, x: Carry) -> Carry:
+        return x
+
+
+class MultiTokenPredictionLayer(paddle.nn.Layer):
+    """One MTP layer: ``eh_proj([norm(embed(ids)); norm(h)])`` through its own ``TransformerLayer``.
+
+    Appends its output ``[b, s, h]`` to the dict's ``mtp_hidden_states``; the
+    main ``hidden_states`` (and so the main logits) are untouched.
+    """
+
+    def __init__(self, config: MiniFleetConfig, mtp_index: int, embedding: GPTEmbedding) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self._embedding = [embedding]  # a list: the shared embedding is registered once, elsewhere
+        self.enorm = RMSNorm(h, config.layernorm_epsilon)
+        self.hnorm = RMSNorm(h, config.layernorm_epsilon)
+        self.eh_proj = paddle.nn.Linear(2 * h, h, bias_attr=False)
+        self.transformer_layer = TransformerLayer(config, config.num_hidden_layers + mtp_index, True)
+
+    def forward(self, x: Carry) -> Carry:
+        e = self._embedding[0].word_embeddings(x["input_ids"])
+        mixed = self.eh_proj(paddle.concat([self.enorm(e), self.hnorm(x["hidden_states"])], axis=-1))
+        inner = self.transformer_layer({**x, "hidden_states": mixed})
+        out = dict(x)
+        out["mtp_hidden_states"] = [*x.get("mtp_hidden_states", []), inner["hidden_states"]]
         return out
 
 

@@ -7,8 +7,16 @@ import zlib
 
 import paddle
 
+from .attention import causal_startend_row_indices
 from .config import MiniFleetConfig, make_config
-from .layers import FinalNorm, GPTEmbedding, GPTLMHead, TransformerLayer
+from .layers import (
+    EmptyLayer,
+    FinalNorm,
+    GPTEmbedding,
+    GPTLMHead,
+    MultiTokenPredictionLayer,
+    TransformerLayer,
+)
 
 
 class _Decoder(paddle.nn.Layer):
@@ -20,11 +28,12 @@ class _Decoder(paddle.nn.Layer):
 
 
 class GPTModel(paddle.nn.Layer):
-    """Embedding, N x ``TransformerLayer``, final norm, LM head, run as PaddleFleet's pipeline does.
+    """Embedding, empty head layers, N x ``TransformerLayer``, final norm, MTP layers, LM head,
+    run as PaddleFleet's pipeline does.
 
     ``run_function`` is the plain list of those layers (registered once, under
-    ``embedding``, ``decoder.layers.<i>``, ``final_norm``, ``lm_head``); the
-    forward passes one dict through it.
+    ``embedding``, ``decoder.layers.<i>``, ``final_norm``, ``mtp.<k>``, ``lm_head``;
+    the empty layers hold nothing); the forward passes one dict through it.
     """
 
     def __init__(self, config: MiniFleetConfig) -> None:
@@ -33,8 +42,19 @@ class GPTModel(paddle.nn.Layer):
         self.embedding = GPTEmbedding(config)
         self.decoder = _Decoder(config)
         self.final_norm = FinalNorm(config)
+        self.mtp = paddle.nn.LayerList(
+            [MultiTokenPredictionLayer(config, k, self.embedding) for k in range(config.mtp_num_layers)]
+        )
         self.lm_head = GPTLMHead(config, self.embedding)
-        self.run_function = [self.embedding, *self.decoder.layers, self.final_norm, self.lm_head]
+        head = [EmptyLayer() for _ in range(config.num_empty_layers_add_in_head)]
+        self.run_function = [
+            self.embedding,
+            *head,
+            *self.decoder.layers,
+            self.final_norm,
+            *self.mtp,
+            self.lm_head,
+        ]
 
     def forward(
         self,
@@ -43,7 +63,14 @@ class GPTModel(paddle.nn.Layer):
         attention_mask: paddle.Tensor | None = None,
         attn_mask_startend_row_indices: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
-        """``input_ids [b, s]`` (``position_ids [b, s]``, default ``0..s-1``) -> logits ``[b, s, vocab]``."""
+        """``input_ids [b, s]`` (``position_ids [b, s]``, default ``0..s-1``) -> logits ``[b, s, vocab]``.
+
+        Without ``attention_mask`` and ``attn_mask_startend_row_indices``, it feeds
+        causal start/end rows (one document per row), as PaddleFleet's data path
+        does, so the FlashMask path (the one sliding layers need) runs.
+        """
+        if attention_mask is None and attn_mask_startend_row_indices is None:
+            attn_mask_startend_row_indices = causal_startend_row_indices(*input_ids.shape)
         x = {
             "input_ids": input_ids,
             "position_ids": position_ids,

@@ -2,8 +2,10 @@
 
 ``patch_core_attention`` walks ``named_sublayers()``; every sublayer with a
 ``self_attn`` is a transformer layer (decoder and MTP layers alike) and takes
-the next layer index of its own count (``layer_number`` has been 1-based in
-some PaddleFleet versions, so it is not used). A layer whose ``self_attn`` has
+the next layer index of its own count: decoder layers ``0..N-1``, then MTP
+layers ``N..``, the plan's order (``layer_number`` is 0-based in PaddleFleet's
+current layer specs, counts the empty head layers, restarts at 0 for MTP
+layers, and has been 1-based in older versions, so it is not used). A layer whose ``self_attn`` has
 no ``core_attention`` (gated-delta-net / KDA linear attention) is skipped with
 a reason. Everything is checked before anything is replaced: a mismatch
 between the plan and a module, or a layer the backend cannot run, raises
@@ -38,13 +40,21 @@ def _sink_kind_of(core: paddle.nn.Layer) -> str:
 
 
 def _check_matches(core: paddle.nn.Layer, layer: LayerAttention, name: str) -> None:
-    """``ValueError`` when the plan entry disagrees with the module's own attributes."""
-    pairs = (
+    """``ValueError`` when the plan entry disagrees with the module's own attributes.
+
+    An MLA layer's kv head count is not compared: PaddleFleet's MLA builds its
+    core attention without ``num_key_value_heads``, so the module reports the
+    config's kv heads while K/V carry one head per query head (the plan's
+    count); the adapter checks ``key.shape[-2]`` against the plan at run time.
+    """
+    pairs: tuple[tuple[str, str], ...] = (
         ("num_attention_heads_per_partition", "num_q_heads"),
         ("num_query_groups_per_partition", "num_kv_heads"),
         ("k_channels", "qk_head_dim"),
         ("v_channels", "v_head_dim"),
     )
+    if layer.mla is not None:
+        pairs = tuple(p for p in pairs if p[0] != "num_query_groups_per_partition")
     for attr, field in pairs:
         have = getattr(core, attr, None)
         want = getattr(layer, field)

@@ -16,15 +16,25 @@ from ..spec.layer import AttentionPlan
 from .verify import VerifyCase
 
 
-def pipeline_logits(model: Any, ids: Any, positions: Any) -> Any:
+def causal_startend_row_indices(batch: int, seq: int) -> Any:
+    """``[batch, 1, seq, 1]`` int32 filled with ``seq``: FlashMask start/end rows of one causal
+    document per row, what PaddleFleet's data path feeds an unpacked causal batch (sliding layers
+    need them: they take the FlashMask path and add their window to these rows)."""
+    import paddle
+
+    return paddle.full([batch, 1, seq, 1], seq, dtype="int32")
+
+
+def pipeline_logits(model: Any, ids: Any, positions: Any, startend_rows: Any = None) -> Any:
     """Walk a PaddleFleet-shaped ``model.run_function`` (dicts between layers) over ``ids [1, L]``
     at ``positions [1, L]`` (int64) -> logits ``[1, L, vocab]`` (what ``GPTModel`` runs, without
-    pipeline parallelism)."""
+    pipeline parallelism). ``startend_rows``: the ``attn_mask_startend_row_indices`` to feed
+    (``None``: none, the host's eager path)."""
     carry: Any = {
         "input_ids": ids,
         "position_ids": positions,
         "attention_mask": None,
-        "attn_mask_startend_row_indices": None,
+        "attn_mask_startend_row_indices": startend_rows,
     }
     for layer in model.run_function:
         carry = layer(carry)
@@ -39,13 +49,19 @@ def fleet_case(
     backend: AttentionBackend | str = "reference",
     extras: dict[str, Any] | None = None,
     vocab_size: int | None = None,
+    native_path: str = "flashmask",
 ) -> VerifyCase:
     """Patch ``paged`` (same weights as ``native``) with ``plan`` on ``backend``; wrap both as a case.
 
     Both are PaddleFleet-shaped ``GPTModel`` s (minifleet or PaddleFleet itself): ``native`` keeps
     its own core attention and runs each request's whole sequence; ``paged`` runs the packed step.
+    ``native_path``: ``flashmask`` feeds the native model causal start/end rows
+    (:func:`causal_startend_row_indices`, PaddleFleet's production path, the only one its sliding
+    layers take); ``eager`` feeds none (its eager path; full-attention models only).
     ``vocab_size`` defaults to ``paged.config.vocab_size``.
     """
+    if native_path not in ("flashmask", "eager"):
+        raise ValueError(f"native_path must be 'flashmask' or 'eager', got {native_path!r}")
     import paddle
 
     from ..backends import get_backend
@@ -58,8 +74,10 @@ def fleet_case(
         raise ValueError(f"vocab_size must be a positive int (argument or model config), got {vocab!r}")
 
     def native_logits(ids: Any) -> Any:
-        positions = paddle.arange(int(ids.shape[1]), dtype="int64").unsqueeze(0)
-        return pipeline_logits(native, ids, positions)
+        n = int(ids.shape[1])
+        positions = paddle.arange(n, dtype="int64").unsqueeze(0)
+        rows = causal_startend_row_indices(1, n) if native_path == "flashmask" else None
+        return pipeline_logits(native, ids, positions, rows)
 
     def paged_logits(ids: Any, positions: Any) -> Any:
         return pipeline_logits(paged, ids.unsqueeze(0), positions.unsqueeze(0))[0]

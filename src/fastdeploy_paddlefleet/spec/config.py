@@ -20,7 +20,7 @@ from typing import Any
 from .layer import SINK_KINDS, AttentionPlan, LayerAttention, MLADims
 from .model_types import hf_overrides, text_model
 
-CONVENTIONS: tuple[str, ...] = ("hf", "paddlefleet-tuple", "paddlefleet-int")
+CONVENTIONS: tuple[str, ...] = ("hf", "paddlefleet", "paddlefleet-tuple", "paddlefleet-int")
 
 # canonical name -> names read, first non-None wins (new name first, then old ones)
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -144,40 +144,113 @@ def load_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     raise ValueError(f"config {name!r}: no such file")
 
 
-def _window(f: _Fields, convention: str | None) -> tuple[int | None, bool, str]:
-    """``(window_left, window_set, convention)``; ``window_left`` None means no window.
+def _paddlefleet_rules(f: _Fields, convention: str | None) -> bool:
+    """Whether the config is read with PaddleFleet's rules (True) or HF's (False).
 
-    ``window_set`` is True when the config names a window at all (infinite
-    ``-1`` included), used to reject ``layer_types`` that slide without one.
+    The ``convention=`` argument, else a ``window_convention`` field: ``hf`` or
+    ``paddlefleet`` (``paddlefleet-int`` / ``paddlefleet-tuple`` mean the same).
+    Else PaddleFleet for an attribute object that is not a ``PretrainedConfig``
+    (PaddleFleet's ``TransformerConfig``, minifleet's config), a ``(left, right)``
+    window (a form only PaddleFleet has) or ``model_type == "minifleet"``; HF otherwise.
     """
-    if convention is not None and convention not in CONVENTIONS:
-        raise ValueError(f"convention must be one of {', '.join(CONVENTIONS)}, got {convention!r}")
+    for source, conv in (("convention", convention), ("window_convention", f.get("window_convention"))):
+        if conv is not None:
+            if conv not in CONVENTIONS:
+                raise ValueError(f"{source} must be one of {', '.join(CONVENTIONS)}, got {conv!r}")
+            return conv != "hf"
+    if isinstance(f.get("sliding_window"), list | tuple) or f.get("model_type") == "minifleet":
+        return True
+    return f.origin == "object"
+
+
+def _window(f: _Fields, paddlefleet: bool, convention: str | None = None) -> tuple[int | None, bool, str]:
+    """``(window_left, window_set, convention)``; ``window_left`` None means no finite window.
+
+    HF: ``window_set`` is True when the config names a window at all (infinite
+    ``-1`` included), used to reject ``layer_types`` that slide without one.
+    PaddleFleet: ``window_set`` is whether layers can be sliding (``is_swa``)
+    layers at all: a truthy ``sliding_window`` (``transformer/utils.py``
+    ``is_layer_window_attention``). Its FlashMask path
+    (``startend_row_indices_add_sliding_window``) puts key ``j``'s first masked
+    row at ``j + W`` for an int ``W`` and a ``(W, right)`` tuple alike: W keys
+    including the query, ``window_left = W - 1``; ``-1`` truncates nothing (the
+    layers still take the sliding-layer heads and sink). A ``convention`` (argument
+    or ``window_convention``) naming the other form than the value's is an error.
+    """
+    named = convention if convention is not None else f.get("window_convention")
     field, raw = f.named("sliding_window")
+    if paddlefleet:
+        if not raw:
+            return None, False, "none"
+        if isinstance(raw, list | tuple):
+            if len(raw) != 2:
+                raise ValueError(f"{field} as a sequence must be (left, right), got {raw!r}")
+            left, right = raw
+            if right != 0:
+                raise ValueError(f"{field}={raw!r}: a right window must be 0 for causal attention")
+            conv = "paddlefleet-tuple"
+        else:
+            left, conv = raw, "paddlefleet-int"
+        if named in ("paddlefleet-int", "paddlefleet-tuple") and named != conv:
+            source = "convention" if convention is not None else "window_convention"
+            raise ValueError(f"{source}={named!r} does not apply to {field}={raw!r}")
+        if isinstance(left, bool) or not isinstance(left, int):
+            raise ValueError(f"{field} must be an int or (left, right) ints, got {raw!r}")
+        if left == 0 or left < -1:  # (0, 0): PaddleFleet would slide nothing yet use the sliding heads
+            raise ValueError(f"{field}={raw!r}: a window must be positive or -1 (infinite)")
+        return (left - 1 if left > 0 else None), True, conv
     if raw is None or f.get("use_sliding_window") is False:
         return None, False, "none"
     if isinstance(raw, list | tuple):
-        if len(raw) != 2:
-            raise ValueError(f"{field} as a sequence must be (left, right), got {raw!r}")
-        left, right = raw
-        if right != 0:
-            raise ValueError(f"{field}={raw!r}: a right window must be 0 for causal attention")
-        if convention not in (None, "paddlefleet-tuple"):
-            raise ValueError(f"{field}={raw!r} is a (left, right) tuple but convention={convention!r}")
-        conv, value = "paddlefleet-tuple", left
-    else:
-        conv = convention or f.get("window_convention")
-        if conv is None:
-            conv = "paddlefleet-int" if f.origin == "object" else "hf"
-        if conv not in ("hf", "paddlefleet-int"):
-            raise ValueError(f"window_convention={conv!r} does not apply to an int {field}={raw!r}")
-        value = raw
-    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"{field}={raw!r} is a (left, right) tuple, PaddleFleet's form, but the config is read "
+            "with HF rules (convention='hf')"
+        )
+    if isinstance(raw, bool) or not isinstance(raw, int):
         raise ValueError(f"{field} must be an int or (left, right) ints, got {raw!r}")
-    if value == -1:
+    if raw == -1:
         return None, True, "none"  # infinite window: nothing slides
-    if value == 0 or value < -1:
+    if raw == 0 or raw < -1:
         raise ValueError(f"{field}={raw!r}: a window must be positive or -1 (infinite)")
-    return (value - 1 if conv == "hf" else value), True, conv
+    return raw - 1, True, "hf"
+
+
+def _mtp_layers(f: _Fields) -> int:
+    """PaddleFleet's multi-token-prediction layers: ``mtp_num_layers``, else ``num_nextn_predict_layers``."""
+    for name in ("mtp_num_layers", "num_nextn_predict_layers"):
+        value = f.get(name)
+        if value is not None:
+            return _int(value, name, 0)
+    return 0
+
+
+def _paddlefleet_flags(f: _Fields, total: int, window_set: bool, mla: bool) -> list[bool]:
+    """PaddleFleet's ``is_swa`` of each layer (``transformer/attention.py`` ``Attention.__init__``).
+
+    Layer ``i`` is 0-based, counted after ``num_empty_layers_add_in_head``; MTP
+    layers continue after ``num_hidden_layers``. Only ``sliding_window`` and
+    ``window_attn_skip_freq`` decide (``transformer/utils.py``
+    ``is_layer_window_attention``): none -> every layer, an int ``N`` ->
+    ``i % N != 0``, a list -> ``bool(list[i])``. ``layer_types``,
+    ``use_sliding_window`` and ``sliding_window_pattern`` are not read. MLA
+    layers build their core attention without ``is_swa``: never sliding.
+    """
+    if not window_set or mla:
+        return [False] * total
+    field, skip = f.named("window_attn_skip_freq")
+    if skip is None:
+        return [True] * total
+    if isinstance(skip, list | tuple):
+        if len(skip) < total:
+            raise ValueError(
+                f"{field} has {len(skip)} entries but the model has {total} layers "
+                f"(num_hidden_layers plus MTP layers): {list(skip)!r}"
+            )
+        if any(isinstance(v, str) or not isinstance(v, int) for v in skip):
+            raise ValueError(f"{field} entries must be 0/1 (or bools), got {list(skip)!r}")
+        return [bool(v) for v in skip[:total]]
+    freq = _int(skip, field)
+    return [i % freq != 0 for i in range(total)]
 
 
 def _sliding_flags(f: _Fields, n: int, window_set: bool) -> list[bool]:
@@ -247,9 +320,16 @@ def _mla(f: _Fields) -> tuple[MLADims, int] | None:
     return dims, _required(f, "v_head_dim", why)[1]
 
 
-def _yarn_mscale_sq(f: _Fields) -> float:
+def _yarn_mscale_sq(f: _Fields, paddlefleet: bool = False) -> float:
     """DeepSeek-V3's yarn correction of the softmax scale: ``mscale(factor, mscale_all_dim) ** 2``
-    with ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1`` (1 when factor <= 1)."""
+    with ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1`` (1 when factor <= 1).
+
+    PaddleFleet's MLA (``transformer/multi_latent_attention.py``) reads its own
+    ``rotary_scaling_factor`` and ``mscale_all_dim`` fields when they are set.
+    """
+    factor, mscale_all_dim = f.get("rotary_scaling_factor"), f.get("mscale_all_dim")
+    if paddlefleet and factor is not None and mscale_all_dim is not None:
+        return (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2 if factor > 1.0 else 1.0
     rope = f.get("rope_scaling") or f.get("rope_parameters")
     if not isinstance(rope, Mapping) or (rope.get("type") or rope.get("rope_type")) != "yarn":
         return 1.0
@@ -289,8 +369,12 @@ def plan_from_config(
     """The attention plan of ``config`` on TP rank ``tp_rank`` of ``tp_size``.
 
     ``config``: a dict, a ``config.json`` path / model directory / preset name
-    (``str`` or ``Path``), or an attribute object. ``convention`` forces how an
-    int ``sliding_window`` is read (``hf``: ``W - 1``; ``paddlefleet-int``: ``W``).
+    (``str`` or ``Path``), or an attribute object. ``convention`` (``hf`` or
+    ``paddlefleet``) forces whose rules read the config (which layers slide,
+    MTP layers, MLA, defaults); by default PaddleFleet's for a ``TransformerConfig``-like
+    attribute object, a ``(left, right)`` window or ``model_type == "minifleet"``,
+    HF's otherwise (docs/plan.md). Both read an int window ``W`` as W keys
+    including the query (``window_left = W - 1``).
     """
     tp = _int(tp_size, "tp_size")
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp:
@@ -308,6 +392,8 @@ def plan_from_config(
     _, n = _required(f, "num_hidden_layers")
     heads_field, heads = _required(f, "num_attention_heads")
     mla = _mla(f)
+    pf = _paddlefleet_rules(f, convention)
+    total = n + (_mtp_layers(f) if pf else 0)
     kv_field, kv = f.named("num_key_value_heads")
     kv = heads if kv is None else _int(kv, kv_field)
     head_dim_field, head_dim = f.named("head_dim")
@@ -329,25 +415,34 @@ def plan_from_config(
     if softmax_type not in SINK_KINDS:
         raise ValueError(f"softmax_type must be one of {', '.join(SINK_KINDS)}, got {softmax_type!r}")
     model_type = f.get("model_type")
-    hf_sinks = model_type == "gpt_oss" or bool(f.get("use_sinks")) or bool(f.get("attention_sinks"))
+    hf_sinks = not pf and (
+        model_type == "gpt_oss" or bool(f.get("use_sinks")) or bool(f.get("attention_sinks"))
+    )
     scale = f.get("softmax_scale")
     if scale is not None:
         scale = _positive(scale, "softmax_scale")
-    elif f.get("query_pre_attn_scalar") is not None:
+    elif f.get("query_pre_attn_scalar") is not None and not pf:
         scale = _positive(f.get("query_pre_attn_scalar"), "query_pre_attn_scalar") ** -0.5
+    if pf and mla is not None:
+        scale = None  # PaddleFleet's MLA sets its own scale, whatever softmax_scale says
 
     soft_cap = f.get("attn_logit_softcapping")
     soft_cap = None if soft_cap is None else _positive(soft_cap, "attn_logit_softcapping")
-    window_left, window_set, conv = _window(f, convention)
+    window_left, window_set, conv = _window(f, pf, convention)
     if window_left is not None and window_left > MAX_INT:
         raise ValueError(f"sliding_window gives window_left={window_left}, more than {MAX_INT}")
-    flags = _sliding_flags(f, n, window_set)
-    ratios = _ratios(f, n)
+    if pf:
+        flags = _paddlefleet_flags(f, total, window_set, mla is not None)
+    else:
+        flags = _sliding_flags(f, n, window_set)
+    ratios = _ratios(f, total)
     per_layer_ratio = isinstance(f.get("head_wise_swa_ratio"), list | tuple)
 
     layers = []
-    for i in range(n):
-        sliding = flags[i] and window_left is not None
+    for i in range(total):
+        # is_swa: the layer takes the sliding-layer heads, dims and sink; PaddleFleet makes a
+        # layer is_swa even when its window truncates nothing (-1, or a (0, 0) tuple)
+        sliding = flags[i] and (window_left is not None or pf)
         if sliding:
             hq_field, hq = f.named("swa_num_attention_heads")
             hq_field, hq = (heads_field, heads) if hq is None else (hq_field, _int(hq, hq_field))
@@ -356,20 +451,20 @@ def plan_from_config(
             qk = f.get("swa_head_dim")
             qk = head_dim if qk is None else _int(qk, "swa_head_dim")
             vd = f.get("swa_v_head_dim")
-            vd = (v_dim if v_dim is not None else qk) if vd is None else _int(vd, "swa_v_head_dim")
+            # PaddleFleet's TransformerConfig: swa_v_head_dim defaults to v_head_dim (itself head_dim)
+            vd = (v_dim if v_dim is not None else head_dim) if vd is None else _int(vd, "swa_v_head_dim")
         else:
             hq_field, hq, hkv_field, hkv = heads_field, heads, kv_field, kv
             qk, vd = head_dim, (head_dim if v_dim is None else v_dim)
         if mla is not None:  # core attention sees one kv head per query head
             qk, vd, hkv, hkv_field = mla[0].qk_head_dim, mla[1], hq, hq_field
 
-        if sliding:
-            r = ratios[i]
-            if r not in (0.0, 1.0) and int(r * hkv) == 0:
-                raise ValueError(
-                    f"layer {i}: head_wise_swa_ratio={r!r} gives no sliding head of {hkv_field}={hkv}"
-                )
-        elif per_layer_ratio and not flags[i] and ratios[i] not in (0.0, 1.0):
+        if sliding and not pf and ratios[i] not in (0.0, 1.0) and int(ratios[i] * hkv) == 0:
+            # no HF rule defines a ratio that slides no head; PaddleFleet slides every head then
+            raise ValueError(
+                f"layer {i}: head_wise_swa_ratio={ratios[i]!r} gives no sliding head of {hkv_field}={hkv}"
+            )
+        if not sliding and per_layer_ratio and not flags[i] and ratios[i] not in (0.0, 1.0):
             raise ValueError(f"layer {i} is not a sliding layer but head_wise_swa_ratio[{i}]={ratios[i]!r}")
 
         flag = f.get("add_swa_attention_sink_bias" if sliding else "add_full_attention_sink_bias")
@@ -377,19 +472,22 @@ def plan_from_config(
         if scale is not None:
             layer_scale = scale
         else:
-            layer_scale = qk**-0.5 * (_yarn_mscale_sq(f) if mla is not None else 1.0)
+            layer_scale = qk**-0.5 * (_yarn_mscale_sq(f, pf) if mla is not None else 1.0)
 
         hq_l, kv_l, q_range, kv_range = _shard(i, hq, hkv, (hq_field, hkv_field), tp, tp_rank)
-        # PaddleFleet splits head-wise heads per rank (it masks with the rank's own
-        # kv head count): the LAST int(r * kv_l) local kv heads slide.
+        # PaddleFleet splits head-wise heads per rank (transformer/utils.py
+        # startend_row_indices_add_sliding_window masks with the rank's own kv head count):
+        # n = int(r * kv_l); 0 < n < kv_l -> the LAST n local kv heads slide, else ALL do (r = 0 too).
         local = None
-        if sliding:
-            n_slide = kv_l if ratios[i] in (0.0, 1.0) else int(ratios[i] * kv_l)
-            if n_slide == 0:
+        if sliding and window_left is not None:
+            n_slide = int(ratios[i] * kv_l)
+            if not pf and n_slide == 0 and ratios[i] not in (0.0, 1.0):
                 raise ValueError(
                     f"layer {i}: head_wise_swa_ratio={ratios[i]!r} gives no sliding head of the "
                     f"{kv_l} kv head(s) per rank at tp_size={tp}"
                 )
+            if not 0 < n_slide < kv_l:
+                n_slide = kv_l
             local = (kv_l - n_slide, kv_l)
         if local is None:
             kind = "full"
@@ -414,10 +512,11 @@ def plan_from_config(
             )
         )
 
-    any_sliding = any(flags[i] and window_left is not None for i in range(n))
+    any_sliding = window_left is not None and any(flags)
     extras = {"model_type": model_type} if model_type else {}
     if wrapped:
         extras["text_config_of"] = wrapped
+    extras["rules"] = "paddlefleet" if pf else "hf"
     return AttentionPlan(
         layers=tuple(layers),
         convention=conv if any_sliding else "none",
