@@ -275,3 +275,47 @@ def validate_inputs(
     else:
         _check_table("meta.block_tables", tables, lo.min(axis=1), hi[:, 0], active, nb, "block")
     return HostMeta(dec, this_time, cu, tables, page_table, t)
+
+
+def validate_shapes(
+    q: Any,
+    k: Any,
+    v: Any,
+    layer: LayerAttention,
+    meta: BatchMeta,
+    kv_cache: Any,
+    sinks: Any = None,
+) -> None:
+    """The checks of :func:`validate_inputs` that need no host copy (shapes, dtypes, ranks, the
+    metadata's lengths): safe inside a CUDA graph capture and on FastDeploy's hot path, where the
+    metadata's values stay on the device. Raises ``ValueError`` / ``TypeError`` like it."""
+    _check_layer(layer)
+    hq, hkv, dqk, dv = layer.num_q_heads, layer.num_kv_heads, layer.qk_head_dim, layer.v_head_dim
+    t = _check_tensor("q", q, (None, hq, dqk))[0]
+    _check_tensor("k", k, (t, hkv, dqk))
+    _check_tensor("v", v, (t, hkv, dv))
+    if not (dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype)):
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not isinstance(meta, BatchMeta):
+        raise TypeError(f"meta must be a BatchMeta, got {type(meta).__name__}")
+    bs = meta.block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
+        raise ValueError(f"meta.block_size must be a positive int, got {bs!r}")
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+        raise TypeError(f"kv_cache must be a (key_cache, value_cache) pair, got {type(kv_cache).__name__}")
+    nb = _check_tensor("kv_cache[0] (key cache)", kv_cache[0], (None, hkv, bs, dqk))[0]
+    _check_tensor("kv_cache[1] (value cache)", kv_cache[1], (nb, hkv, bs, dv))
+    bsz = _shape(meta.seq_lens_this_time)[0] if meta.seq_lens_this_time is not None else None
+    if bsz is None:
+        raise ValueError("meta.seq_lens_this_time is required, got None")
+    for name, want in (("seq_lens_decoder", bsz), ("cu_seqlens_q", bsz + 1), ("batch_id_per_token", t)):
+        x = getattr(meta, name)
+        if x is None or _shape(x)[:1] != (want,):
+            got = None if x is None else list(_shape(x))
+            raise ValueError(f"meta.{name} must have length {want}, got shape {got}")
+    if meta.block_tables is None or len(_shape(meta.block_tables)) != 2:
+        got = None if meta.block_tables is None else list(_shape(meta.block_tables))
+        raise ValueError(f"meta.block_tables must have shape [bsz={bsz}, max_blocks], got {got}")
+    if layer.sink == "learnable" and (sinks is None or _shape(sinks) != (hq,)):
+        got = None if sinks is None else list(_shape(sinks))
+        raise ValueError(f"sinks must have shape [{hq}] for layer {layer.index}, got {got}")
