@@ -150,8 +150,8 @@ def test_register_adds_architecture_with_our_module_path(fake_fastdeploy, caplog
     module = importlib.import_module(f"{entry['module_path']}.{entry['module_name']}")
     assert getattr(module, entry["class_name"]) is PaddleFleetForCausalLM
     assert ModelRegistry.get_class("PaddleFleetForCausalLM") is PaddleFleetForCausalLM
-    # FastDeploy's own architectures are not shadowed
-    assert set(ModelRegistry.get_supported_archs()) == {"PaddleFleetForCausalLM"}
+    # FastDeploy's own architectures are not shadowed; the RL name refuses by itself
+    assert set(ModelRegistry.get_supported_archs()) == {"PaddleFleetForCausalLM", "PaddleFleetForCausalLMRL"}
     text = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
     assert "registered architecture PaddleFleetForCausalLM" in text
     assert "model-impl" in text
@@ -207,7 +207,7 @@ def test_register_is_idempotent(fake_fastdeploy, caplog):
     with caplog.at_level(logging.INFO, logger="fastdeploy_paddlefleet"):
         assert _register() is True
         assert _register() is True
-    assert ModelRegistry.register_calls == 1
+    assert ModelRegistry.register_calls == 2  # the class and its RL name, once each
     assert args_utils.MODEL_IMPL_CHOICES.count("paddlefleet") == 1
     assert args_utils.EngineArgs.__post_init__ is post_init
     assert ModelRegistry.inspect_model_cls is inspect_fn

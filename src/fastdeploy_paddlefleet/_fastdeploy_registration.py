@@ -1,31 +1,48 @@
-"""Registration with an installed FastDeploy (called by ``plugin.register()``).
+"""Registration with an installed FastDeploy (called by ``plugin.register*()``).
 
-Three things, each idempotent:
+Two entry points, both idempotent (see ``docs/fastdeploy.md``):
 
-1. **Architecture.** ``PaddleFleetForCausalLM`` is registered with
-   ``ModelRegistry.register_model_class`` under its ``name()``, with this
-   package's module path (``fastdeploy_paddlefleet`` + ``model``). Only that
-   name: registering PaddleFormers' fleet-backed architectures
-   (``Qwen3ForCausalLM``, ...) would shadow FastDeploy's native classes for
-   every user of the process. Instead ``--model-impl paddlefleet`` routes any
-   architecture to this class (3.).
-2. **``paddlefleet`` as a model-impl.** FastDeploy versions list the accepted
-   values in several places: a module constant, the ``--model-impl``
-   argparse ``choices`` of ``EngineArgs.add_cli_args``, and a list local to
-   ``EngineArgs.__post_init__`` (and the worker's own CLI, which only ever
-   sees what the engine passes on). Module constants are extended in place,
+* :func:`register_model_impl` runs at ``import fastdeploy`` (this package's entry
+  point in the ``fastdeploy.tool_parser_plugins`` and
+  ``fastdeploy.reasoning_parser_plugins`` groups, which FastDeploy loads while
+  ``fastdeploy/__init__.py`` imports ``LLM``): it makes ``--model-impl
+  paddlefleet`` parseable before the api_server builds its parser at import.
+  It touches only ``fastdeploy.engine.args_utils`` and ``fastdeploy.config``
+  (already imported by then), never the model package.
+* :func:`register_with_fastdeploy` runs from ``fastdeploy.model_register_plugins``
+  (loaded at the end of ``fastdeploy/model_executor/models/__init__.py``, after
+  FastDeploy registered its own models): the above plus the architecture and
+  the routing.
+
+What is done:
+
+1. **``paddlefleet`` as a model-impl.** FastDeploy versions list the accepted
+   values in several places: a module constant, the ``--model-impl`` argparse
+   ``choices`` of ``EngineArgs.add_cli_args``, and a list local to
+   ``EngineArgs.__post_init__`` (and the worker's own CLI, which only ever sees
+   what the engine passes on). Module constants are extended in place,
    ``add_cli_args`` is wrapped to extend the built parser's choices, and
-   ``__post_init__`` is wrapped so ``paddlefleet`` passes: the choice is
-   recorded in ``FDFLEET_MODEL_IMPL=paddlefleet`` (inherited by the worker
-   processes FastDeploy spawns) and FastDeploy's own checks and worker CLI
-   see ``auto``.
+   ``__post_init__`` is wrapped so ``paddlefleet`` passes: the choice is recorded
+   in ``FDFLEET_MODEL_IMPL=paddlefleet`` (inherited by the worker processes
+   FastDeploy spawns) and FastDeploy's own checks and worker CLI see ``auto``.
+   FastDeploy versions that know ``paddlefleet`` themselves (PR #7964 on) get the
+   same treatment, so their in-tree fleet paths never engage for this model.
+2. **Architecture.** ``PaddleFleetForCausalLM`` is registered under its
+   ``name()`` with this package's module path. When FastDeploy already has a
+   class of that name (its in-tree fleet fallback, #7964 on), ours replaces it in
+   the registry for this process and one INFO line says which class was set
+   aside: the plugin is only loaded when ``FD_PLUGINS`` lists it. Only that
+   name: PaddleFormers' fleet-backed architectures (``Qwen3ForCausalLM``, ...)
+   are not registered, FastDeploy's native classes stay. ``PaddleFleetForCausalLMRL``
+   (what the RL loader looks up) is registered too and refuses at build with a
+   message naming the loader.
 3. **Routing.** The registry's per-config lookups (``inspect_model_cls``,
    ``is_text_generation_model``, ...) are wrapped: when the model config's
    ``model_impl`` is ``paddlefleet`` (or ``FDFLEET_MODEL_IMPL`` says so) they
-   answer for ``PaddleFleetForCausalLM`` and put it first in
-   ``model_config.architectures`` (the loaders build
-   ``ModelRegistry.get_class(architectures[0])``; the original names stay
-   after it).
+   answer for ``PaddleFleetForCausalLM``; ``ModelConfig._post_init`` (which
+   keeps only the resolved name) is wrapped so ``model_config.architectures``
+   ends ``[PaddleFleetForCausalLM, <the checkpoint's own names>...]`` (the
+   loaders build ``ModelRegistry.get_class(architectures[0])``).
 
 Signatures drift between FastDeploy versions: every call passes only the
 keyword arguments the installed function accepts.
@@ -38,7 +55,8 @@ import importlib
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .envs import MODEL_IMPL_VAR, model_impl_is_paddlefleet
@@ -46,6 +64,8 @@ from .envs import MODEL_IMPL_VAR, model_impl_is_paddlefleet
 logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "PaddleFleetForCausalLM"
+#: what FastDeploy's loaders look up when ``load_config.dynamic_load_weight`` (RL) is on
+RL_ARCHITECTURE = ARCHITECTURE + "RL"
 MODEL_IMPL = "paddlefleet"
 MODULE_PATH = "fastdeploy_paddlefleet"
 MODULE_NAME = "model"
@@ -54,6 +74,8 @@ MODEL_IMPL_ENV = MODEL_IMPL_VAR
 
 _REGISTRY_MODULES = ("fastdeploy.model_executor.models.model_base", "fastdeploy.model_executor.models")
 _ARGS_MODULES = ("fastdeploy.engine.args_utils", "fastdeploy.config", "fastdeploy.worker.worker_process")
+#: imported by the early hook only when already imported (the worker module is heavy, and sees ``auto``)
+_LATE_ARGS_MODULES = ("fastdeploy.worker.worker_process",)
 _ROUTED_METHODS = (
     "inspect_model_cls",
     "is_text_generation_model",
@@ -104,14 +126,38 @@ def _accepted_kwargs(fn: Callable[..., Any], wanted: dict[str, Any]) -> dict[str
     return {k: v for k, v in wanted.items() if k in params}
 
 
-def _register_architecture(registry: Any, registry_module: Any) -> bool:
-    """Register ``PaddleFleetForCausalLM``; ``False`` when it already was."""
-    if ARCHITECTURE in _registered_architectures(registry):
-        return False
-    from .model import PaddleFleetForCausalLM
+def _registered_class(registry: Any, name: str) -> Any:
+    """The class FastDeploy has under ``name`` (traditional table, else the lazy entry), or ``None``."""
+    table = getattr(registry, "_arch_to_model_cls", None)
+    if isinstance(table, Mapping) and name in table:
+        return table[name]
+    entry = getattr(registry, "_enhanced_models", {}).get(name)
+    if isinstance(entry, Mapping):
+        if entry.get("class") is not None:
+            return entry["class"]
+        return f"{entry.get('module_path')}.{entry.get('module_name')}.{entry.get('class_name')}"
+    return None
 
+
+def _describe(cls: Any) -> str:
+    if isinstance(cls, str):
+        return cls
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
+
+
+def _is_ours(registry: Any, name: str, cls: type) -> bool:
+    entry = getattr(registry, "_enhanced_models", {}).get(name)
+    table = getattr(registry, "_arch_to_model_cls", {})
+    in_table = not isinstance(table, Mapping) or table.get(name) is cls
+    in_entry = not isinstance(entry, Mapping) or (
+        entry.get("module_path") == MODULE_PATH and entry.get("class_name") == cls.__name__
+    )
+    return name in _registered_architectures(registry) and in_table and in_entry
+
+
+def _register_class(registry: Any, registry_module: Any, name: str, cls: type) -> None:
     wanted: dict[str, Any] = {
-        "architecture": ARCHITECTURE,
+        "architecture": name,
         "module_name": MODULE_NAME,
         "module_path": MODULE_PATH,
         "primary_use": None,
@@ -122,12 +168,37 @@ def _register_architecture(registry: Any, registry_module: Any) -> bool:
     register = registry.register_model_class
     kwargs = _accepted_kwargs(register, wanted)
     if "model_class" in inspect.signature(register).parameters or not kwargs:
-        register(PaddleFleetForCausalLM, **kwargs)
+        register(cls, **kwargs)
     else:  # a decorator factory: register(**metadata)(cls)
         decorator = register(**kwargs)
-        if callable(decorator) and decorator is not PaddleFleetForCausalLM:
-            decorator(PaddleFleetForCausalLM)
-    return True
+        if callable(decorator) and decorator is not cls:
+            decorator(cls)
+
+
+def _register_architecture(registry: Any, registry_module: Any) -> list[str]:
+    """Register ``PaddleFleetForCausalLM`` (+ its RL name), replacing a same-named FastDeploy class."""
+    from .model import PaddleFleetForCausalLM, PaddleFleetForCausalLMRL
+
+    done = []
+    for name, cls in ((ARCHITECTURE, PaddleFleetForCausalLM), (RL_ARCHITECTURE, PaddleFleetForCausalLMRL)):
+        if _is_ours(registry, name, cls):
+            continue
+        previous = _registered_class(registry, name)
+        _register_class(registry, registry_module, name, cls)
+        if previous is not None:
+            # the one line that says which class serves (FastDeploy #7964 on ships its own); a
+            # warning so it shows with FastDeploy's logging (its root logger keeps no INFO handler)
+            logger.warning(
+                "%s: the paddlefleet plugin's class %s serves; FastDeploy's own %s is set aside "
+                "in this process (unset FD_PLUGINS=paddlefleet to use it)",
+                name,
+                _describe(cls),
+                _describe(previous),
+            )
+            done.append(f"replaced {name} ({_describe(previous)} -> {_describe(cls)})")
+        else:
+            done.append(f"registered architecture {name} ({MODULE_PATH}.{MODULE_NAME})")
+    return done
 
 
 def _is_model_impl_list(value: Any) -> bool:
@@ -245,34 +316,80 @@ def _route_registry(registry: Any) -> list[str]:
     return [f"ModelRegistry.{', '.join(done)} route model_impl=paddlefleet"] if done else []
 
 
-def _lead_with_architecture(model_config: Any) -> None:
-    """Put ``PaddleFleetForCausalLM`` first in ``model_config.architectures`` (originals kept after it)."""
+def _lead_with_architecture(model_config: Any, original: Sequence[str] | None = None) -> None:
+    """Put ``PaddleFleetForCausalLM`` first in ``model_config.architectures``, the other names after it.
+
+    ``original``: names to keep after ours (default: the current list).
+    """
     archs = getattr(model_config, "architectures", None)
-    if isinstance(archs, str):
-        archs = [archs]
-    archs = list(archs or [])
-    if archs[:1] == [ARCHITECTURE]:
+    archs = [archs] if isinstance(archs, str) else list(archs or [])
+    names = [*archs, *(original or [])]
+    wanted = [ARCHITECTURE, *dict.fromkeys(a for a in names if a != ARCHITECTURE)]
+    if archs == wanted:
         return
     try:
-        model_config.architectures = [ARCHITECTURE, *[a for a in archs if a != ARCHITECTURE]]
+        model_config.architectures = wanted
     except (AttributeError, TypeError):  # a read-only config: the lookup result still names our class
         logger.debug("model_config.architectures is read-only; left as %s", archs)
 
 
-def register_with_fastdeploy() -> bool:
-    """Register with the installed FastDeploy (idempotent); ``True`` when the architecture is registered."""
-    registry, registry_module = _model_registry()
+def _wrap_model_config(model_config_cls: Any) -> list[str]:
+    """Wrap ``ModelConfig._post_init`` (once) so the checkpoint's architectures stay after ours.
+
+    FastDeploy's ``_post_init`` ends with ``architectures = [resolved name]``; with
+    ``paddlefleet`` chosen the names read from ``config.json`` are put back after
+    ``PaddleFleetForCausalLM`` (ERNIE's tokenizer choice and the MTP draft model read them).
+    """
+    post_init = getattr(model_config_cls, "_post_init", None)
+    if not callable(post_init) or getattr(post_init, _WRAPPED, False):
+        return []
+
+    @functools.wraps(post_init)
+    def post_init_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        original = getattr(self, "architectures", None)
+        original = [original] if isinstance(original, str) else list(original or [])
+        out = post_init(self, *args, **kwargs)
+        if _wants_paddlefleet(self):
+            _lead_with_architecture(self, original)
+        return out
+
+    setattr(post_init_wrapper, _WRAPPED, True)
+    model_config_cls._post_init = post_init_wrapper
+    return ["ModelConfig._post_init keeps the original architectures after ours"]
+
+
+def register_model_impl(*, early: bool = False) -> bool:
+    """Make ``--model-impl paddlefleet`` / ``EngineArgs(model_impl="paddlefleet")`` accepted (idempotent).
+
+    ``early``: called while ``import fastdeploy`` runs; modules in ``_LATE_ARGS_MODULES``
+    are then only patched when already imported. ``True`` when ``EngineArgs`` was found.
+    """
     actions = []
-    if _register_architecture(registry, registry_module):
-        actions.append(f"registered architecture {ARCHITECTURE} ({MODULE_PATH}.{MODULE_NAME})")
+    found = False
     for name in _ARGS_MODULES:
+        if early and name in _LATE_ARGS_MODULES and name not in sys.modules:
+            continue
         module = _import(name)
         if module is None:
             continue
         actions += [f"model-impl choices {c} += {MODEL_IMPL}" for c in _extend_constants(module)]
         engine_args = getattr(module, "EngineArgs", None)
         if isinstance(engine_args, type):
+            found = True
             actions += _wrap_engine_args(engine_args)
+        model_config = getattr(module, "ModelConfig", None)
+        if isinstance(model_config, type):
+            actions += _wrap_model_config(model_config)
+    if actions:
+        logger.info("paddlefleet plugin (%s): %s", "early" if early else "model register", "; ".join(actions))
+    return found
+
+
+def register_with_fastdeploy() -> bool:
+    """Register with the installed FastDeploy (idempotent); ``True`` when the architecture is registered."""
+    registry, registry_module = _model_registry()
+    register_model_impl()
+    actions = _register_architecture(registry, registry_module)
     actions += _route_registry(registry)
     if actions:
         logger.info("paddlefleet plugin: %s", "; ".join(actions))

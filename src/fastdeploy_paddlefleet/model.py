@@ -94,14 +94,67 @@ def pair_caches(caches: Sequence[Any] | None, num_layers: int) -> list[tuple[Any
     return pairs
 
 
+def layer_caches(caches: Sequence[Any] | None, plan: AttentionPlan) -> list[tuple[Any, Any]]:
+    """FastDeploy's flat ``forward_meta.caches`` -> each layer's ``(key, value)`` views.
+
+    FastDeploy allocates one shape for every layer; each layer reads its leading kv heads and
+    channels through strided views (``kvcache/uniform.py``). Layouts other than one K and one V
+    per layer (``FD_ATTENTION_BACKEND=MLA_ATTN``, block-wise fp8) are refused naming the setting.
+    """
+    from .kvcache.uniform import check_cache_list, layer_cache_views
+
+    if caches is not None:
+        check_cache_list(caches, len(plan))
+    return layer_cache_views(pair_caches(caches, len(plan)), plan)
+
+
+_GRAPH_STEP_CLASS: Any = None
+
+
+def _graph_step_layer(fd_config: Any, owner: PaddleFleetForCausalLM) -> paddle.nn.Layer | None:
+    """One step of ``owner`` inside FastDeploy's graph optimization (``support_graph_optimization``:
+    CUDA graph capture and replay of decode steps), or ``None`` without FastDeploy or its config."""
+    global _GRAPH_STEP_CLASS
+    if _get(fd_config, "graph_opt_config") is None:
+        return None
+    try:
+        from fastdeploy.model_executor.graph_optimization.decorator import support_graph_optimization
+    except ImportError:
+        return None
+    if _GRAPH_STEP_CLASS is None:
+
+        class PaddleFleetStep(paddle.nn.Layer):
+            """Runs ``owner._step(ids_remove_padding, forward_meta)``; holds no parameters."""
+
+            def __init__(self, fd_config: Any, owner: Any) -> None:
+                super().__init__()
+                object.__setattr__(self, "_owner", owner)  # not a sublayer: no cycle
+
+            def forward(self, ids_remove_padding: paddle.Tensor, forward_meta: Any) -> paddle.Tensor:
+                return self._owner._step(ids_remove_padding, forward_meta)
+
+        _GRAPH_STEP_CLASS = support_graph_optimization(PaddleFleetStep)
+    return _GRAPH_STEP_CLASS(fd_config=fd_config, owner=owner)
+
+
 def batch_meta_from_forward_meta(
-    forward_meta: Any, block_size: int | None = None, num_tokens: int | None = None
+    forward_meta: Any,
+    block_size: int | None = None,
+    num_tokens: int | None = None,
+    decode_tokens: int = 1,
 ) -> BatchMeta:
     """FastDeploy's ``ForwardMeta`` (or any object / mapping with its names) -> ``BatchMeta``.
 
     ``seq_lens_*`` may be ``[bsz]`` or ``[bsz, 1]``; ``batch_id_per_token`` is
     cut to ``num_tokens`` when given (FastDeploy may pad it). ``block_size``
     defaults to ``forward_meta.block_size``, else the key caches' dim 2.
+
+    Nothing is copied to the host (a CUDA graph captures this step and replays it with other
+    metadata): the launch bounds come from host-side facts only. ``max_seq_len_this_time`` is
+    ``decode_tokens`` (1, or 1 + speculative tokens) when FastDeploy's host flag
+    ``forward_meta.exist_prefill`` is ``False``, else unknown (``None``: the kernels bound their
+    grids by the token count); ``max_context_len`` is left unknown (the kernels bound it by the
+    block table's width and split each request's own key range at run time).
     """
     this = _int32_flat(_get(forward_meta, "seq_lens_this_time"), "seq_lens_this_time")
     bsz = int(this.shape[0])
@@ -141,10 +194,8 @@ def batch_meta_from_forward_meta(
         raise ValueError(
             f"block_size must be a positive int (argument, forward_meta or caches), got {block_size}"
         )
-    # host-side maxima for grid sizing: one small copy of [bsz] ints
-    this_host = this.numpy()
-    ctx_host = decoder.numpy() + this_host
-    active = this_host > 0
+    exist_prefill = _get(forward_meta, "exist_prefill")
+    max_q = int(decode_tokens) if exist_prefill is False else None
     return BatchMeta(
         seq_lens_encoder=encoder,
         seq_lens_decoder=decoder,
@@ -154,8 +205,8 @@ def batch_meta_from_forward_meta(
         block_tables=tables,
         block_size=int(block_size),
         block_tables_headwise=_get(forward_meta, "block_tables_headwise"),
-        max_seq_len_this_time=int(this_host.max()) if bsz else 0,
-        max_context_len=int(ctx_host[active].max()) if active.any() else 0,
+        max_seq_len_this_time=max_q,
+        max_context_len=None,
     )
 
 
@@ -204,12 +255,14 @@ def build_from_fd_config(fd_config: Any) -> tuple[paddle.nn.Layer, AttentionPlan
     raw = _read_model_config(model_dir)
     if raw.get("model_type") == "minifleet":
         from .minifleet import build_minifleet
+        from .parallel import parallel_setup, shard_minifleet
 
-        if tp_size != 1:
-            raise ValueError(f"minifleet has no tensor parallelism, got tensor_parallel_size={tp_size}")
+        setup = parallel_setup(fd_config)  # FastDeploy's TP group: the caches hold kv_heads // tp
         dtype = _get(mc, "dtype") or "float32"
         model = build_minifleet(raw, seed=int(_get(mc, "seed") or 0), dtype=dtype)
-        return model, plan_from_config(model.config), False
+        #: weight name -> how this rank's part is cut from a full checkpoint tensor (set_state_dict)
+        model.fdfleet_tp_shards = shard_minifleet(model, setup)
+        return model, plan_from_config(model.config, setup.tp_size, setup.tp_rank), False
     if importlib.util.find_spec("paddlefleet") is None:
         raise ImportError(
             f"PaddleFleetForCausalLM needs the `paddlefleet` package to build {raw.get('architectures')} "
@@ -217,6 +270,10 @@ def build_from_fd_config(fd_config: Any) -> tuple[paddle.nn.Layer, AttentionPlan
             "or serve an embedded minifleet config",
             name="paddlefleet",
         )
+    from .parallel import init_paddlefleet_parallel_state, parallel_setup
+
+    setup = parallel_setup(fd_config)
+    logger.info("%s", init_paddlefleet_parallel_state(setup))  # before PaddleFleet builds its layers
     model = _build_paddlefleet(model_dir, mc, pc, tp_size)
     # the plan reads the built model's own TransformerConfig: its window convention is the host's
     return model, plan_from_config(model.config, tp_size, tp_rank), True
@@ -252,6 +309,9 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
     idle_early_return: bool = False
 
     def __init__(self, fd_config: Any) -> None:
+        from .fastdeploy_checks import check_fd_config
+
+        check_fd_config(fd_config, self.name())  # loader / quantization refused here, naming the setting
         super().__init__()
         self.fd_config = fd_config
         model, plan, preloaded = build_from_fd_config(fd_config)
@@ -262,6 +322,30 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         self._weights_preloaded = preloaded
         mc = _get(fd_config, "model_config")
         self._ori_vocab_size = _get(mc, "ori_vocab_size")
+        self._check_fastdeploy_caches(fd_config)
+        if hasattr(self.backend, "host_checks"):  # served: no host copy of the metadata (CUDA graphs)
+            self.backend.host_checks = False
+        spec = _get(fd_config, "speculative_config")
+        if _get(spec, "method") is not None:  # a decode step holds 1 + draft tokens per request
+            self._decode_tokens = 1 + int(_get(spec, "num_speculative_tokens") or 0)
+        self._graph_step = _graph_step_layer(fd_config, self)
+
+    def _check_fastdeploy_caches(self, fd_config: Any) -> None:
+        """Refuse cache layouts the attention cannot read; warn when FastDeploy's cache shape was sized
+        before this load could fit it to every layer (see ``kvcache/uniform.py``)."""
+        from .kvcache.uniform import check_fastdeploy_cache_settings, fit_fastdeploy_model_config
+
+        check_fastdeploy_cache_settings(fd_config)
+        mc = _get(fd_config, "model_config")
+        changes = fit_fastdeploy_model_config(mc)
+        if changes:
+            logger.warning(
+                "FastDeploy's model config was not sized for every layer when it was built (%s); a runner "
+                "that sized its attention backend before this load allocates caches too small for some "
+                "layers, and the forward will refuse them. The plugin's registry routing fits the config "
+                "when FastDeploy builds it: select the model with --model-impl paddlefleet",
+                ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items()),
+            )
 
     @classmethod
     def name(cls) -> str:
@@ -290,6 +374,19 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         self._weights_preloaded = False
         self._ori_vocab_size = None
         return self
+
+    #: most query tokens of one request in a decode-only step (1 + speculative draft tokens)
+    _decode_tokens: int = 1
+    #: FastDeploy's graph-optimization wrapper around one step (None: eager, no FastDeploy)
+    _graph_step: Any = None
+
+    def clear_graph_opt_backend(self, fd_config: Any = None) -> None:
+        """Drop the captured CUDA graphs (FastDeploy calls it on sleep / ``clear_parameters``)."""
+        step = self._graph_step
+        backend = getattr(step, "graph_opt_backend", None)
+        if backend is None or getattr(backend, "cudagraph_piecewise_backend", None) is None:
+            return  # eager, or nothing captured yet
+        step.clear_graph_opt_backend(fd_config=fd_config if fd_config is not None else self.fd_config)
 
     def _attach(
         self,
@@ -382,14 +479,21 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         num_tokens = int(ids.shape[0])
         if num_tokens == 0 or bool(_get(forward_meta, "is_zero_size")):
             return self._idle_forward()
-        meta = batch_meta_from_forward_meta(forward_meta, self.block_size, num_tokens)
+        if self._graph_step is not None:  # FastDeploy's graph optimization: CUDA graphs for decode steps
+            return self._graph_step(ids_remove_padding=ids, forward_meta=forward_meta)
+        return self._step(ids, forward_meta)
+
+    def _step(self, ids: paddle.Tensor, forward_meta: Any) -> paddle.Tensor:
+        """One step over ``ids [T]``: no host synchronisation (FastDeploy may capture it in a CUDA graph)."""
+        num_tokens = int(ids.shape[0])
+        meta = batch_meta_from_forward_meta(forward_meta, self.block_size, num_tokens, self._decode_tokens)
         if self.headwise_kv and meta.block_tables_headwise is None and not self._warned_no_headwise:
             self._warned_no_headwise = True
             logger.warning(
                 "FDFLEET_HEADWISE_KV is on but forward_meta has no block_tables_headwise: the scheduler "
                 "does not run head-wise; attention reads block_tables and no page is recycled"
             )
-        caches = pair_caches(_get(forward_meta, "caches"), len(self.plan))
+        caches = layer_caches(_get(forward_meta, "caches"), self.plan)
         positions = packed_positions(meta, num_tokens)
         with self.holder.step(StepContext(meta, caches, positions)):
             return self._run_body(ids.astype("int64").reshape([1, num_tokens]), positions.reshape([1, -1]))
@@ -456,6 +560,7 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         optionally prefixed ``model.``. Unknown names or wrong shapes raise ``ValueError``.
         """
         own = self.model.state_dict()
+        shards = getattr(self.model, "fdfleet_tp_shards", None) or {}
         unexpected: list[str] = []
         loaded: set[str] = set()
         for name, value in state_dict.items():
@@ -465,6 +570,10 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
                 continue
             target = own[key]
             tensor = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
+            if key in shards and list(tensor.shape) != list(target.shape):  # full-size weight, TP rank's part
+                from .parallel import cut
+
+                tensor = cut(tensor, *shards[key])
             if list(tensor.shape) != list(target.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {list(tensor.shape)}, the model expects {list(target.shape)}"
@@ -490,3 +599,24 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
             logger.info("load_weights: weights were loaded by PaddleFormers from_pretrained; skipping")
             return []
         return self.set_state_dict(dict(weights_iterator))
+
+
+class PaddleFleetForCausalLMRL(PaddleFleetForCausalLM):
+    """The name FastDeploy's loaders build under ``dynamic_load_weight`` (RL): refused with a message.
+
+    Registered so that the lookup of ``PaddleFleetForCausalLMRL`` finds this class and the
+    error names the RL loader instead of "not registered".
+    """
+
+    def __init__(self, fd_config: Any) -> None:
+        from .fastdeploy_checks import check_loader
+
+        check_loader(fd_config, ARCHITECTURE)
+        raise ValueError(
+            f"{self.name()}: FastDeploy's RL loader (load_config.dynamic_load_weight) is not supported "
+            "by the paddlefleet plugin; serve without --dynamic-load-weight"
+        )
+
+    @classmethod
+    def name(cls) -> str:
+        return ARCHITECTURE + "RL"

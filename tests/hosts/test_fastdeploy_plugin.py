@@ -1,0 +1,256 @@
+"""The plugin against FastDeploy's REAL code: CLI, offline args, registry, routing, loaders.
+
+Each scenario runs in a fresh child process (``_fastdeploy_host.run_scenario``) with
+the host on ``sys.path`` and ``FD_PLUGINS=paddlefleet``; FastDeploy itself loads the
+plugin through its entry point groups (this project's editable install provides them).
+The model directory is the ``tiny`` preset written by ``fastdeploy_modeldir`` (config
+with ``dtype`` + safetensors weights), its ``architectures`` replaced by a native
+FastDeploy name (``Qwen3ForCausalLM``) so routing and the kept names are visible.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from _fastdeploy_host import host_or_skip, run_scenario
+
+PLUGIN_ENV = {"FD_PLUGINS": "paddlefleet"}
+NATIVE = "Qwen3ForCausalLM"
+
+
+def with_names(script: str, model_dir: str) -> str:
+    """``script`` (dedented) after ``MODEL = <model dir>`` and ``NATIVE = <native architecture>``."""
+    return f"MODEL = {model_dir!r}\nNATIVE = {NATIVE!r}\n" + textwrap.dedent(script)
+
+
+@pytest.fixture(scope="module")
+def host():
+    return host_or_skip()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from fastdeploy_paddlefleet.fastdeploy_modeldir import write_model_dir
+
+    path = write_model_dir("tiny", tmp_path_factory.mktemp("fdtiny"), dtype="float32", seed=5)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = [NATIVE]
+    config["seed"] = 123  # the model FastDeploy builds starts from other weights than the file's
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_api_server_parses_model_impl_paddlefleet(host, model_dir):
+    """``python -m fastdeploy.entrypoints.openai.api_server --model-impl paddlefleet`` parses (at import).
+
+    Without the plugin, the same child first shows the host's own answer to the offline
+    ``EngineArgs(model_impl="paddlefleet")`` (refused by this snapshot, accepted from #7964 on).
+    """
+    script = """
+        import sys
+        if WITHOUT_PLUGIN:
+            import fastdeploy
+            from fastdeploy.engine.args_utils import EngineArgs
+            try:
+                EngineArgs(model=MODEL, model_impl="paddlefleet")
+                report(offline_accepted=True)
+            except NotImplementedError as e:
+                report(offline_accepted=False, offline_error=str(e))
+        sys.argv = ["api_server", "--model", MODEL, "--model-impl", "paddlefleet"]
+        try:
+            import fastdeploy.entrypoints.openai.api_server as api
+        except SystemExit as e:
+            report(exit=e.code)
+        else:
+            report(model_impl=api.args.model_impl)
+    """
+    plugin = run_scenario(
+        "WITHOUT_PLUGIN = False\n" + with_names(script, model_dir), host=host, env=PLUGIN_ENV
+    )
+    assert plugin.check().data == {"model_impl": "paddlefleet"}, plugin.tail()
+    alone = run_scenario("WITHOUT_PLUGIN = True\n" + with_names(script, model_dir), host=host).check().data
+    if "exit" in alone:  # this snapshot: the choice is missing, offline and on the CLI
+        assert alone["exit"] == 2
+        assert alone["offline_accepted"] is False and "paddlefleet" in alone["offline_error"]
+    else:  # a FastDeploy that ships the choice itself (PR #7964 on)
+        assert alone["model_impl"] == "paddlefleet"
+
+
+OFFLINE = """
+import os
+import fastdeploy
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.model_executor.models.model_base import ModelRegistry
+
+registry = ModelRegistry()
+native_info, native_arch = registry.inspect_model_cls([NATIVE], None)  # before paddlefleet is chosen
+args = EngineArgs(model=MODEL, model_impl="paddlefleet")
+cfg = args.create_engine_config()
+
+# the offline LLM(...) path up to the engine start (no engine can run on this CPU)
+import fastdeploy.entrypoints.llm as llm_module
+
+class _Stop(Exception):
+    pass
+
+seen = {}
+def _capture(engine_args, *a, **k):
+    seen["model_impl"] = engine_args.model_impl
+    raise _Stop()
+
+llm_module.LLMEngine.from_engine_args = staticmethod(_capture)
+try:
+    llm_module.LLM(model=MODEL, model_impl="paddlefleet")
+except _Stop:
+    pass
+
+report(
+    engine_args_model_impl=args.model_impl,
+    env=os.environ.get("FDFLEET_MODEL_IMPL"),
+    architectures=list(cfg.model_config.architectures),
+    cls=repr(ModelRegistry.get_class("PaddleFleetForCausalLM")),
+    rl_cls=repr(ModelRegistry.get_class("PaddleFleetForCausalLMRL")),
+    native_arch=native_arch,
+    native_cls=native_info.module_path,
+    llm_model_impl=seen.get("model_impl"),
+    supported=sorted(a for a in ModelRegistry.get_supported_archs() if "Fleet" in a),
+)
+"""
+
+
+def test_offline_engine_args_llm_and_real_registry(host, model_dir):
+    """``EngineArgs`` / ``LLM(model_impl="paddlefleet")``, ``create_engine_config``, the real registry."""
+    script = with_names(OFFLINE, model_dir)
+    data = run_scenario(script, host=host, env=PLUGIN_ENV).check().data
+    assert data["engine_args_model_impl"] == "auto"  # what FastDeploy's own checks and worker CLI see
+    assert data["env"] == "paddlefleet"  # inherited by the workers FastDeploy spawns
+    assert data["architectures"] == ["PaddleFleetForCausalLM", NATIVE]  # ours first, the original kept
+    assert "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM" in data["cls"]
+    assert "fastdeploy_paddlefleet.model.PaddleFleetForCausalLMRL" in data["rl_cls"]
+    assert data["native_arch"] == NATIVE and data["native_cls"] != "model"  # native class not shadowed
+    assert data["llm_model_impl"] == "auto"
+    assert set(data["supported"]) == {"PaddleFleetForCausalLM", "PaddleFleetForCausalLMRL"}
+
+
+LOADERS = """
+import copy
+import fastdeploy
+import numpy as np
+from safetensors.numpy import load_file
+from fastdeploy.engine.args_utils import EngineArgs
+from fastdeploy.model_executor.model_loader import get_model_loader
+
+cfg = EngineArgs(model=MODEL, model_impl="paddlefleet").create_engine_config()
+out = {}
+
+loader = get_model_loader(cfg.load_config)
+model = loader.load_model(cfg)
+ref = load_file(MODEL + "/model.safetensors")
+own = model.model.state_dict()
+out["v1_loader"] = type(loader).__name__
+out["v1_class"] = type(model).__module__ + "." + type(model).__name__
+out["v1_names_match"] = sorted(ref) == sorted(own)
+out["v1_max_diff"] = max(float(np.abs(own[k].numpy() - v).max()) for k, v in ref.items())
+
+def attempt(name, mutate):
+    c = copy.copy(cfg)
+    c.load_config = copy.copy(cfg.load_config)
+    c.model_config = copy.copy(cfg.model_config)
+    mutate(c)
+    try:
+        get_model_loader(c.load_config).load_model(c)
+        out[name] = "loaded"
+    except Exception as e:
+        out[name] = type(e).__name__ + ": " + str(e)
+
+attempt("v0", lambda c: setattr(c.load_config, "load_choices", "default"))
+attempt("rl", lambda c: setattr(c.load_config, "dynamic_load_weight", True))
+attempt("cli_quant", lambda c: setattr(c.model_config, "quantization", {"quantization": "wint8"}))
+attempt("ckpt_quant", lambda c: setattr(c.model_config, "quantization_config", {"quant_method": "fp8"}))
+report(**out)
+"""
+
+
+def test_real_loaders_build_our_class_or_refuse_naming_the_loader(host, model_dir):
+    """``DefaultModelLoaderV1`` builds + loads our class; v0 / RL / quantization are refused by name."""
+    script = with_names(LOADERS, model_dir)
+    result = run_scenario(script, host=host, env=PLUGIN_ENV).check()
+    data = result.data
+    assert data["v1_loader"] == "DefaultModelLoaderV1"
+    assert data["v1_class"] == "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
+    assert data["v1_names_match"] and data["v1_max_diff"] == 0.0  # the file's weights, not seed 123's
+    assert data["v0"].startswith("ValueError") and "v0 loader" in data["v0"] and "default_v1" in data["v0"]
+    # the RL loader imports fastdeploy.rl first; where that imports, our RL class refuses by name
+    assert "RL loader" in data["rl"] or data["rl"].startswith(("ImportError", "ModuleNotFoundError")), data
+    assert data["cli_quant"].startswith("ValueError") and "--quantization" in data["cli_quant"]
+    assert data["ckpt_quant"].startswith("ValueError") and "quantization_config" in data["ckpt_quant"]
+    assert "fp8" in data["ckpt_quant"]
+
+
+COEXIST = """
+import os
+import logging
+
+# FastDeploy from PR #7964 on: its own `paddlefleet` model-impl and an in-tree class with our
+# class's name, registered while fastdeploy.model_executor.models imports (before plugins load).
+os.environ.pop("FD_PLUGINS", None)
+import fastdeploy
+import fastdeploy.model_executor.models  # no plugin loads: FD_PLUGINS unset
+from fastdeploy.engine import args_utils
+from fastdeploy.model_executor.models.model_base import ModelCategory, ModelForCasualLM, ModelRegistry
+
+@ModelRegistry.register_model_class(
+    architecture="PaddleFleetForCausalLM", module_name="paddleformers", category=ModelCategory.TEXT_GENERATION
+)
+class PaddleFleetForCausalLM(ModelForCasualLM):  # the in-tree stand-in
+    @classmethod
+    def name(cls):
+        return "PaddleFleetForCausalLM"
+
+native_cli = args_utils.EngineArgs.add_cli_args
+def add_cli_args_with_choice(parser):  # FastDeploy's own --model-impl paddlefleet
+    parser = native_cli(parser)
+    for action in parser._actions:
+        if "--model-impl" in action.option_strings:
+            action.choices = [*action.choices, "paddlefleet"]
+    return parser
+args_utils.EngineArgs.add_cli_args = staticmethod(add_cli_args_with_choice)
+
+# now the plugin is selected; FastDeploy's own loaders load it, in FastDeploy's order
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+logging.getLogger("fastdeploy_paddlefleet").addHandler(Keep())
+os.environ["FD_PLUGINS"] = "paddlefleet"
+from fastdeploy.plugins import model_register, tool_parser
+tool_parser.plugins_loaded = False
+tool_parser.load_tool_parser_plugins()
+model_register.plugins_loaded = False
+model_register.load_model_register_plugins()
+
+from fastdeploy.utils import FlexibleArgumentParser
+parser = args_utils.EngineArgs.add_cli_args(FlexibleArgumentParser())
+(action,) = [a for a in parser._actions if "--model-impl" in a.option_strings]
+cfg = args_utils.EngineArgs(model=MODEL, model_impl="paddlefleet").create_engine_config()
+served = ModelRegistry.get_class(cfg.model_config.architectures[0])
+report(
+    choices=list(action.choices),
+    served=served.__module__ + "." + served.__name__,
+    architectures=list(cfg.model_config.architectures),
+    lines=[m for level, m in records if "set aside" in m],
+    levels=sorted({level for level, m in records if "set aside" in m}),
+)
+"""
+
+
+def test_plugin_class_serves_over_a_native_class_of_the_same_name(host, model_dir):
+    """Routing with a pre-registered native ``PaddleFleetForCausalLM`` (FastDeploy #7964 on, simulated)."""
+    data = run_scenario(with_names(COEXIST, model_dir), host=host).check().data
+    assert data["choices"].count("paddlefleet") == 1
+    assert data["served"] == "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
+    assert data["architectures"] == ["PaddleFleetForCausalLM", NATIVE]
+    assert len(data["lines"]) == 1 and data["levels"] == ["WARNING"]
+    assert "__main__.PaddleFleetForCausalLM" in data["lines"][0]  # names the class set aside
