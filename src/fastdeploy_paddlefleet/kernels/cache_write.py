@@ -3,7 +3,8 @@
 Token ``t`` of request ``b`` sits at position ``pos = seq_lens_decoder[b] + t - cu_seqlens_q[b]``:
 logical block ``pos // block_size``, slot ``pos % block_size``. The page of kv head ``h`` is
 ``block_tables[b, blk] * Hkv + h`` or, head-wise, ``page_table[b * Hkv + h, blk]``. A ``-1`` page
-(or a token with a negative request id) is skipped, never written through.
+(or a token with a negative request id, or past its request's rows: padding) is skipped, never
+written through.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _write_kv_kernel(
     t = tl.program_id(0)
     b = tl.load(Bid + t)
     if b < 0:
+        return
+    if t >= tl.load(CuQ + b + 1):  # a padding token (a CUDA graph's batch is padded): not this request's
         return
     pos = tl.load(Ctx + b) + t - tl.load(CuQ + b)
     blk = pos // BS
