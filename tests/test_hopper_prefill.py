@@ -65,12 +65,12 @@ def test_hopper_prefill_headwise_tables_and_block_sizes(dtype, block_size):
 @pytest.mark.parametrize(
     "shape",
     [
-        dict(hkv=16, group=1, dqk=192, dv=128),  # MLA-style qk != v, no GQA
+        dict(hkv=16, group=1, dqk=128, dv=64),  # qk != v, no GQA
         dict(hkv=2, group=8, dqk=64, dv=64),
         dict(hkv=4, group=3, dqk=128, dv=64),  # group padded to 4
         dict(hkv=1, group=16, dqk=64, dv=128),
     ],
-    ids=["mla192-128", "g8-d64", "g3-v64", "g16-v128"],
+    ids=["g1-v64", "g8-d64", "g3-v64", "g16-v128"],
 )
 def test_hopper_prefill_dims_and_groups(dtype, shape):
     reqs = [(300, 260), (0, 129), (700, 1), (64, 3)]
@@ -113,6 +113,11 @@ def test_prefill_kernel_choice(monkeypatch):
     assert hp.choose_prefill_impl(None, None, q, kc, kc) == "portable"
     with pytest.raises(ValueError, match="prefill_impl"):
         hp.choose_prefill_impl("gluon", None, q, kc, kc)
-    # fp32 never runs on the Hopper kernel: asking for it names the reason
+    # fp32 and MLA's 192-wide keys never run on the Hopper kernel: asking for it names the reason
     with pytest.raises(ValueError, match="cannot run these inputs"):
         hp.choose_prefill_impl("hopper", None, q.float(), kc.float(), kc.float())
+    q192 = torch.zeros(4, 8, 192, dtype=torch.bfloat16, device=dev)
+    k192 = torch.zeros(2, 2, 64, 192, dtype=torch.bfloat16, device=dev)
+    assert hp.choose_prefill_impl(None, None, q192, k192, kc) == "portable"
+    with pytest.raises(ValueError, match="cannot run these inputs"):
+        hp.choose_prefill_impl("hopper", None, q192, k192, kc)

@@ -81,8 +81,8 @@ def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     dqk, dv, bs = q.shape[2], value_cache.shape[3], key_cache.shape[2]
-    if dqk % CHUNK or dv % CHUNK or max(dqk, dv) > 256:
-        return f"head dims {dqk}/{dv} (multiples of {CHUNK} up to 256)"
+    if dqk not in (64, 128, 256) or dv not in (64, 128, 256):
+        return f"head dims {dqk}/{dv} (64, 128 or 256 each)"
     if bs < 16 or bs & (bs - 1):
         return f"block size {bs} (a power of two >= 16)"
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
