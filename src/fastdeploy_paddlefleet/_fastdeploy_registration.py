@@ -338,7 +338,10 @@ def _wrap_model_config(model_config_cls: Any) -> list[str]:
 
     FastDeploy's ``_post_init`` ends with ``architectures = [resolved name]``; with
     ``paddlefleet`` chosen the names read from ``config.json`` are put back after
-    ``PaddleFleetForCausalLM`` (ERNIE's tokenizer choice and the MTP draft model read them).
+    ``PaddleFleetForCausalLM`` (ERNIE's tokenizer choice and the MTP draft model read them),
+    and ``num_key_value_heads`` / ``head_dim`` are raised so FastDeploy's single cache shape
+    fits every layer (``kvcache.uniform.fit_fastdeploy_model_config``; engine and workers
+    build their own ``ModelConfig``, both go through here).
     """
     post_init = getattr(model_config_cls, "_post_init", None)
     if not callable(post_init) or getattr(post_init, _WRAPPED, False):
@@ -351,6 +354,10 @@ def _wrap_model_config(model_config_cls: Any) -> list[str]:
         out = post_init(self, *args, **kwargs)
         if _wants_paddlefleet(self):
             _lead_with_architecture(self, original)
+            # FastDeploy sizes ONE cache shape for every layer from these fields: make every layer fit
+            from .kvcache.uniform import fit_fastdeploy_model_config
+
+            fit_fastdeploy_model_config(self)
         return out
 
     setattr(post_init_wrapper, _WRAPPED, True)

@@ -88,6 +88,7 @@ registry = ModelRegistry()
 native_info, native_arch = registry.inspect_model_cls([NATIVE], None)  # before paddlefleet is chosen
 args = EngineArgs(model=MODEL, model_impl="paddlefleet")
 cfg = args.create_engine_config()
+mla = EngineArgs(model=MLA_DIR, model_impl="paddlefleet").create_engine_config()
 
 # the offline LLM(...) path up to the engine start (no engine can run on this CPU)
 import fastdeploy.entrypoints.llm as llm_module
@@ -116,13 +117,22 @@ report(
     native_cls=native_info.module_path,
     llm_model_impl=seen.get("model_impl"),
     supported=sorted(a for a in ModelRegistry.get_supported_archs() if "Fleet" in a),
+    cache_fields=[cfg.model_config.num_key_value_heads, cfg.model_config.head_dim],
+    mla_cache_fields=[mla.model_config.num_key_value_heads, mla.model_config.head_dim],
 )
 """
 
 
-def test_offline_engine_args_llm_and_real_registry(host, model_dir):
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory):
+    from fastdeploy_paddlefleet.fastdeploy_modeldir import write_model_dir
+
+    return str(write_model_dir("tiny-mla", tmp_path_factory.mktemp("fdtinymla"), dtype="float32"))
+
+
+def test_offline_engine_args_llm_and_real_registry(host, model_dir, mla_dir):
     """``EngineArgs`` / ``LLM(model_impl="paddlefleet")``, ``create_engine_config``, the real registry."""
-    script = with_names(OFFLINE, model_dir)
+    script = f"MLA_DIR = {mla_dir!r}\n" + with_names(OFFLINE, model_dir)
     data = run_scenario(script, host=host, env=PLUGIN_ENV).check().data
     assert data["engine_args_model_impl"] == "auto"  # what FastDeploy's own checks and worker CLI see
     assert data["env"] == "paddlefleet"  # inherited by the workers FastDeploy spawns
@@ -132,6 +142,9 @@ def test_offline_engine_args_llm_and_real_registry(host, model_dir):
     assert data["native_arch"] == NATIVE and data["native_cls"] != "model"  # native class not shadowed
     assert data["llm_model_impl"] == "auto"
     assert set(data["supported"]) == {"PaddleFleetForCausalLM", "PaddleFleetForCausalLMRL"}
+    assert data["cache_fields"] == [2, 16]  # tiny: every layer fits 2 kv heads x 16 channels
+    # tiny-mla: 4 heads of q/k 24 (16 nope + 8 rope), v 16; FastDeploy alone would read head_dim 16
+    assert data["mla_cache_fields"] == [4, 24]
 
 
 LOADERS = """
