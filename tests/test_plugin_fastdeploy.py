@@ -255,3 +255,102 @@ def test_register_without_fastdeploy_is_a_logged_no_op(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="fastdeploy_paddlefleet"):
         assert _register() is False
     assert any("fastdeploy is not installed" in r.getMessage() for r in caplog.records)
+
+
+# -- load-time refusals and FastDeploy's parallel config (no FastDeploy needed) ------------------
+def _fd_config(**over):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(quantization=None, quantization_config=None),
+        load_config=SimpleNamespace(load_choices="default_v1", dynamic_load_weight=False),
+        quant_config=None,
+    )
+    for path, value in over.items():
+        owner, name = path.split("__")
+        setattr(getattr(cfg, owner), name, value) if owner != "fd" else setattr(cfg, name, value)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("setting", "words"),
+    [
+        ({"load_config__load_choices": "default"}, ["v0 loader", "--load-choices default", "default_v1"]),
+        ({"load_config__dynamic_load_weight": True}, ["RL loader", "dynamic_load_weight"]),
+        ({"model_config__quantization": {"quantization": "wint8"}}, ["--quantization", "wint8"]),
+        ({"model_config__quantization_config": {"quant_method": "fp8"}}, ["quantization_config", "fp8"]),
+    ],
+)
+def test_load_time_refusals_name_the_setting(setting, words):
+    from fastdeploy_paddlefleet.fastdeploy_checks import check_fd_config
+
+    with pytest.raises(ValueError) as err:
+        check_fd_config(_fd_config(**setting), "PaddleFleetForCausalLM")
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_load_time_checks_pass_the_v1_and_dummy_loaders():
+    from fastdeploy_paddlefleet.fastdeploy_checks import check_fd_config
+
+    check_fd_config(_fd_config(), "PaddleFleetForCausalLM")
+    check_fd_config(_fd_config(load_config__load_choices="dummy"), "PaddleFleetForCausalLM")
+
+
+def test_rl_class_refuses_naming_the_rl_loader():
+    from fastdeploy_paddlefleet.model import PaddleFleetForCausalLMRL
+
+    assert PaddleFleetForCausalLMRL.name() == "PaddleFleetForCausalLMRL"
+    with pytest.raises(ValueError, match="RL loader"):
+        PaddleFleetForCausalLMRL(_fd_config(load_config__dynamic_load_weight=True))
+
+
+def test_parallel_setup_checks_fastdeploy_groups():
+    from types import SimpleNamespace
+
+    from fastdeploy_paddlefleet.parallel import parallel_setup
+
+    def cfg(**pc):
+        return SimpleNamespace(parallel_config=SimpleNamespace(**pc))
+
+    assert parallel_setup(cfg()).tp_size == 1
+    with pytest.raises(ValueError, match="tp_group is None"):
+        parallel_setup(cfg(tensor_parallel_size=2, tensor_parallel_rank=0))
+    with pytest.raises(ValueError, match="tp_group has 4 ranks"):
+        parallel_setup(
+            cfg(tensor_parallel_size=2, tensor_parallel_rank=1, tp_group=SimpleNamespace(nranks=4))
+        )
+    with pytest.raises(ValueError, match="tensor_parallel_rank=2"):
+        parallel_setup(
+            cfg(tensor_parallel_size=2, tensor_parallel_rank=2, tp_group=SimpleNamespace(nranks=2))
+        )
+    setup = parallel_setup(
+        cfg(tensor_parallel_size=2, tensor_parallel_rank=1, tp_group=SimpleNamespace(nranks=2))
+    )
+    assert (setup.tp_size, setup.tp_rank, setup.tensor_parallel) == (2, 1, True)
+
+
+def test_cut_concatenates_the_rank_slices():
+    import numpy as np
+
+    from fastdeploy_paddlefleet.parallel import cut
+
+    full = np.arange(24, dtype="float32").reshape(2, 12)
+    got = cut(full, 1, [(0, 2), (6, 8)]).numpy()
+    assert np.array_equal(got, np.concatenate([full[:, 0:2], full[:, 6:8]], axis=1))
+
+
+def test_model_dir_writer(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file
+
+    from fastdeploy_paddlefleet.fastdeploy_modeldir import main, write_model_dir
+
+    out = write_model_dir("tiny", tmp_path / "tiny", dtype="float32", seed=3)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32" and "torch_dtype" not in config and "_comment" not in config
+    assert len(load_file(str(out / "model.safetensors"))) > 0
+    with pytest.raises(ValueError, match="only minifleet presets"):
+        write_model_dir("gpt-oss-20b", tmp_path / "x")
+    assert main(["gpt-oss-20b", str(tmp_path / "y")]) == 2
