@@ -273,3 +273,18 @@ def test_kernels_on_torch_views_with_headwise_pages():
         and torch.isnan(vc[..., dv:]).all()
     )
     assert math.isfinite(float(out.sum()))
+
+
+def test_fdfleet_plan_reports_the_uniform_shape_against_per_layer_sizing(capsys):
+    import json
+
+    from fastdeploy_paddlefleet.cli import main
+
+    assert main(["plan", "tiny-mla", "--json", "--memory-gib", "1", "--block-size", "16"]) == 0
+    u = json.loads(capsys.readouterr().out)["kv_cache"]["fastdeploy_uniform"]
+    assert (u["num_kv_heads"], u["head_dim"]) == (4, 24)
+    assert (u["bytes_per_token_uniform"], u["bytes_per_token_per_layer_sizing"]) == (1152, 960)
+    assert u["num_blocks_uniform"] == (1 << 30) // (1152 * 16)
+    assert main(["plan", "tiny-mla", "--memory-gib", "1", "--block-size", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "FastDeploy's one cache shape for every layer" in text and "1.12 KiB vs 960 B" in text

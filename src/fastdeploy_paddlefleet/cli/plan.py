@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from ..kvcache.layout import KVBudget, format_bytes, kv_budget
+from ..kvcache.uniform import uniform_budget
 from ..presets import list_presets
 from ..spec import AttentionPlan, LayerAttention, plan_from_config
 from . import float_arg, int_arg
@@ -80,7 +81,7 @@ def plan_json(source: str, plan: AttentionPlan, budget: KVBudget) -> dict[str, A
         "source": source,
         "convention": plan.convention,
         "layers": [layer_dict(layer) for layer in plan],
-        "kv_cache": budget.to_dict(),
+        "kv_cache": {**budget.to_dict(), "fastdeploy_uniform": uniform_budget(plan, budget)},
     }
 
 
@@ -166,6 +167,29 @@ def format_budget(b: KVBudget) -> str:
     return "\n".join([head] + [f"  {label:<18} {value}" for label, value in rows])
 
 
+def format_uniform(u: dict[str, Any], b: KVBudget) -> str:
+    """FastDeploy's single cache shape (every layer sized like the largest) against per-layer sizing."""
+    uniform, own = (
+        format_bytes(u["bytes_per_token_uniform"]),
+        format_bytes(u["bytes_per_token_per_layer_sizing"]),
+    )
+    rows = [
+        ("shape", f"[blocks, {u['num_kv_heads']} kv heads, {b.block_size}, {u['head_dim']}] for K and V"),
+        (
+            "bytes/token",
+            f"{uniform} vs {own} per-layer sizing "
+            f"(x{u['overhead']:.2f}, +{format_bytes(u['extra_bytes_per_token'])})",
+        ),
+        (
+            f"blocks in {b.memory_gib:g} GiB",
+            f"{u['num_blocks_uniform']} vs {b.num_blocks}; max requests {u['max_requests_uniform']} "
+            f"vs {b.max_requests} (no recycling)",
+        ),
+    ]
+    head = "FastDeploy's one cache shape for every layer (what it allocates):"
+    return "\n".join([head] + [f"  {label:<18} {value}" for label, value in rows])
+
+
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_config(args.source, tp_size=args.tp, tp_rank=args.tp_rank)
     budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, args.context)
@@ -179,4 +203,5 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(plan))
     print()
     print(format_budget(budget))
+    print(format_uniform(uniform_budget(plan, budget), budget))
     return 0

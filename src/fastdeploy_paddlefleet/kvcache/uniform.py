@@ -16,8 +16,8 @@ fields. A PaddleFleet model's layers need not agree with those fields (per-layer
   ``Hkv_l`` heads, K in the leading ``qk_head_dim_l`` channels and V in the leading
   ``v_head_dim_l`` channels (the value padding). These are strided views, never copies; the
   backends and kernels address blocks through ``stride(0)``.
-* :func:`uniform_cost` is what this costs against sizing each layer to its own need
-  (``fdfleet plan``).
+* :func:`uniform_cost` / :func:`uniform_budget`: what this costs against sizing each layer to its
+  own need (``fdfleet plan``).
 * :func:`check_fastdeploy_cache_settings` refuses, at load time and naming the setting, the cache
   layouts this plugin cannot read: block-wise fp8 / int8 / int4 KV (``kv_cache_quant_type``: scale
   tensors between K and V, uint8 data) and ``FD_ATTENTION_BACKEND=MLA_ATTN`` / ``DSA_ATTN`` (one
@@ -271,6 +271,24 @@ def uniform_cost(plan: AttentionPlan | Sequence[LayerAttention], dtype: Any = "b
     )
 
 
+def uniform_budget(plan: AttentionPlan | Sequence[LayerAttention], budget: Any) -> dict[str, Any]:
+    """FastDeploy's single shape against per-layer sizing for a :class:`~.layout.KVBudget` of ``plan``:
+    the shape, bytes per token both ways, and the blocks and whole requests the budget's memory holds
+    with the single shape (``num_blocks`` / ``max_requests`` of the budget are per-layer sizing)."""
+    from .layout import GIB
+
+    cost = uniform_cost(plan, budget.dtype)
+    per_block = cost.bytes_per_token_uniform * budget.block_size
+    num_blocks = int(budget.memory_gib * GIB) // per_block
+    return {
+        **cost.to_dict(),
+        "extra_bytes_per_token": cost.bytes_per_token_uniform - cost.bytes_per_token_per_layer_sizing,
+        "bytes_per_block_uniform": per_block,
+        "num_blocks_uniform": num_blocks,
+        "max_requests_uniform": num_blocks // budget.blocks_per_request,
+    }
+
+
 __all__ = [
     "LATENT_CACHE_BACKENDS",
     "UniformCache",
@@ -280,6 +298,7 @@ __all__ = [
     "fastdeploy_kv_heads",
     "fit_fastdeploy_model_config",
     "layer_cache_views",
+    "uniform_budget",
     "uniform_cache",
     "uniform_cost",
 ]
