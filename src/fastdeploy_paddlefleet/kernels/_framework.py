@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-if importlib.util.find_spec("torch") is not None:
+try:
     import torch
-else:  # torch-free deployment (FastDeploy's): kernels run on paddle tensors
+except ImportError:  # torch-free deployment (FastDeploy's): kernels run on paddle tensors
     torch = None  # type: ignore[assignment]
 
 
