@@ -63,7 +63,7 @@ def test_verify_minifleet_config_file(capsys, tmp_path):
                 "hidden_size": 16,
                 "num_hidden_layers": 2,
                 "num_attention_heads": 2,
-                "sliding_window": 3,  # an int: PaddleFleet's own meaning, left = 3
+                "sliding_window": 3,  # PaddleFleet's FlashMask path: 3 keys including the query
                 "window_attn_skip_freq": 2,
                 "softmax_type": "off-by-one",
             }
@@ -71,6 +71,50 @@ def test_verify_minifleet_config_file(capsys, tmp_path):
     )
     code, report = verify_json(capsys, "--config", str(path), "--backend", "reference", "--steps", "2")
     assert code == 0 and report["passed"] and report["layers_patched"] == 2
+
+
+def test_native_model_gets_causal_start_end_rows():
+    """The native forward is fed what PaddleFleet's data path feeds (its sliding layers need it)."""
+    import paddle
+
+    from fastdeploy_paddlefleet.runner.fleet_case import fleet_case
+
+    case = build_minifleet_case("tiny", "reference", seed=0)
+    seen = []
+    core = case.native_logits.model.decoder.layers[1].self_attn.core_attention
+    core.register_forward_pre_hook(lambda layer, inputs: seen.append(inputs[4]))
+    case.native_logits(paddle.to_tensor([[1, 2, 3, 4, 5]], dtype="int64"))
+    assert seen[0].dtype == paddle.int32 and seen[0].numpy().tolist() == [[[[5]] * 5]]
+    with pytest.raises(ValueError, match="native_path"):
+        fleet_case("x", case.native_logits.model, case.native_logits.model, case.plan, native_path="sdpa")
+
+
+def test_verify_config_of_a_paddlefleet_model_runs_sliding_layers(capsys, tmp_path, monkeypatch):
+    """`--config` of a non-minifleet model type builds PaddleFleet through PaddleFormers; here the
+    build is stood in by minifleet (paddlefleet does not install), the rest is the real CLI path."""
+    from fastdeploy_paddlefleet.cli import verify as cli_verify
+    from fastdeploy_paddlefleet.minifleet import build_minifleet, make_config
+    from fastdeploy_paddlefleet.runner import fleet_case
+
+    monkeypatch.setattr(cli_verify, "_paddlefleet_installed", lambda: True)
+    monkeypatch.setattr(fleet_case, "paddlefleet_config", lambda raw: make_config(raw))
+    monkeypatch.setattr(
+        fleet_case, "build_paddlefleet_model", lambda config, seed: build_minifleet(config, seed)
+    )
+    path = tmp_path / "config.json"
+    fields = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "sliding_window": 4,
+        "window_attn_skip_freq": [0, 1, 1],
+    }
+    path.write_text(json.dumps(fields))
+    code, report = verify_json(capsys, "--config", str(path), "--backend", "reference", "--steps", "3")
+    assert code == 0 and report["passed"] and report["name"] == "paddlefleet:qwen3"
 
 
 @pytest.mark.parametrize(
