@@ -8,6 +8,7 @@ convention, sinks, head-wise split) are in ``docs/semantics.md``.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,6 +64,64 @@ class LayerAttention:
     #: attention logit soft-capping: scores ``s`` become ``cap * tanh(s / cap)`` before the softmax
     #: (HF ``attn_logit_softcapping``, FlashInfer ``logits_soft_cap``); None: no capping
     logits_soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse impossible layers (``TypeError`` / ``ValueError`` naming the field and value)."""
+        where = f"LayerAttention(index={self.index!r})"
+
+        def integer(name: str, value: Any, low: int) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{where}.{name}={value!r}: expected an int, got {type(value).__name__}")
+            if value < low:
+                raise ValueError(f"{where}.{name}={value!r}: expected an int >= {low}")
+            return value
+
+        def head_range(name: str, value: Any, heads: int | None) -> None:
+            """``(start, stop)`` ints, ``0 <= start <= stop`` (``<= heads`` for local ranges)."""
+            if not isinstance(value, tuple) or len(value) != 2:
+                raise TypeError(f"{where}.{name}={value!r}: expected a (start, stop) tuple")
+            start, stop = (integer(name, v, 0) for v in value)
+            limit = "" if heads is None else f" <= {heads}"
+            if start > stop or (heads is not None and stop > heads):
+                raise ValueError(f"{where}.{name}={value!r}: expected 0 <= start <= stop{limit}")
+
+        integer("index", self.index, 0)
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"{where}.kind={self.kind!r}: expected one of {', '.join(LAYER_KINDS)}")
+        hq = integer("num_q_heads", self.num_q_heads, 1)
+        hkv = integer("num_kv_heads", self.num_kv_heads, 1)
+        if hq % hkv:
+            raise ValueError(f"{where}: num_q_heads={hq} is not a multiple of num_kv_heads={hkv}")
+        integer("qk_head_dim", self.qk_head_dim, 1)
+        integer("v_head_dim", self.v_head_dim, 1)
+        for name in ("softmax_scale", "logits_soft_cap"):
+            value = getattr(self, name)
+            if value is None and name == "logits_soft_cap":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{where}.{name}={value!r}: expected a number, got {type(value).__name__}")
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{where}.{name}={value!r}: expected a finite number > 0")
+        if self.window_left is not None:
+            integer("window_left", self.window_left, 0)
+        if self.sliding_kv_heads is not None:
+            head_range("sliding_kv_heads", self.sliding_kv_heads, hkv)
+        if self.kind == "full":
+            if self.sliding_kv_heads is not None:
+                raise ValueError(
+                    f"{where}: a full layer has no sliding_kv_heads, got {self.sliding_kv_heads!r}"
+                )
+        else:
+            if self.window_left is None:
+                raise ValueError(f"{where}: a {self.kind} layer needs window_left (an int >= 0), got None")
+            if self.sliding_kv_heads is None:
+                raise ValueError(f"{where}: a {self.kind} layer needs sliding_kv_heads (start, stop)")
+        if self.sink not in SINK_KINDS:
+            raise ValueError(f"{where}.sink={self.sink!r}: expected one of {', '.join(SINK_KINDS)}")
+        if self.mla is not None and not isinstance(self.mla, MLADims):
+            raise TypeError(f"{where}.mla={self.mla!r}: expected MLADims or None")
+        head_range("q_head_range", self.q_head_range, None)  # global indices: no local bound
+        head_range("kv_head_range", self.kv_head_range, None)
 
     @property
     def group_size(self) -> int:
