@@ -158,8 +158,13 @@ def test_packed_positions_from_fastdeploy_metadata():
     meta = batch_meta_from_forward_meta(forward_meta, block_size=16, num_tokens=6)
     assert meta.seq_lens_decoder.numpy().tolist() == [0, 7, 5, 4]
     assert meta.num_tokens == 6 and meta.block_size == 16
-    assert (meta.max_seq_len_this_time, meta.max_context_len) == (3, 8)
+    # no host copy of the metadata (CUDA graphs): the launch bounds stay unknown with a prefill ...
+    assert (meta.max_seq_len_this_time, meta.max_context_len) == (None, None)
     assert packed_positions(meta, 6).numpy().tolist() == [0, 1, 2, 7, 4, 5]
+    # ... and a decode-only step (FastDeploy's host flag exist_prefill=False) has one token per request
+    forward_meta.exist_prefill = False
+    meta = batch_meta_from_forward_meta(forward_meta, block_size=16, num_tokens=6)
+    assert (meta.max_seq_len_this_time, meta.max_context_len) == (1, None)
 
 
 def _meta(**overrides):
