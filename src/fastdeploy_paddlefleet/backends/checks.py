@@ -41,11 +41,17 @@ def to_numpy(x: Any) -> Any:
 
 
 def _host(meta: BatchMeta, name: str, x: Any) -> Any:
-    """``to_numpy(x)`` as int64, memoized on ``meta`` per field and tensor object (layers share it)."""
+    """``to_numpy(x)`` as int64, memoized on ``meta`` per field and tensor object (layers share it).
+
+    ``TypeError`` for metadata that is not integer (a float table would be truncated: 2.7 -> 2)."""
     cache = meta.__dict__.setdefault("_host_arrays", {})
     hit = cache.get(name)
     if hit is None or hit[0] is not x:  # keyed on the object: a replaced field is copied again
-        hit = cache[name] = (x, to_numpy(x).astype("int64", copy=False))
+        a = to_numpy(x)
+        if a.dtype.kind not in "iu":
+            field = name.split("@")[0].replace("page_table", "block_tables_headwise")
+            raise TypeError(f"meta.{field} must hold integers (int32), got dtype {a.dtype}")
+        hit = cache[name] = (x, a.astype("int64", copy=False))
     return hit[1]
 
 
@@ -158,6 +164,44 @@ def _check_table(name: str, table: Any, lo: Any, hi: Any, active: Any, limit: in
         what = f"a -1 ({unit} not there)" if value == -1 else f"out of range [0, {limit})"
         raise ValueError(
             f"{name}[{r}, {c}] = {value} is {what}, but that {unit} is read or written this step"
+        )
+
+
+def _check_writes(name: str, table: Any, rows: Any, pos: Any, bs: int, unit: str) -> None:
+    """No two (token, head) writes of one step may land on one cache slot: ``table[rows, pos // bs]``
+    is the block/page each write uses, ``rows`` ``[T, H]`` (``H`` heads sharing a row, or 1)."""
+    import numpy as np
+
+    ids = table[rows, (pos // bs)[:, None]]  # [T, H]
+    slots = (ids * bs + (pos % bs)[:, None]).reshape(-1)
+    order = np.argsort(slots, kind="stable")
+    dup = np.nonzero(np.diff(slots[order]) == 0)[0]
+    if dup.size:
+        a, b = (divmod(int(order[i]), rows.shape[1]) for i in (dup[0], dup[0] + 1))
+        slot = int(slots[order[dup[0]]])
+        raise ValueError(
+            f"{name}: write collision: packed token {a[0]} (row {int(rows[a])}) and token {b[0]} "
+            f"(row {int(rows[b])}) both write {unit} {slot // bs} slot {slot % bs} this step"
+        )
+
+
+def _check_page_heads(name: str, table: Any, used: Any, hkv: int) -> None:
+    """A page holds one kv head's keys: the pages a step reads or writes may repeat only across
+    requests for the same kv head (shared prefixes), never across heads or inside one row."""
+    import numpy as np
+
+    r, c = np.nonzero(used)
+    if r.size < 2:
+        return
+    pages, heads = table[r, c], r % hkv
+    order = np.lexsort((r, pages))
+    p, h, rr = pages[order], heads[order], r[order]
+    clash = (p[1:] == p[:-1]) & ((h[1:] != h[:-1]) | (rr[1:] == rr[:-1]))
+    if clash.any():
+        i = int(np.argmax(clash))
+        raise ValueError(
+            f"{name}: page {int(p[i])} is mapped to row {int(rr[i])} (kv head {int(h[i])}) and row "
+            f"{int(rr[i + 1])} (kv head {int(h[i + 1])}); a page holds one head's keys"
         )
 
 
@@ -274,7 +318,44 @@ def validate_inputs(
         )
     else:
         _check_table("meta.block_tables", tables, lo.min(axis=1), hi[:, 0], active, nb, "block")
+    _check_no_aliasing(meta, layer, page_table, tables, bid, cu, dec, lo, hi, active, bs)
     return HostMeta(dec, this_time, cu, tables, page_table, t)
+
+
+def _check_no_aliasing(
+    meta: BatchMeta,
+    layer: LayerAttention,
+    page_table: Any,
+    tables: Any,
+    bid: Any,
+    cu: Any,
+    dec: Any,
+    lo: Any,
+    hi: Any,
+    active: Any,
+    bs: int,
+) -> None:
+    """Write collisions and heads sharing a page (memoized per step and table: layers share it)."""
+    import numpy as np
+
+    hkv = layer.num_kv_heads
+    table = tables if page_table is None else page_table
+    key = ("aliasing", id(table), hkv, lo.tobytes(), hi.tobytes())
+    done = meta.__dict__.setdefault("_aliasing_checked", set())
+    if key in done:
+        return
+    pos = dec[bid] + (np.arange(bid.shape[0]) - cu[bid])  # absolute position of each packed token
+    if page_table is None:
+        _check_writes("meta.block_tables", tables, bid[:, None], pos, bs, "block")
+    else:
+        name = f"block_tables_headwise (layer {layer.index})"
+        rows = bid[:, None] * hkv + np.arange(hkv)[None, :]
+        _check_writes(name, page_table, rows, pos, bs, "page")
+        cols = np.arange(page_table.shape[1])[None, :]
+        lo_r, hi_r = lo.reshape(-1)[:, None], hi.reshape(-1)[:, None]
+        used = np.repeat(active, hkv)[:, None] & (cols >= lo_r) & (cols <= hi_r)
+        _check_page_heads(name, page_table, used, hkv)
+    done.add(key)
 
 
 def validate_shapes(
