@@ -91,6 +91,8 @@ def _check_tensor(name: str, x: Any, expected: tuple[int | None, ...]) -> tuple[
     """Check rank, sizes (``None`` = any) and float dtype of ``x``; return its shape."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if type(x).__module__.split(".")[0] == "numpy":  # backends write and compute on the device
+        raise TypeError(f"{name} must be a paddle or torch tensor, got numpy.{type(x).__name__}")
     shape = _shape(x)
     if len(shape) != len(expected):
         raise ValueError(
