@@ -275,7 +275,6 @@ def _fd_config(**over):
 @pytest.mark.parametrize(
     ("setting", "words"),
     [
-        ({"load_config__load_choices": "default"}, ["v0 loader", "--load-choices default", "default_v1"]),
         ({"load_config__dynamic_load_weight": True}, ["RL loader", "dynamic_load_weight"]),
         ({"model_config__quantization": {"quantization": "wint8"}}, ["--quantization", "wint8"]),
         ({"model_config__quantization_config": {"quant_method": "fp8"}}, ["quantization_config", "fp8"]),
@@ -290,11 +289,12 @@ def test_load_time_refusals_name_the_setting(setting, words):
         assert word in str(err.value)
 
 
-def test_load_time_checks_pass_the_v1_and_dummy_loaders():
+def test_load_time_checks_pass_the_v1_v0_and_dummy_loaders():
     from fastdeploy_paddlefleet.fastdeploy_checks import check_fd_config
 
     check_fd_config(_fd_config(), "PaddleFleetForCausalLM")
     check_fd_config(_fd_config(load_config__load_choices="dummy"), "PaddleFleetForCausalLM")
+    check_fd_config(_fd_config(load_config__load_choices="default"), "PaddleFleetForCausalLM")
 
 
 def test_rl_class_refuses_naming_the_rl_loader():

@@ -175,11 +175,25 @@ def _register_class(registry: Any, registry_module: Any, name: str, cls: type) -
             decorator(cls)
 
 
+def _register_pretrained(registry: Any) -> list[str]:
+    """What the v0 loader's ``get_pretrain_cls(ARCHITECTURE)`` returns (``fastdeploy_pretrained``)."""
+    register = getattr(registry, "register_pretrained_model", None)
+    table = getattr(registry, "_arch_to_pretrained_model_cls", None)
+    if not callable(register):
+        return []
+    from .fastdeploy_pretrained import PaddleFleetPretrainedModel
+
+    if isinstance(table, Mapping) and table.get(ARCHITECTURE) is PaddleFleetPretrainedModel:
+        return []
+    register(PaddleFleetPretrainedModel)
+    return [f"v0 loader entry {ARCHITECTURE} (fastdeploy_pretrained.PaddleFleetPretrainedModel)"]
+
+
 def _register_architecture(registry: Any, registry_module: Any) -> list[str]:
     """Register ``PaddleFleetForCausalLM`` (+ its RL name), replacing a same-named FastDeploy class."""
     from .model import PaddleFleetForCausalLM, PaddleFleetForCausalLMRL
 
-    done = []
+    done = _register_pretrained(registry)
     for name, cls in ((ARCHITECTURE, PaddleFleetForCausalLM), (RL_ARCHITECTURE, PaddleFleetForCausalLMRL)):
         if _is_ours(registry, name, cls):
             continue

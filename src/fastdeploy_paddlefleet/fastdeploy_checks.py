@@ -4,11 +4,9 @@ Each refusal is a ``ValueError`` naming the FastDeploy setting (and the loader
 where it is one), raised when FastDeploy builds the model class, before any
 weight is read. What is refused and why (``docs/fastdeploy.md``):
 
-* **v0 loader** (``--load-choices default``, ``DefaultModelLoader``): it reads the
-  checkpoint through ``ModelRegistry.get_pretrain_cls(architecture)``, a
-  PaddleFormers ``PretrainedModel`` with tensor-parallel name mappings, which a
-  PaddleFleet model does not have. The v1 loader (``default_v1``, FastDeploy's
-  default) and the dummy loader work.
+* The loaders that work: v1 (``default_v1``, FastDeploy's default), v0
+  (``default``, also FastDeploy's worker fallback from v1: ``fastdeploy_pretrained``
+  answers its ``get_pretrain_cls``) and ``dummy``.
 * **RL loader** (``load_config.dynamic_load_weight``): FastDeploy looks up
   ``<architecture>RL`` and builds it under ``paddle.LazyGuard`` for weights pushed
   later by the trainer, through name mappings this plugin does not provide.
@@ -23,9 +21,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-V0_LOADER = "default"
-V1_LOADERS = ("default_v1", "dummy")
-
 
 def _get(obj: Any, name: str) -> Any:
     if isinstance(obj, Mapping):
@@ -39,7 +34,7 @@ def _value(x: Any) -> Any:
 
 
 def check_loader(fd_config: Any, architecture: str) -> None:
-    """Refuse the v0 and RL loaders with a message naming them."""
+    """Refuse the RL loader with a message naming it."""
     load = _get(fd_config, "load_config")
     if load is None:
         return
@@ -49,14 +44,6 @@ def check_loader(fd_config: Any, architecture: str) -> None:
             f"--dynamic-load-weight, which builds '{architecture}RL') is not supported by the "
             "paddlefleet plugin: it has no trainer-to-inference weight name mapping; "
             "serve with --load-choices default_v1 and without --dynamic-load-weight"
-        )
-    choice = _value(_get(load, "load_choices"))
-    if choice is not None and str(choice) == V0_LOADER:
-        raise ValueError(
-            f"{architecture}: FastDeploy's v0 loader (--load-choices {V0_LOADER}, DefaultModelLoader) "
-            "is not supported by the paddlefleet plugin: it reads weights through "
-            "ModelRegistry.get_pretrain_cls(), which has no PaddleFleet entry; "
-            f"use --load-choices {V1_LOADERS[0]} (FastDeploy's default)"
         )
 
 

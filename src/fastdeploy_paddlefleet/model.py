@@ -560,6 +560,9 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         optionally prefixed ``model.``. Unknown names or wrong shapes raise ``ValueError``.
         """
         own = self.model.state_dict()
+        if self._weights_preloaded:  # FastDeploy's v0 loader calls this with the checkpoint it read
+            logger.info("set_state_dict: weights were loaded by PaddleFormers from_pretrained; skipping")
+            return []
         shards = getattr(self.model, "fdfleet_tp_shards", None) or {}
         unexpected: list[str] = []
         loaded: set[str] = set()

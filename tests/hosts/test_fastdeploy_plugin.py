@@ -173,8 +173,11 @@ def attempt(name, mutate):
     c.model_config = copy.copy(cfg.model_config)
     mutate(c)
     try:
-        get_model_loader(c.load_config).load_model(c)
-        out[name] = "loaded"
+        loader = get_model_loader(c.load_config)
+        m = loader.load_model(c)
+        sd = m.model.state_dict()
+        diff = max(float(np.abs(sd[k].numpy() - v).max()) for k, v in ref.items())
+        out[name] = f"loaded by {type(loader).__name__}, max diff {diff}"
     except Exception as e:
         out[name] = type(e).__name__ + ": " + str(e)
 
@@ -187,14 +190,15 @@ report(**out)
 
 
 def test_real_loaders_build_our_class_or_refuse_naming_the_loader(host, model_dir):
-    """``DefaultModelLoaderV1`` builds + loads our class; v0 / RL / quantization are refused by name."""
+    """The v1 and v0 loaders build + load our class; RL / quantization are refused by name."""
     script = with_names(LOADERS, model_dir)
     result = run_scenario(script, host=host, env=PLUGIN_ENV).check()
     data = result.data
     assert data["v1_loader"] == "DefaultModelLoaderV1"
     assert data["v1_class"] == "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
     assert data["v1_names_match"] and data["v1_max_diff"] == 0.0  # the file's weights, not seed 123's
-    assert data["v0"].startswith("ValueError") and "v0 loader" in data["v0"] and "default_v1" in data["v0"]
+    # v0 (also FastDeploy's worker fallback from v1): get_pretrain_cls answers, full weights loaded
+    assert data["v0"] == "loaded by DefaultModelLoader, max diff 0.0", data["v0"]
     # the RL loader imports fastdeploy.rl first; where that imports, our RL class refuses by name
     assert "RL loader" in data["rl"] or data["rl"].startswith(("ImportError", "ModuleNotFoundError")), data
     assert data["cli_quant"].startswith("ValueError") and "--quantization" in data["cli_quant"]
@@ -267,3 +271,45 @@ def test_plugin_class_serves_over_a_native_class_of_the_same_name(host, model_di
     assert data["architectures"] == ["PaddleFleetForCausalLM", NATIVE]
     assert len(data["lines"]) == 1 and data["levels"] == ["WARNING"]
     assert "__main__.PaddleFleetForCausalLM" in data["lines"][0]  # names the class set aside
+
+
+WORKER = """
+import sys
+# what FastDeploy's engine launches: `python -m fastdeploy.worker.worker_process ... --model-impl auto`,
+# with the engine's environment (FD_PLUGINS, and FDFLEET_MODEL_IMPL set by the plugin's EngineArgs)
+sys.argv = [
+    "worker_process", "--model", MODEL, "--model-impl", "auto", "--dtype", "float32", "--block_size", "4",
+    "--load_choices", "default_v1", "--max_model_len", "256", "--max_num_batched_tokens", "256",
+]
+import numpy as np
+from safetensors.numpy import load_file
+import fastdeploy.worker.worker_process as worker_process
+from fastdeploy.model_executor.model_loader import get_model_loader
+
+cfg = worker_process.initialize_fd_config(worker_process.parse_args(), ranks=1, local_rank=0)
+loader = get_model_loader(cfg.load_config)
+model = loader.load_model(cfg)
+ref = load_file(MODEL + "/model.safetensors")
+own = model.model.state_dict()
+report(
+    architectures=list(cfg.model_config.architectures),
+    load_choices=str(cfg.load_config.load_choices),
+    loader=type(loader).__name__,
+    cls=type(model).__module__ + "." + type(model).__name__,
+    max_diff=max(float(np.abs(own[k].numpy() - v).max()) for k, v in ref.items()),
+)
+"""
+
+
+def test_worker_process_builds_our_class_from_the_engine_command_line(host, model_dir):
+    """The worker's own CLI + ``initialize_fd_config`` + the loader it picks (v1, or its v0 fallback)."""
+    env = {**PLUGIN_ENV, "FDFLEET_MODEL_IMPL": "paddlefleet"}
+    data = run_scenario(with_names(WORKER, model_dir), host=host, env=env).check().data
+    assert data["architectures"] == ["PaddleFleetForCausalLM", NATIVE]
+    assert data["cls"] == "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
+    # on this CPU host FastDeploy's worker falls back from v1 to the v0 loader (v1_loader_support)
+    assert (data["load_choices"], data["loader"]) in {
+        ("default_v1", "DefaultModelLoaderV1"),
+        ("default", "DefaultModelLoader"),
+    }
+    assert data["max_diff"] == 0.0
