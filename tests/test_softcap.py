@@ -176,3 +176,21 @@ def test_dense_references_agree():
     )
     torch.testing.assert_close(huge, uncapped, atol=1e-9, rtol=1e-9)
     assert math.isclose(float(torch.tanh(torch.tensor(50.0 / 50.0)) * 50.0), 38.0797, rel_tol=1e-4)
+
+
+def test_paddleformers_has_no_soft_capping_model_so_patching_one_is_refused():
+    """PaddleFormers 1.2.0: no model applies attention soft-capping (gemma3_text stores
+    attn_logit_softcapping in its config but its attention never reads it), so there is no
+    parity case; a plan that caps is refused at patch time instead of silently diverging."""
+    pytest.importorskip("paddleformers")
+    from fastdeploy_paddlefleet.backends import get_backend
+    from fastdeploy_paddlefleet.patch.paddleformers import patch_paddleformers
+    from fastdeploy_paddlefleet.runner.paddleformers_case import build_twins, tiny_config
+    from fastdeploy_paddlefleet.spec import plan_from_config
+
+    config = tiny_config("gemma3_text", attn_logit_softcapping=30.0, num_hidden_layers=2)
+    plan = plan_from_config(config)
+    assert {x.logits_soft_cap for x in plan} == {30.0}
+    _, twin = build_twins(config)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        patch_paddleformers(twin, plan, get_backend("reference"))

@@ -224,6 +224,14 @@ def _check_layer(name: str, module: Any, layer: LayerAttention) -> None:
                 f"{name}: the plan's layer {layer.index} has {field_name}={want} "
                 f"but the module uses {field_name}={int(got)}"
             )
+    if (
+        layer.logits_soft_cap is not None
+    ):  # no PaddleFormers 1.2.0 attention soft-caps (gemma3_text ignores it)
+        raise ValueError(
+            f"{name}: the plan's layer {layer.index} has logits_soft_cap={layer.logits_soft_cap} "
+            "(attn_logit_softcapping) but this PaddleFormers attention never soft-caps its scores: "
+            "the patched model would not match the native one"
+        )
     sinks = getattr(module, "sinks", None)
     if layer.sink == "learnable":
         if sinks is None:
