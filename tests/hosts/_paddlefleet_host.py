@@ -117,13 +117,13 @@ def locate_host() -> tuple[Host | None, str]:
         if (root / "paddlefleet" / "transformer" / "utils.py").is_file():
             return Host(root, "env"), ""
         return None, f"{HOST_VAR}={env!r} holds no paddlefleet/transformer/utils.py"
-    if "paddlefleet" not in sys.modules:
-        try:
-            spec = importlib.util.find_spec("paddlefleet")
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None and spec.submodule_search_locations:
-            return Host(Path(next(iter(spec.submodule_search_locations))).parent, "installed"), ""
+    loaded = sys.modules.get("paddlefleet")
+    try:
+        spec = loaded.__spec__ if loaded is not None else importlib.util.find_spec("paddlefleet")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return Host(Path(next(iter(spec.submodule_search_locations))).parent, "installed"), ""
     return None, f"PaddleFleet's code not found: set {HOST_VAR} (.ci/run does) or install paddlefleet"
 
 

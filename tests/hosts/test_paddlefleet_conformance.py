@@ -298,4 +298,6 @@ def test_stand_ins_are_listed_with_a_reason(host):
     assert all(f.startswith(str(host.host.root)) for f in host.files)
     import sys
 
-    assert not [m for m in sys.modules if m.split(".")[0] in ("paddlefleet", "paddlefleet_ops")]
+    # the stand-ins were only in sys.modules while the real files were imported
+    facade = sys.modules.get("paddlefleet_ops.flash_mask_facade")
+    assert getattr(facade, "flashmask_attention", None) is not flashmask_attention

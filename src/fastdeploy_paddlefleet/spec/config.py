@@ -286,7 +286,10 @@ def _ratios(f: _Fields, n: int) -> list[float]:
     raw = f.get("head_wise_swa_ratio", 0.0)
     values = list(raw) if isinstance(raw, list | tuple) else [raw] * n
     if len(values) != n:
-        raise ValueError(f"head_wise_swa_ratio has {len(values)} entries but num_hidden_layers={n}: {raw!r}")
+        raise ValueError(
+            f"head_wise_swa_ratio has {len(values)} entries but the model has {n} layers "
+            f"(num_hidden_layers, plus MTP layers under PaddleFleet's rules): {raw!r}"
+        )
     for r in values:
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 <= r <= 1.0:
             raise ValueError(f"head_wise_swa_ratio must be in [0, 1], got {raw!r}")
