@@ -328,7 +328,8 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         spec = _get(fd_config, "speculative_config")
         if _get(spec, "method") is not None:  # a decode step holds 1 + draft tokens per request
             self._decode_tokens = 1 + int(_get(spec, "num_speculative_tokens") or 0)
-        self._graph_step = _graph_step_layer(fd_config, self)
+        # a plain attribute, not a sublayer (a class-level default would shadow a registered sublayer)
+        object.__setattr__(self, "_graph_step", _graph_step_layer(fd_config, self))
 
     def _check_fastdeploy_caches(self, fd_config: Any) -> None:
         """Refuse cache layouts the attention cannot read; warn when FastDeploy's cache shape was sized
@@ -559,10 +560,10 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         Names are the host model's own (``decoder.layers.1.self_attn.core_attention.softmax_offset``),
         optionally prefixed ``model.``. Unknown names or wrong shapes raise ``ValueError``.
         """
-        own = self.model.state_dict()
         if self._weights_preloaded:  # FastDeploy's v0 loader calls this with the checkpoint it read
             logger.info("set_state_dict: weights were loaded by PaddleFormers from_pretrained; skipping")
             return []
+        own = self.model.state_dict()
         shards = getattr(self.model, "fdfleet_tp_shards", None) or {}
         unexpected: list[str] = []
         loaded: set[str] = set()

@@ -89,7 +89,9 @@ def fit_fastdeploy_model_config(model_config: Any, plan: AttentionPlan | None = 
     the TP size with a floor of one, the same sharding the plan applies per layer, so the largest
     unsharded count gives the largest per-rank count on every rank. ``num_attention_heads`` must
     stay a multiple of it (FastDeploy's attention buffers assume it): ``ValueError`` otherwise.
-    Idempotent; never lowers a field.
+    Idempotent; never lowers a field. A per-layer ``head_wise_swa_ratio`` list (this plugin's
+    extension) becomes FastDeploy's scalar default 0.0 there: FastDeploy's own attention backend,
+    built by the runner whatever the model, compares it with a float.
     """
     if plan is None:
         from ..spec import plan_from_config
@@ -116,6 +118,12 @@ def fit_fastdeploy_model_config(model_config: Any, plan: AttentionPlan | None = 
             f"model_config.num_attention_heads={heads} is not a multiple of num_key_value_heads={new_kv} "
             f"(the largest kv head count over the layers, which FastDeploy's single cache shape needs)"
         )
+    ratio = _get(model_config, "head_wise_swa_ratio")
+    if isinstance(ratio, list | tuple):
+        # a per-layer list is this plugin's extension (the model reads it from config.json); FastDeploy's
+        # own attention backend, which the runner builds even though this model never calls it, takes
+        # a float (``ratio > 0.0`` in its __init__): give it the scalar default
+        changes["head_wise_swa_ratio"] = (list(ratio), 0.0)
     for name, (_, new) in changes.items():
         if isinstance(model_config, dict):
             model_config[name] = new
