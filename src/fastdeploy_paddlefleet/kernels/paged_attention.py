@@ -42,6 +42,18 @@ PAGE_CHUNK: tl.constexpr = tl.constexpr(16)  # key tiles whose pages are loaded 
 
 
 @triton.jit
+def _dot(a, b, acc):
+    """``tl.dot(a, b, acc)`` (``acc`` may be None). fp32 operands multiply in IEEE fp32: Triton's
+    default for fp32 is TF32 (10-bit mantissa, ~1e-3 relative error), and docs/semantics.md promises
+    fp32 math. bf16 / fp16 operands run at their native precision (fp32 accumulation)."""
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
 def _pages(tbl_row, blk, n_blk, kvh, HKV: tl.constexpr, HEADWISE: tl.constexpr):
     """Physical page(s) of logical block(s) ``blk`` for kv head ``kvh`` (int64, -1 where absent)."""
     page = tl.load(tbl_row + blk, mask=blk < n_blk, other=-1).to(tl.int64)
@@ -91,11 +103,11 @@ def _tile(
             v_mask = v_mask & (offs_dv[None, :] < DV)
         k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
         v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k))
+    qk = _dot(q, tl.trans(k), None)
     if SOFTCAP != 0.0:  # soft-capping: qk_scale is scale / cap, SOFTCAP is cap * log2(e)
         qk = _tanh(qk * qk_scale) * (SOFTCAP / qk_scale)  # the scaling below makes it SOFTCAP * tanh
     if PROFILE == 1:
-        return tl.dot(qk.to(v.dtype), v, acc), l_i, m_i
+        return _dot(qk.to(v.dtype), v, acc), l_i, m_i
     if MASK:
         vis = ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
@@ -123,7 +135,7 @@ def _tile(
     l_i = l_i * alpha + p_sum
     acc = acc * alpha[:, None]
     if PROFILE != 2:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = _dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
