@@ -19,7 +19,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-import test_reference_backend as trb  # noqa: E402
 import test_triton_kernels as tk  # noqa: E402
 from _dense_attention import dense_attention as np_dense  # noqa: E402
 
@@ -34,7 +33,7 @@ def _capped(monkeypatch, cap: float | None) -> None:
     monkeypatch.setattr(tk, "dense_attention", functools.partial(dense_attention, logits_soft_cap=cap))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if tk.CUDA else []))
 @pytest.mark.parametrize(
     "attend",
     [
@@ -59,6 +58,22 @@ def test_kernels_prefill_and_decode(monkeypatch, dtype, attend):
     )
     s.q.mul_(3.0)  # scores of several units: the cap visibly bends them
     tk.run_and_check(s, logits_soft_cap=CAP, **attend)
+
+
+@pytest.mark.gpu
+@tk.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gemma2_shapes(monkeypatch, dtype):
+    """Gemma-2-9B attention shapes (16 q / 8 kv heads, head dim 256, window 4095 on the sliding
+    layers, cap 50, scale 256 ** -0.5), chunked prefill and decode, compiled on the GPU."""
+    _capped(monkeypatch, 50.0)
+    for window in (None, 255):  # 255: a short window so the test's contexts cross it
+        s = tk.make_step(
+            [(300, 200), (1000, 1), (0, 257), (70, 1)],
+            hkv=8, group=2, dqk=256, dv=256, block_size=64, dtype=dtype, window_left=window,
+        )  # fmt: skip
+        s.q.mul_(4.0)  # scores of tens: the cap of 50 bends them
+        tk.run_and_check(s, scale=256**-0.5, window_left=window, logits_soft_cap=50.0)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -103,6 +118,8 @@ def test_bad_cap_is_refused(bad):
 
 def test_reference_backend_against_numpy_dense(monkeypatch):
     """The reference backend's capped scores over several chunked steps vs numpy float64."""
+    import test_reference_backend as trb  # needs paddle (skips without it)
+
     monkeypatch.setattr(trb, "dense_attention", functools.partial(np_dense, logits_soft_cap=2.0))
     for kind, window, sink in (("full", None, "vanilla"), ("sliding", 3, "learnable")):
         layer = dataclasses.replace(
