@@ -3,7 +3,8 @@
 An event-driven simulation of one H200 serving a stream of requests with continuous batching and
 chunked prefill. The KV cache is managed by the real ``HeadwiseKVManager``; only the GPU step is
 modelled. Run ``python benchmarks/headwise_sim.py`` (about a minute on a laptop CPU) or with
-``--quick`` (a few seconds with an 8 GiB cache, used by the tests); ``--sweep`` adds ERNIE-shaped
+``--quick`` (a few seconds with an 8 GiB cache, used by the tests; written to the temp directory
+unless ``--out`` says otherwise); ``--sweep`` adds ERNIE-shaped
 variants with other head-wise ratios / windows.
 
 Step-time model (per step, one roofline per phase; figures from
@@ -49,6 +50,7 @@ import json
 import logging
 import math
 import sys
+import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -641,15 +643,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-batched", type=int, default=8192)
     p.add_argument("--max-seqs", type=int, default=512)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "headwise_sim.json")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default: results/headwise_sim.json; with --quick a file in the temp "
+        "directory, so a smoke run never overwrites the committed results)",
+    )
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
     p.add_argument("--json", action="store_true", help="print the summary (target, sweep) as JSON")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = (
+            Path(tempfile.gettempdir()) / "headwise_sim_quick.json"
+            if args.quick
+            else Path(__file__).parent / "results" / "headwise_sim.json"
+        )
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     results = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.plot or args.out.with_suffix(".png"))
+    logging.getLogger(__name__).info("wrote %s", args.out)
     if args.json:
         json.dump({k: results[k] for k in ("target", "sweep") if k in results}, sys.stdout, indent=1)
         print()
