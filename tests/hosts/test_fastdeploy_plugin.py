@@ -42,35 +42,33 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def test_api_server_parses_model_impl_paddlefleet(host, model_dir):
+BASELINE = """
+import sys
+import fastdeploy
+from fastdeploy.engine.args_utils import EngineArgs
+try:
+    EngineArgs(model=MODEL, model_impl="paddlefleet")
+    report(offline_accepted=True)
+except NotImplementedError as e:
+    report(offline_accepted=False, offline_error=str(e))
+sys.argv = ["api_server", "--model", MODEL, "--model-impl", "paddlefleet"]
+try:
+    import fastdeploy.entrypoints.openai.api_server as api
+except SystemExit as e:
+    report(exit=e.code)
+else:
+    report(model_impl=api.args.model_impl)
+"""
+
+
+def test_api_server_parses_model_impl_paddlefleet(host, model_dir, plugin_run):
     """``python -m fastdeploy.entrypoints.openai.api_server --model-impl paddlefleet`` parses (at import).
 
-    Without the plugin, the same child first shows the host's own answer to the offline
-    ``EngineArgs(model_impl="paddlefleet")`` (refused by this snapshot, accepted from #7964 on).
+    Without the plugin (a second child), the host's own answers: refused offline and on the CLI by
+    this snapshot, accepted from #7964 on.
     """
-    script = """
-        import sys
-        if WITHOUT_PLUGIN:
-            import fastdeploy
-            from fastdeploy.engine.args_utils import EngineArgs
-            try:
-                EngineArgs(model=MODEL, model_impl="paddlefleet")
-                report(offline_accepted=True)
-            except NotImplementedError as e:
-                report(offline_accepted=False, offline_error=str(e))
-        sys.argv = ["api_server", "--model", MODEL, "--model-impl", "paddlefleet"]
-        try:
-            import fastdeploy.entrypoints.openai.api_server as api
-        except SystemExit as e:
-            report(exit=e.code)
-        else:
-            report(model_impl=api.args.model_impl)
-    """
-    plugin = run_scenario(
-        "WITHOUT_PLUGIN = False\n" + with_names(script, model_dir), host=host, env=PLUGIN_ENV
-    )
-    assert plugin.check().data == {"model_impl": "paddlefleet"}, plugin.tail()
-    alone = run_scenario("WITHOUT_PLUGIN = True\n" + with_names(script, model_dir), host=host).check().data
+    assert plugin_run["api_model_impl"] == "paddlefleet"
+    alone = run_scenario(with_names(BASELINE, model_dir), host=host).check().data
     if "exit" in alone:  # this snapshot: the choice is missing, offline and on the CLI
         assert alone["exit"] == 2
         assert alone["offline_accepted"] is False and "paddlefleet" in alone["offline_error"]
@@ -120,6 +118,16 @@ report(
     cache_fields=[cfg.model_config.num_key_value_heads, cfg.model_config.head_dim],
     mla_cache_fields=[mla.model_config.num_key_value_heads, mla.model_config.head_dim],
 )
+
+# then the api_server, which parses sys.argv while it is imported
+import sys
+sys.argv = ["api_server", "--model", MODEL, "--model-impl", "paddlefleet"]
+try:
+    import fastdeploy.entrypoints.openai.api_server as api
+except SystemExit as e:
+    report(api_exit=e.code)
+else:
+    report(api_model_impl=api.args.model_impl)
 """
 
 
@@ -130,10 +138,16 @@ def mla_dir(tmp_path_factory):
     return str(write_model_dir("tiny-mla", tmp_path_factory.mktemp("fdtinymla"), dtype="float32"))
 
 
-def test_offline_engine_args_llm_and_real_registry(host, model_dir, mla_dir):
-    """``EngineArgs`` / ``LLM(model_impl="paddlefleet")``, ``create_engine_config``, the real registry."""
+@pytest.fixture(scope="module")
+def plugin_run(host, model_dir, mla_dir):
+    """One child with the plugin: the offline scenario, then the api_server's argument parsing."""
     script = f"MLA_DIR = {mla_dir!r}\n" + with_names(OFFLINE, model_dir)
-    data = run_scenario(script, host=host, env=PLUGIN_ENV).check().data
+    return run_scenario(script, host=host, env=PLUGIN_ENV).check().data
+
+
+def test_offline_engine_args_llm_and_real_registry(plugin_run):
+    """``EngineArgs`` / ``LLM(model_impl="paddlefleet")``, ``create_engine_config``, the real registry."""
+    data = plugin_run
     assert data["engine_args_model_impl"] == "auto"  # what FastDeploy's own checks and worker CLI see
     assert data["env"] == "paddlefleet"  # inherited by the workers FastDeploy spawns
     assert data["architectures"] == ["PaddleFleetForCausalLM", NATIVE]  # ours first, the original kept
@@ -145,66 +159,6 @@ def test_offline_engine_args_llm_and_real_registry(host, model_dir, mla_dir):
     assert data["cache_fields"] == [2, 16]  # tiny: every layer fits 2 kv heads x 16 channels
     # tiny-mla: 4 heads of q/k 24 (16 nope + 8 rope), v 16; FastDeploy alone would read head_dim 16
     assert data["mla_cache_fields"] == [4, 24]
-
-
-LOADERS = """
-import copy
-import fastdeploy
-import numpy as np
-from safetensors.numpy import load_file
-from fastdeploy.engine.args_utils import EngineArgs
-from fastdeploy.model_executor.model_loader import get_model_loader
-
-cfg = EngineArgs(model=MODEL, model_impl="paddlefleet").create_engine_config()
-out = {}
-
-loader = get_model_loader(cfg.load_config)
-model = loader.load_model(cfg)
-ref = load_file(MODEL + "/model.safetensors")
-own = model.model.state_dict()
-out["v1_loader"] = type(loader).__name__
-out["v1_class"] = type(model).__module__ + "." + type(model).__name__
-out["v1_names_match"] = sorted(ref) == sorted(own)
-out["v1_max_diff"] = max(float(np.abs(own[k].numpy() - v).max()) for k, v in ref.items())
-
-def attempt(name, mutate):
-    c = copy.copy(cfg)
-    c.load_config = copy.copy(cfg.load_config)
-    c.model_config = copy.copy(cfg.model_config)
-    mutate(c)
-    try:
-        loader = get_model_loader(c.load_config)
-        m = loader.load_model(c)
-        sd = m.model.state_dict()
-        diff = max(float(np.abs(sd[k].numpy() - v).max()) for k, v in ref.items())
-        out[name] = f"loaded by {type(loader).__name__}, max diff {diff}"
-    except Exception as e:
-        out[name] = type(e).__name__ + ": " + str(e)
-
-attempt("v0", lambda c: setattr(c.load_config, "load_choices", "default"))
-attempt("rl", lambda c: setattr(c.load_config, "dynamic_load_weight", True))
-attempt("cli_quant", lambda c: setattr(c.model_config, "quantization", {"quantization": "wint8"}))
-attempt("ckpt_quant", lambda c: setattr(c.model_config, "quantization_config", {"quant_method": "fp8"}))
-report(**out)
-"""
-
-
-def test_real_loaders_build_our_class_or_refuse_naming_the_loader(host, model_dir):
-    """The v1 and v0 loaders build + load our class; RL / quantization are refused by name."""
-    script = with_names(LOADERS, model_dir)
-    result = run_scenario(script, host=host, env=PLUGIN_ENV).check()
-    data = result.data
-    assert data["v1_loader"] == "DefaultModelLoaderV1"
-    assert data["v1_class"] == "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
-    assert data["v1_names_match"] and data["v1_max_diff"] == 0.0  # the file's weights, not seed 123's
-    # v0 (also FastDeploy's worker fallback from v1): get_pretrain_cls answers, full weights loaded
-    assert data["v0"] == "loaded by DefaultModelLoader, max diff 0.0", data["v0"]
-    # the RL loader imports fastdeploy.rl, then builds PaddleFleetForCausalLMRL: refused by name
-    assert data["rl"].startswith("ValueError") and "RL loader" in data["rl"], data["rl"]
-    assert "dynamic_load_weight" in data["rl"]
-    assert data["cli_quant"].startswith("ValueError") and "--quantization" in data["cli_quant"]
-    assert data["ckpt_quant"].startswith("ValueError") and "quantization_config" in data["ckpt_quant"]
-    assert "fp8" in data["ckpt_quant"]
 
 
 COEXIST = """
@@ -275,6 +229,7 @@ def test_plugin_class_serves_over_a_native_class_of_the_same_name(host, model_di
 
 
 WORKER = """
+import copy
 import sys
 # what FastDeploy's engine launches: `python -m fastdeploy.worker.worker_process ... --model-impl auto`,
 # with the engine's environment (FD_PLUGINS, and FDFLEET_MODEL_IMPL set by the plugin's EngineArgs)
@@ -288,29 +243,70 @@ import fastdeploy.worker.worker_process as worker_process
 from fastdeploy.model_executor.model_loader import get_model_loader
 
 cfg = worker_process.initialize_fd_config(worker_process.parse_args(), ranks=1, local_rank=0)
-loader = get_model_loader(cfg.load_config)
-model = loader.load_model(cfg)
 ref = load_file(MODEL + "/model.safetensors")
-own = model.model.state_dict()
-report(
-    architectures=list(cfg.model_config.architectures),
-    load_choices=str(cfg.load_config.load_choices),
-    loader=type(loader).__name__,
-    cls=type(model).__module__ + "." + type(model).__name__,
-    max_diff=max(float(np.abs(own[k].numpy() - v).max()) for k, v in ref.items()),
-)
+out = {"architectures": list(cfg.model_config.architectures)}
+
+
+def load(c):
+    loader = get_model_loader(c.load_config)
+    model = loader.load_model(c)
+    own = model.model.state_dict()
+    diff = max(float(np.abs(own[k].numpy() - v).max()) for k, v in ref.items())
+    return type(loader).__name__, type(model).__module__ + "." + type(model).__name__, diff
+
+
+# the loader the worker picked itself (on this CPU host: its fallback from v1 to v0)
+out["worker"] = [str(cfg.load_config.load_choices), *load(cfg)]
+
+
+def attempt(name, mutate):
+    c = copy.copy(cfg)
+    c.load_config = copy.copy(cfg.load_config)
+    c.model_config = copy.copy(cfg.model_config)
+    mutate(c)
+    try:
+        out[name] = list(load(c))
+    except Exception as e:
+        out[name] = type(e).__name__ + ": " + str(e)
+
+
+attempt("v1", lambda c: setattr(c.load_config, "load_choices", "default_v1"))
+attempt("v0", lambda c: setattr(c.load_config, "load_choices", "default"))
+attempt("rl", lambda c: setattr(c.load_config, "dynamic_load_weight", True))
+attempt("cli_quant", lambda c: setattr(c.model_config, "quantization", {"quantization": "wint8"}))
+attempt("ckpt_quant", lambda c: setattr(c.model_config, "quantization_config", {"quant_method": "fp8"}))
+report(**out)
 """
 
+OURS = "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
 
-def test_worker_process_builds_our_class_from_the_engine_command_line(host, model_dir):
-    """The worker's own CLI + ``initialize_fd_config`` + the loader it picks (v1, or its v0 fallback)."""
+
+@pytest.fixture(scope="module")
+def worker_run(host, model_dir):
+    """One child as FastDeploy's worker: its command line, ``initialize_fd_config``, then each loader."""
     env = {**PLUGIN_ENV, "FDFLEET_MODEL_IMPL": "paddlefleet"}
-    data = run_scenario(with_names(WORKER, model_dir), host=host, env=env).check().data
+    return run_scenario(with_names(WORKER, model_dir), host=host, env=env).check().data
+
+
+def test_worker_process_builds_our_class_from_the_engine_command_line(worker_run):
+    """The worker's own CLI + ``initialize_fd_config`` + the loader it picks (v1, or its v0 fallback)."""
+    data = worker_run
     assert data["architectures"] == ["PaddleFleetForCausalLM", NATIVE]
-    assert data["cls"] == "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
+    choice, loader, cls, diff = data["worker"]
     # on this CPU host FastDeploy's worker falls back from v1 to the v0 loader (v1_loader_support)
-    assert (data["load_choices"], data["loader"]) in {
-        ("default_v1", "DefaultModelLoaderV1"),
-        ("default", "DefaultModelLoader"),
-    }
-    assert data["max_diff"] == 0.0
+    assert (choice, loader) in {("default_v1", "DefaultModelLoaderV1"), ("default", "DefaultModelLoader")}
+    assert cls == OURS and diff == 0.0  # the file's weights, not those of config.json's seed 123
+
+
+def test_real_loaders_build_our_class_or_refuse_naming_the_loader(worker_run):
+    """FastDeploy's v1 and v0 loaders build + load our class; RL / quantization are refused by name."""
+    data = worker_run
+    assert data["v1"] == ["DefaultModelLoaderV1", OURS, 0.0], data["v1"]
+    # v0 (also FastDeploy's worker fallback from v1): get_pretrain_cls answers, full weights loaded
+    assert data["v0"] == ["DefaultModelLoader", OURS, 0.0], data["v0"]
+    # the RL loader imports fastdeploy.rl, then builds PaddleFleetForCausalLMRL: refused by name
+    assert data["rl"].startswith("ValueError") and "RL loader" in data["rl"], data["rl"]
+    assert "dynamic_load_weight" in data["rl"]
+    assert data["cli_quant"].startswith("ValueError") and "--quantization" in data["cli_quant"]
+    assert data["ckpt_quant"].startswith("ValueError") and "quantization_config" in data["ckpt_quant"]
+    assert "fp8" in data["ckpt_quant"]
