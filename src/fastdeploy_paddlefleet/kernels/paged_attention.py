@@ -186,7 +186,7 @@ def _attend(
 
 @triton.jit
 def _tanh(x):
-    """``tanh(x)`` from one ``exp2`` of ``-2|x|`` (no overflow for any ``|x|``; the interpreter has no tanh)."""
+    """``tanh(x)`` from one ``exp2`` of ``-2|x|``: no overflow for any ``x`` (the interpreter has no tanh)."""
     e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|) in (0, 1]
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
@@ -563,7 +563,9 @@ def paged_attention(
     if logits_soft_cap is not None:  # qk_scale becomes scale / cap; cap * log2(e) a compile-time constant
         cap = float(logits_soft_cap)
         if not (math.isfinite(cap) and cap > 0):
-            raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
+            raise ValueError(
+                f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}"
+            )
         if prefill_impl == "hopper":
             raise ValueError("prefill_impl='hopper' has no soft-capping; use 'portable' with logits_soft_cap")
         qk_scale, softcap, prefill_impl = float(scale) / cap, cap * LOG2E, "portable"
