@@ -146,23 +146,28 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ModuleNotFoundError as e:
         err = missing_extra(e, f"fdfleet {getattr(args, 'command', '')}".rstrip())
-        if err is None:
-            raise
+        if err is None:  # a module of this package: a bug
+            return _internal_error(e)
         print(f"fdfleet: error: {err}", file=sys.stderr)
         return 2
     except (CliError, ValueError, TypeError, OSError) as e:
         message = " ".join(str(e).split()) or type(e).__name__  # one line
         print(f"fdfleet: error: {message}", file=sys.stderr)
         return 2
-    except Exception as e:  # a bug, not a bad input: one line, the traceback in the debug log
-        logger.debug("internal error", exc_info=True)
-        message = " ".join(str(e).split())
-        print(
-            f"fdfleet: internal error: {type(e).__name__}: {message} "
-            "(FDFLEET_LOG_LEVEL=DEBUG shows the traceback; please report it)",
-            file=sys.stderr,
-        )
-        return INTERNAL_ERROR
+    except Exception as e:  # a bug, not a bad input
+        return _internal_error(e)
+
+
+def _internal_error(e: BaseException) -> int:
+    """One line for an unexpected exception (a bug); the traceback goes to the debug log."""
+    logger.debug("internal error", exc_info=e)
+    message = " ".join(str(e).split())
+    print(
+        f"fdfleet: internal error: {type(e).__name__}: {message} "
+        "(FDFLEET_LOG_LEVEL=DEBUG shows the traceback; please report it)",
+        file=sys.stderr,
+    )
+    return INTERNAL_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -110,6 +110,8 @@ def load_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         return dict(source)
     if not isinstance(source, str | Path):
         raise TypeError(f"config source must be a path, preset name or mapping, got {type(source).__name__}")
+    if not str(source).strip():
+        raise ValueError("config source is empty: give a config.json path, a model directory or a preset")
     path = Path(source)
     if path.is_dir():
         if not (path / "config.json").is_file():
