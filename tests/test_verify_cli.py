@@ -122,13 +122,17 @@ def test_verify_config_of_a_paddlefleet_model_runs_sliding_layers(capsys, tmp_pa
     [
         (["--preset", "gpt-oss-20b"], "not a minifleet one"),
         (["--preset", "no-such-preset"], "neither a JSON file nor a preset"),
-        (["--steps", "-1"], "--steps must be >= 0"),
+        (["--steps", "-1"], "--steps"),
         (["--paddleformers", "gpt_oss", "--preset", "tiny"], "cannot be combined"),
-        (["--chunk-size", "0"], "chunk_size must be an int >= 1"),
+        (["--chunk-size", "0"], "chunk"),
     ],
 )
 def test_verify_bad_inputs_exit_2(capsys, args, message):
-    assert main(["verify", "--backend", "reference", *args]) == 2
+    try:  # argparse-level refusals exit through SystemExit(2), the others return 2
+        code = main(["verify", "--backend", "reference", *args])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("fdfleet: error:") and message in err
 
