@@ -134,7 +134,8 @@ def test_verify_bad_inputs_exit_2(capsys, args, message):
         code = e.code
     assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith("fdfleet: error:") and message in err
+    assert err.startswith(("fdfleet: error:", "fdfleet verify: error:")) and message in err
+    assert err.count("\n") == 1  # one line
 
 
 def test_paddlefleet_config_without_paddlefleet_names_the_package(capsys, tmp_path):
