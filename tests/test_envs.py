@@ -98,3 +98,12 @@ def test_model_impl_switch_is_strict(monkeypatch):
     monkeypatch.setenv("FDFLEET_MODEL_IMPL", "fastdeploy")
     with pytest.raises(ValueError, match="FDFLEET_MODEL_IMPL='fastdeploy'"):
         model_impl_is_paddlefleet()
+
+
+def test_check_all_names_the_bad_switch(monkeypatch):
+    for name in ("FDFLEET_BACKEND", "FDFLEET_HEADWISE_KV", "FDFLEET_LOG_LEVEL", "FDFLEET_MODEL_IMPL"):
+        monkeypatch.delenv(name, raising=False)
+    envs.check_all()  # all unset: fine
+    monkeypatch.setenv("FDFLEET_MODEL_IMPL", "fastdeploy")
+    with pytest.raises(ValueError, match="FDFLEET_MODEL_IMPL='fastdeploy'"):
+        envs.check_all()
