@@ -301,3 +301,61 @@ def test_stand_ins_are_listed_with_a_reason(host):
     # the stand-ins were only in sys.modules while the real files were imported
     facade = sys.modules.get("paddlefleet_ops.flash_mask_facade")
     assert getattr(facade, "flashmask_attention", None) is not flashmask_attention
+
+
+@pytest.mark.parametrize(
+    ("ratio", "sliding_local"),
+    [(0.5, (1, 2)), (0.25, (0, 2))],  # per rank: int(0.5 * 2) = 1 head; int(0.25 * 2) = 0 -> every head
+)
+def test_tensor_parallel_rank_matches_the_real_module(host, ratio, sliding_local):
+    """At TP 2 the real module masks with its rank's own kv heads (``value.shape[2]``): the plan's
+    per-rank head-wise split matches it, rank by rank (core attention level; the adapter uses the
+    module's own per-rank sink parameter)."""
+    from _paddlefleet_host import Bf16Label
+
+    from fastdeploy_paddlefleet.adapter import PagedCoreAttention, StepContext, StepContextHolder
+    from fastdeploy_paddlefleet.backends.reference import ReferenceBackend
+    from fastdeploy_paddlefleet.runner.batch import PagedKVState, allocate_kv_caches
+
+    class TP2:
+        class tp:  # noqa: N801 - PaddleFleet's attribute name
+            world_size = 2
+
+    config = fleet_config(
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8, sliding_window=5, head_wise_swa_ratio=ratio
+    )
+    config.add_swa_attention_sink_bias = True
+    s = 11
+    rng = np.random.default_rng(7)
+    for rank in (0, 1):
+        core = host.DotProductAttention(
+            config=config,
+            layer_number=0,
+            attn_mask_type=host.AttnMaskType.causal,
+            attention_type="self",
+            is_swa=True,
+            k_channels=8,
+            v_channels=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            pg_collection=TP2(),
+        )
+        core.eval()
+        core.softmax_offset.set_value(paddle.to_tensor(rng.standard_normal(4).astype("float32")))
+        plan = plan_from_config(config, tp_size=2, tp_rank=rank)
+        layer = plan[0]
+        assert (layer.num_q_heads, layer.num_kv_heads, layer.sliding_kv_heads) == (4, 2, sliding_local)
+        q = paddle.to_tensor(rng.standard_normal((1, s, 4, 8)).astype("float32"))
+        k = paddle.to_tensor(rng.standard_normal((1, s, 2, 8)).astype("float32"))
+        v = paddle.to_tensor(rng.standard_normal((1, s, 2, 8)).astype("float32"))
+        rows = paddle.full([1, 1, s, 1], s, dtype="int32")
+        with paddle.no_grad():
+            want = core(Bf16Label(q), k, v, None, rows, attn_mask_type=host.AttnMaskType.causal).numpy()
+            holder = StepContextHolder()
+            adapter = PagedCoreAttention(core, layer, ReferenceBackend(), holder)
+            state = PagedKVState(8, 4, 8, shuffle_seed=rank)
+            meta = state.schedule([("r", s)])
+            ctx = StepContext(meta, allocate_kv_caches(plan, 8, 4), state.positions(meta))
+            with holder.step(ctx):
+                got = adapter(q, k, v, None, None, attn_mask_type=host.AttnMaskType.causal).numpy()
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"rank {rank}")
