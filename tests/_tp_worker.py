@@ -2,7 +2,8 @@
 
 ``python _tp_worker.py SPEC_JSON``; the spec gives ``rank``, ``endpoints``, ``out`` (a
 directory), ``model_dir`` (a minifleet model directory: config.json + model.safetensors),
-``steps`` (new tokens per step) and ``tp`` (the TP size, 1 or 2).
+``steps`` (new tokens per step), ``tp`` (the TP size) and ``ep`` (the expert-parallel size; the
+world is the larger of the two, one group over all ranks serves as FastDeploy's tp/ep group).
 
 Like FastDeploy's worker it creates its TP group first (``dist.new_group`` over the ranks,
 as ``ParallelConfig.set_communicate_group`` does), hands it in ``fd_config.parallel_config``,
@@ -20,8 +21,9 @@ from types import SimpleNamespace
 
 
 def main(spec: dict) -> None:
-    rank, endpoints, tp = spec["rank"], spec["endpoints"], spec["tp"]
-    if tp > 1:
+    rank, endpoints, tp, ep = spec["rank"], spec["endpoints"], spec["tp"], spec.get("ep", 1)
+    world = max(tp, ep)
+    if world > 1:
         os.environ.update(
             PADDLE_DISTRI_BACKEND="gloo",
             PADDLE_TRAINER_ID=str(rank),
@@ -39,17 +41,19 @@ def main(spec: dict) -> None:
 
     paddle.set_device("cpu")
     group = None
-    if tp > 1:
+    if world > 1:
         dist.init_parallel_env()
-        group = dist.new_group(ranks=list(range(tp)))
+        group = dist.new_group(ranks=list(range(world)))
     block, num_blocks = 4, 8
     fd_config = SimpleNamespace(
         model_config=SimpleNamespace(model=spec["model_dir"], dtype="float32", seed=99, ori_vocab_size=None),
         parallel_config=SimpleNamespace(
             tensor_parallel_size=tp,
-            tensor_parallel_rank=rank,
-            tp_group=group,
-            expert_parallel_size=1,
+            tensor_parallel_rank=rank % tp,
+            tp_group=group if tp > 1 else None,
+            expert_parallel_size=ep,
+            expert_parallel_rank=rank % ep,
+            ep_group=group if ep > 1 else None,
             data_parallel_size=1,
         ),
         cache_config=SimpleNamespace(block_size=block),
@@ -79,8 +83,11 @@ def main(spec: dict) -> None:
         logits.append(wrapper.compute_logits(hidden).numpy())
         cached += n
     heads = [layer.num_kv_heads for layer in wrapper.plan]
+    experts = [len(m.local_expert_ids) for m in wrapper.model.sublayers() if hasattr(m, "local_expert_ids")]
     out = os.path.join(spec["out"], f"rank{rank}")
-    np.savez(out + ".tmp.npz", logits=np.concatenate(logits, axis=0), kv_heads=np.array(heads))
+    arrays = {"logits": np.concatenate(logits, axis=0), "kv_heads": np.array(heads)}
+    arrays["experts"] = np.array(experts)
+    np.savez(out + ".tmp.npz", **arrays)
     os.replace(out + ".tmp.npz", out + ".npz")
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism 2 for real: two CPU processes, ``paddle.distributed`` on gloo.
+"""Tensor / expert parallelism 2 for real: two CPU processes, ``paddle.distributed`` on gloo.
 
 Each rank builds ``PaddleFleetForCausalLM`` from an ``fd_config`` carrying FastDeploy's TP
 group (``parallel_config.tp_group``, size and rank), loads the FULL checkpoint through
@@ -7,7 +7,9 @@ decode steps on per-rank caches of FastDeploy's single shape, and must produce t
 a single-process dense eager forward of the same weights (no paged cache, no sharding).
 The config is ``tiny`` (sliding + full layers, sinks, GQA, output gate) without the head-wise
 layer: PaddleFleet applies ``head_wise_swa_ratio`` per rank's kv heads, so that layer is not
-the same model under TP.
+the same model under TP. Expert parallelism 2: the same with four experts (two per rank), the
+group handed as FastDeploy's ``parallel_config.ep_group``, the full checkpoint (every expert) streamed
+to both ranks.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def tp_config() -> dict:
     return cfg
 
 
+def ep_config() -> dict:
+    cfg = tp_config()
+    cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    return cfg
+
+
 def free_ports(n: int) -> list[int]:
     import socket
 
@@ -50,11 +58,12 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def run_ranks(out: Path, model_dir: Path, tp: int) -> list[dict]:
-    endpoints = [f"127.0.0.1:{p}" for p in free_ports(tp)]
+def run_ranks(out: Path, model_dir: Path, tp: int, ep: int = 1) -> list[dict]:
+    world = max(tp, ep)
+    endpoints = [f"127.0.0.1:{p}" for p in free_ports(world)]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", FDFLEET_BACKEND="reference")
     procs = []
-    for rank in range(tp):
+    for rank in range(world):
         spec = {
             "rank": rank,
             "endpoints": endpoints,
@@ -62,6 +71,7 @@ def run_ranks(out: Path, model_dir: Path, tp: int) -> list[dict]:
             "model_dir": str(model_dir),
             "steps": [PROMPT, *DECODES],
             "tp": tp,
+            "ep": ep,
         }
         log = open(out / f"rank{rank}.log", "w")
         procs.append(
@@ -77,14 +87,14 @@ def run_ranks(out: Path, model_dir: Path, tp: int) -> list[dict]:
                 proc.kill()
                 proc.wait(timeout=10)
     text = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("rank*.log")))
-    assert [p.returncode for p in procs] == [0] * tp, text
-    return [dict(np.load(out / f"rank{r}.npz")) for r in range(tp)]
+    assert [p.returncode for p in procs] == [0] * world, text
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(world)]
 
 
-def dense_reference() -> np.ndarray:
+def dense_reference(config: dict) -> np.ndarray:
     from fastdeploy_paddlefleet.minifleet import build_minifleet
 
-    model = build_minifleet(tp_config(), seed=SEED)
+    model = build_minifleet(config, seed=SEED)
     tokens = PROMPT + [t for d in DECODES for t in d]
     with paddle.no_grad():
         return model(paddle.to_tensor([tokens], dtype="int64"))[0].numpy()
@@ -93,9 +103,20 @@ def dense_reference() -> np.ndarray:
 def test_tensor_parallel_2_matches_a_single_process(tmp_path):
     model_dir = write_model_dir(tp_config(), tmp_path / "model", seed=SEED)
     ranks = run_ranks(tmp_path, model_dir, tp=2)
-    ref = dense_reference()
+    ref = dense_reference(tp_config())
     for r, rank in enumerate(ranks):
         assert rank["kv_heads"].tolist() == [1] * 5  # 2 kv heads per layer, one per rank
+        assert rank["logits"].shape == ref.shape
+        err = np.abs(rank["logits"] - ref).max()
+        assert err <= 1e-4, f"rank {r}: max |logits - dense| = {err}"
+
+
+def test_expert_parallel_2_from_fastdeploy_ep_group_matches_a_single_process(tmp_path):
+    model_dir = write_model_dir(ep_config(), tmp_path / "model", seed=SEED)
+    ranks = run_ranks(tmp_path, model_dir, tp=1, ep=2)
+    ref = dense_reference(ep_config())
+    for r, rank in enumerate(ranks):
+        assert rank["experts"].tolist() == [2] * 5  # 4 experts per MoE layer, two on each rank
         assert rank["logits"].shape == ref.shape
         err = np.abs(rank["logits"] - ref).max()
         assert err <= 1e-4, f"rank {r}: max |logits - dense| = {err}"

@@ -255,16 +255,20 @@ def build_from_fd_config(fd_config: Any) -> tuple[paddle.nn.Layer, AttentionPlan
     raw = _read_model_config(model_dir)
     if raw.get("model_type") == "minifleet":
         from .minifleet import build_minifleet
-        from .parallel import parallel_setup, shard_minifleet
+        from .parallel import foreign_expert_prefixes, parallel_setup, shard_minifleet
 
         setup = parallel_setup(fd_config)  # FastDeploy's TP group: the caches hold kv_heads // tp
         dtype = _get(mc, "dtype") or "float32"
         model = build_minifleet(raw, seed=int(_get(mc, "seed") or 0), dtype=dtype)
         #: weight name -> how this rank's part is cut from a full checkpoint tensor (set_state_dict)
+        if setup.expert_parallel:  # this rank's experts; the exchange runs over FastDeploy's ep_group
+            raw = {**raw, "expert_model_parallel_size": setup.ep_size}
         model.fdfleet_tp_shards = shard_minifleet(model, setup)
         return model, plan_from_config(model.config, setup.tp_size, setup.tp_rank), False
     if importlib.util.find_spec("paddlefleet") is None:
         raise ImportError(
+        #: checkpoint names of the experts other EP ranks own (set_state_dict skips them)
+        model.fdfleet_foreign_prefixes = foreign_expert_prefixes(model)
             f"PaddleFleetForCausalLM needs the `paddlefleet` package to build {raw.get('architectures')} "
             f"from {model_dir!r} through PaddleFormers; install paddlefleet (Paddle's package index) "
             "or serve an embedded minifleet config",
@@ -318,7 +322,10 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         pc = _get(fd_config, "parallel_config")
         ep = int(_get(pc, "expert_parallel_size") or 1) > 1 or bool(_get(pc, "use_ep"))
         cache_config = _get(fd_config, "cache_config")
-        self._attach(model, plan, None, None, _get(cache_config, "block_size"), expert_parallel=ep)
+        from .parallel import parallel_setup
+
+        ep_group = parallel_setup(fd_config).ep_group  # FastDeploy's expert-parallel group (or None)
+        self._attach(model, plan, None, ep_group, _get(cache_config, "block_size"), expert_parallel=ep)
         self._weights_preloaded = preloaded
         mc = _get(fd_config, "model_config")
         self._ori_vocab_size = _get(mc, "ori_vocab_size")
@@ -570,8 +577,11 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         for name, value in state_dict.items():
             key = name[len("model.") :] if name not in own and name.startswith("model.") else name
             if key not in own:
+        foreign = getattr(self.model, "fdfleet_foreign_prefixes", None) or ()
                 unexpected.append(name)
                 continue
+            if key not in own and foreign and key.startswith(foreign):
+                continue  # an expert another expert-parallel rank owns
             target = own[key]
             tensor = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
             if key in shards and list(tensor.shape) != list(target.shape):  # full-size weight, TP rank's part

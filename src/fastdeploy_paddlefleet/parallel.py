@@ -294,3 +294,19 @@ def shard_minifleet(model: paddle.nn.Layer, setup: ParallelSetup) -> ShardMap:
         shards[f"{name}.mlp.down_proj.weight"] = (0, [(f0, f1)])
     logger.info("minifleet sharded for tensor parallel rank %d of %d: %d weights cut", rank, tp, len(shards))
     return shards
+
+
+def foreign_expert_prefixes(model: paddle.nn.Layer) -> tuple[str, ...]:
+    """Name prefixes of the experts other expert-parallel ranks own (``<layer>.experts.<id>.``).
+
+    A full checkpoint names every expert; FastDeploy's loaders stream all of them to every rank,
+    and each rank keeps its own (``PaddleFleetForCausalLM.set_state_dict`` skips these).
+    """
+    prefixes = []
+    for name, layer in model.named_sublayers():
+        ids = getattr(layer, "local_expert_ids", None)
+        total = getattr(layer, "num_experts", None)
+        if ids is None or not isinstance(total, int):
+            continue
+        prefixes += [f"{name}.experts.{e}." for e in range(total) if e not in set(ids)]
+    return tuple(prefixes)
