@@ -41,7 +41,7 @@ CASES = {
     "gqa-full": (
         {"num_key_value_heads": 2},
         [("full", None, None)] * 2,
-        ("flashmask", "eager"),
+        ("flashmask", "eager", "eager-baddbmm"),
     ),
     "sinks-learnable-full": (
         {"num_key_value_heads": 2, "add_full_attention_sink_bias": True},
@@ -172,10 +172,16 @@ def host():
     return load_host(host_or_skip())
 
 
-def build_case(hm, fields, native_path, plan_transform=None):
+def build_case(hm, fields, branch, plan_transform=None):
+    """``branch``: ``flashmask`` (rows fed), ``eager`` (no rows, ``_attn_implementation="eager"``:
+    its accuracy-compatible QK), ``eager-baddbmm`` (no rows, TransformerConfig's default
+    implementation: fp32 falls through to the same eager branch with ``paddle.baddbmm``)."""
     config = fleet_config(**fields)
-    if native_path == "eager":
+    native_path = "flashmask" if branch == "flashmask" else "eager"
+    if branch == "eager":
         config._attn_implementation = "eager"
+    elif branch == "eager-baddbmm":
+        config._attn_implementation = "default"
     native, paged = build_model(hm, config), build_model(hm, config)
     plan = plan_from_config(paged.config)
     if plan_transform is not None:
@@ -219,7 +225,8 @@ def test_patched_model_matches_the_real_core_attention(host, monkeypatch, name, 
     assert report.max_abs_logit_diff <= TOL, report.max_abs_logit_diff
     assert report.greedy_agreement == 1.0
     assert sum(s.greedy_total for s in report.steps) >= 3 * (DECODE_STEPS + 1)
-    assert calls[branch] > 0 and calls["flashmask" if branch == "eager" else "eager"] == 0
+    path = "flashmask" if branch == "flashmask" else "eager"
+    assert calls[path] > 0 and calls["eager" if path == "flashmask" else "flashmask"] == 0
 
 
 @pytest.mark.parametrize("shift", [1, -1])
