@@ -346,3 +346,24 @@ def test_double_patch_bad_arguments_and_holder():
     assert step_holder(other) is holder
     assert all(l.holder is holder for l in other.sublayers() if isinstance(l, PagedCoreAttention))
     assert cache_plan(plan, ReferenceBackend()) == plan
+
+
+def test_mtp_and_empty_head_layers_are_patched_and_keep_parity():
+    """MTP layers get plan entries after the decoder layers (PaddleFleet's numbering) and are patched."""
+    cfg = {
+        "model_type": "minifleet",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "sliding_window": 4,
+        "window_attn_skip_freq": [0, 1, 1],
+        "num_empty_layers_add_in_head": 1,
+        "mtp_num_layers": 1,
+    }
+    case = build_minifleet_case(cfg, ReferenceBackend(), seed=0)
+    assert [(x.index, x.kind) for x in case.plan] == [(0, "full"), (1, "sliding"), (2, "sliding")]
+    assert [p.name.split(".")[0] for p in case.patch_report.patched] == ["decoder", "decoder", "mtp"]
+    report = run_verify(case, decode_steps=3, progress=False)
+    assert report.passed, report.max_abs_logit_diff

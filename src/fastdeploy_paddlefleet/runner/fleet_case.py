@@ -92,7 +92,7 @@ def fleet_case(
         vocab_size=vocab,
         native_logits=native_logits,
         paged_logits=paged_logits,
-        extras=dict(extras or {}),
+        extras={**(extras or {}), "native_path": native_path},
         cache_plan=cache_plan(plan, backend),
     )
 
