@@ -197,6 +197,21 @@ def test_paddlefleet_engine_args_route_to_our_class(fake_fastdeploy, monkeypatch
     assert registry.inspect_model_cls(["GptOssForCausalLM"], explicit)[1] == "PaddleFleetForCausalLM"
 
 
+def test_register_early_extends_the_cli_without_importing_the_model_package(fake_fastdeploy):
+    """The hook FastDeploy runs during ``import fastdeploy`` touches the argument modules only."""
+    from fastdeploy_paddlefleet import plugin
+
+    assert plugin.register_early() is True
+    assert "fastdeploy.model_executor.models.model_base" not in sys.modules
+    from fastdeploy.engine import args_utils
+
+    parser = args_utils.EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--model-impl", "paddlefleet"]).model_impl == "paddlefleet"
+    assert args_utils.EngineArgs(model_impl="paddlefleet").model_impl == "auto"
+    assert plugin.register() is True  # the model register hook afterwards: no double wrapping
+    assert args_utils.MODEL_IMPL_CHOICES.count("paddlefleet") == 1
+
+
 def test_register_is_idempotent(fake_fastdeploy, caplog):
     assert _register() is True
     from fastdeploy.engine import args_utils

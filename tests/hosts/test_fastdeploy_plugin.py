@@ -68,6 +68,7 @@ def test_api_server_parses_model_impl_paddlefleet(host, model_dir, plugin_run):
     this snapshot, accepted from #7964 on.
     """
     assert plugin_run["api_model_impl"] == "paddlefleet"
+    assert plugin_run["api_engine_args_model_impl"] == "auto"  # EngineArgs.from_cli_args: routed
     alone = run_scenario(with_names(BASELINE, model_dir), host=host).check().data
     if "exit" in alone:  # this snapshot: the choice is missing, offline and on the CLI
         assert alone["exit"] == 2
@@ -127,7 +128,9 @@ try:
 except SystemExit as e:
     report(api_exit=e.code)
 else:
-    report(api_model_impl=api.args.model_impl)
+    # what the api_server does with them when it starts the engine
+    served = EngineArgs.from_cli_args(api.args)
+    report(api_model_impl=api.args.model_impl, api_engine_args_model_impl=served.model_impl)
 """
 
 
