@@ -120,3 +120,57 @@ def test_expert_parallel_2_from_fastdeploy_ep_group_matches_a_single_process(tmp
         assert rank["logits"].shape == ref.shape
         err = np.abs(rank["logits"] - ref).max()
         assert err <= 1e-4, f"rank {r}: max |logits - dense| = {err}"
+
+
+STAND_IN_PARALLEL_STATE = """
+# stand-in for paddlefleet.parallel_state (paddlefleet is not installable here)
+_TENSOR_MODEL_PARALLEL_GROUP = None
+INIT_CALLS = 0
+
+
+def initialize_model_parallel(hcg):
+    global _TENSOR_MODEL_PARALLEL_GROUP, INIT_CALLS
+    INIT_CALLS += 1
+    _TENSOR_MODEL_PARALLEL_GROUP = hcg.get_model_parallel_group()
+"""
+
+
+def test_paddlefleet_parallel_state_gets_fastdeploy_tp_ranks(tmp_path):
+    """``init_paddlefleet_parallel_state`` after FastDeploy's own fleet init, two gloo ranks.
+
+    Stand-in module used (listed here): ``paddlefleet`` (empty package) and
+    ``paddlefleet.parallel_state`` (``STAND_IN_PARALLEL_STATE``).
+    """
+    pkg = tmp_path / "standins" / "paddlefleet"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parallel_state.py").write_text(STAND_IN_PARALLEL_STATE)
+    print("stand-in modules: paddlefleet, paddlefleet.parallel_state")
+    worker = Path(__file__).with_name("_fleet_state_worker.py")
+    endpoints = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "standins"), env.get("PYTHONPATH", "")])
+    procs = []
+    for rank in range(2):
+        spec = {"rank": rank, "endpoints": endpoints, "out": str(tmp_path)}
+        log = open(tmp_path / f"state{rank}.log", "w")
+        procs.append(
+            subprocess.Popen([sys.executable, str(worker), json.dumps(spec)], stdout=log, stderr=log, env=env)
+        )
+        log.close()
+    try:
+        for proc in procs:
+            proc.wait(timeout=TIMEOUT)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    text = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("state*.log")))
+    assert [p.returncode for p in procs] == [0, 0], text
+    for rank in range(2):
+        got = json.loads((tmp_path / f"state{rank}.json").read_text())
+        assert got["ranks"] == [0, 1] and got["nranks"] == 2  # FastDeploy's tp_group ranks
+        assert got["sum"] == 3.0  # 1 + 2 reduced over PaddleFleet's TP group
+        assert (got["mp_world"], got["mp_rank"]) == (2, rank)
+        assert got["init_calls"] == 1

@@ -15,8 +15,9 @@ heads. A model served on those caches must be sharded the same way:
   ``data_parallel_size``), PaddleFleet's model-parallel state initialised from it when
   absent or of another size, and its TP group's ranks checked against
   ``parallel_config.tp_group``. (FastDeploy's own in-tree fleet fallback, PR #8039/#8101,
-  takes the same route; this is our implementation of it.) Needs ``paddlefleet``:
-  not exercised here.
+  takes the same route; this is our implementation of it.) Exercised on CPU in two gloo
+  processes with a stand-in ``paddlefleet.parallel_state`` (``tests/test_tp_fastdeploy.py``);
+  never with the real PaddleFleet here.
 * minifleet models (the embedded presets): :func:`shard_minifleet` shards a built
   model in place, Megatron style: QKV, output gate and MLP up/gate projections by
   columns (this rank's heads / inner units), output and MLP down projections by rows
@@ -139,7 +140,7 @@ def _group_ranks(group: Any) -> list[int] | None:
     return list(ranks) if ranks is not None else None
 
 
-def init_paddlefleet_parallel_state(setup: ParallelSetup) -> str:  # pragma: no cover - needs paddlefleet
+def init_paddlefleet_parallel_state(setup: ParallelSetup) -> str:
     """Make PaddleFleet's ``parallel_state`` use FastDeploy's TP/EP layout (before building the model).
 
     Returns a one-line description. Raises ``ValueError`` when PaddleFleet's TP group
