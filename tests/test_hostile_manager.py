@@ -324,3 +324,9 @@ def test_headwise_state_bad_sizes():
     st = HeadwiseKVState(PLAN, 2, 2, 8)
     with pytest.raises(ValueError, match="exhausted"):  # a pool that runs dry: named, not IndexError
         st.schedule([("a", 16)])
+    with pytest.raises(ValueError, match="request id None"):
+        st.schedule([(None, 1)])
+    with pytest.raises(TypeError, match=r"request id \['b'\]"):
+        st.schedule([(["b"], 1)])
+    with pytest.raises(ValueError, match="unknown request id"):
+        st.release("zzz")

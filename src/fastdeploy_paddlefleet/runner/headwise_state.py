@@ -104,6 +104,13 @@ class HeadwiseKVState:
         requests before the failing one keep their reservation: a scheduler would preempt).
         """
         ids = [rid for rid, _ in steps]
+        for rid in ids:  # before check_steps hashes them: named errors, not "unhashable type"
+            if rid is None:
+                raise ValueError("request id None: None marks an empty batch slot; use another id")
+            try:
+                hash(rid)
+            except TypeError:
+                raise TypeError(f"request id {rid!r}: expected a hashable id") from None
         check_steps(steps, self.cached_tokens, self.block_size, self.max_blocks_per_seq)
         mgr = self.manager
         before = self._owned()
