@@ -201,6 +201,11 @@ def _check_page_heads(name: str, table: Any, used: Any, hkv: int) -> None:
     clash = (p[1:] == p[:-1]) & ((h[1:] != h[:-1]) | (rr[1:] == rr[:-1]))
     if clash.any():
         i = int(np.argmax(clash))
+        if rr[i] == rr[i + 1]:
+            raise ValueError(
+                f"{name}: page {int(p[i])} appears twice in row {int(rr[i])} (kv head {int(h[i])}): "
+                "two logical blocks on one page"
+            )
         raise ValueError(
             f"{name}: page {int(p[i])} is mapped to row {int(rr[i])} (kv head {int(h[i])}) and row "
             f"{int(rr[i + 1])} (kv head {int(h[i + 1])}); a page holds one head's keys"
