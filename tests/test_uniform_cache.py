@@ -288,3 +288,16 @@ def test_fdfleet_plan_reports_the_uniform_shape_against_per_layer_sizing(capsys)
     assert main(["plan", "tiny-mla", "--memory-gib", "1", "--block-size", "16"]) == 0
     text = capsys.readouterr().out
     assert "FastDeploy's one cache shape for every layer" in text and "1.12 KiB vs 960 B" in text
+
+
+def test_runner_allocates_fastdeploys_single_shape_as_views():
+    from fastdeploy_paddlefleet.runner.batch import allocate_kv_caches
+
+    caches = allocate_kv_caches(LAYERS, 6, 4, fill=float("nan"), uniform=True)
+    bases = set()
+    for layer, (key, value) in zip(LAYERS, caches, strict=True):
+        assert list(key.shape) == [6, layer.num_kv_heads, 4, layer.qk_head_dim]
+        assert list(value.shape) == [6, layer.num_kv_heads, 4, layer.v_head_dim]
+        assert key.strides[0] == 2 * 4 * 16  # the single shape: 2 kv heads x 16 channels per slot
+        bases.add(key.data_ptr())
+    assert len(bases) == len(LAYERS)  # one tensor per layer, as FastDeploy allocates

@@ -291,11 +291,15 @@ def allocate_kv_caches(
     block_size: int,
     dtype: str = "float32",
     fill: float | None = None,
+    uniform: bool = False,
 ) -> list[tuple[Any, Any]]:
     """Per-layer ``(key [num_blocks, Hkv_l, block_size, Dqk_l], value [..., Dv_l])`` paddle caches.
 
     ``fill``: initial value (``None``: zeros; ``float('nan')`` in tests proves
-    unwritten slots are never read).
+    unwritten slots are never read). ``uniform=True`` allocates the way FastDeploy
+    does, one shape ``[num_blocks, max Hkv, block_size, max head dim]`` for every
+    layer's K and V, and returns each layer's strided views of it
+    (``kvcache/uniform.py``).
     """
     import paddle
 
@@ -303,6 +307,15 @@ def allocate_kv_caches(
     _positive_int("block_size", block_size)
     layers = plan.layers if isinstance(plan, AttentionPlan) else tuple(plan)
     value = 0.0 if fill is None else float(fill)
+    if uniform:
+        from ..kvcache.uniform import layer_cache_views, uniform_cache
+
+        shape = uniform_cache(layers)
+        full = [num_blocks, shape.num_kv_heads, block_size, shape.head_dim]
+        pairs = [
+            (paddle.full(full, value, dtype=dtype), paddle.full(full, value, dtype=dtype)) for _ in layers
+        ]
+        return layer_cache_views(pairs, layers)  # layer.index is the layer's place in the plan
     caches = []
     for layer in layers:
         if not isinstance(layer, LayerAttention):
