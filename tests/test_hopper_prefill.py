@@ -89,6 +89,23 @@ def test_hopper_prefill_long_sequences():
     run_and_check(s, prefill_impl="portable", max_q_len=4096)
 
 
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("num_ctas", [1, 3])
+def test_hopper_prefill_persistent_ctas_walk_many_items(monkeypatch, num_ctas):
+    """Few persistent CTAs: each walks many (query tile, kv head) items, the K/V ring and the
+    double-buffered Q carrying their phases across items of different lengths and windows."""
+    import functools
+
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "hopper_prefill", functools.partial(hp.hopper_prefill, num_ctas=num_ctas))
+    s = make_step(MIXED, dtype=torch.bfloat16, window_left=300, release=True, seed=15, **REAL)
+    run_and_check(s, prefill_impl="hopper", window_left=300, sink_kind="learnable")
+    s = make_step(MIXED, dtype=torch.float16, seed=16, **REAL)
+    run_and_check(s, prefill_impl="hopper")
+
+
 def test_prefill_kernel_env_switch_parses_strictly(monkeypatch):
     monkeypatch.delenv("FDFLEET_PREFILL_KERNEL", raising=False)
     assert envs.prefill_kernel() == "auto"

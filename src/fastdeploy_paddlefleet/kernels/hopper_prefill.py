@@ -5,22 +5,26 @@ context in the cache, GQA packing, sliding windows that skip whole key tiles, he
 tables, sinks, ``Dqk != Dv``); the portable Triton kernel stays the path for every other GPU and for
 the interpreter. :func:`supported` says when this path applies; the caller falls back otherwise.
 
-Structure (one CTA per (tile of ``2 * BLOCK_Q`` query tokens of one request, kv head)):
+Structure: a persistent grid (one CTA per SM) whose CTA ``p`` takes the work items ``p, p + grid,
+...``; an item is (a tile of ``2 * BLOCK_Q`` query tokens of one request, kv head), numbered so that
+a request's longest tiles come first. Three warpgroups per CTA:
 
-* a **producer** warpgroup (4 warps, few registers) walks the block table and streams K/V tiles of
+* a **producer** (4 warps, few registers) walks the block table and streams K/V tiles of
   ``BLOCK_N`` keys into a ``NUM_STAGES``-deep shared-memory ring by TMA, one ``[box, 64]`` copy per
   page and 64-column chunk (the cache viewed as ``[pages * block_size, D]``), completing on
-  ``k_ready`` / ``v_ready`` mbarriers. A tile whose keys run past the sequence end or into an absent
-  page (``-1``) gets its V rows by plain loads instead, the invalid rows zero-filled (stale slots
-  may hold NaN and ``0 * NaN`` would poison ``P @ V``);
-* two **consumer** warpgroups own 64-row halves of the query rows (tokens x padded group heads) and
-  run the online softmax against their own wgmma's: ``S(j) = Q K(j)^T`` is issued before
+  ``k_ready`` / ``v_ready`` mbarriers; it also loads each item's query rows into one of two Q
+  buffers, so the next item's Q and first K/V tiles arrive while the consumers finish the current
+  one (no pipeline refill between items). A tile whose keys run past the sequence end or into an
+  absent page (``-1``) gets its V rows by plain loads instead, the invalid rows zero-filled (stale
+  slots may hold NaN and ``0 * NaN`` would poison ``P @ V``);
+* two **consumers** own 64-row halves of the query rows (tokens x padded group heads) and run
+  the online softmax against their own wgmma's: ``S(j) = Q K(j)^T`` is issued before
   ``O += P(j-1) V(j-1)``, so the softmax of tile ``j`` runs while the tensor cores finish the
   previous ``P @ V`` (wgmma groups retire in order); the two warpgroups interleave on the tensor
-  cores on their own. An enforced ping-pong (``pingpong=True``: each warpgroup issues its wgmma's
-  only after the other issued its own, through two mbarriers) measured 10 % slower on the H200
-  (benchmarks/NOTES.md) and is off. Each consumer frees a ring slot (``k_empty`` / ``v_empty``,
-  two arrivals) as soon as its wgmma's have read it.
+  cores on their own. An enforced ping-pong (each warpgroup issuing its wgmma's only after the
+  other's, through two mbarriers) measured 10 % slower on the H200 and was dropped
+  (benchmarks/NOTES.md). Each consumer frees a ring slot (``k_empty`` / ``v_empty``, two arrivals)
+  as soon as its wgmma's have read it.
 
 Masks: a tile gets the mask only when it touches the causal diagonal or the window's leading edge
 of that consumer's rows (a runtime branch); tiles wholly outside every row's window are never
@@ -57,6 +61,11 @@ def gluon_available() -> bool:
 
 
 @functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=8)
 def is_hopper(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA GPU of compute capability 9.x."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
@@ -67,9 +76,8 @@ def _next_pow2(x: int) -> int:
 
 
 def block_n_for(dqk: int, dv: int, block_size: int) -> int:
-    """Keys per tile: 128 (64 when a head dim exceeds 128: shared memory), at most one box per page
-    row count multiple."""
-    return 128 if max(dqk, dv) <= 128 else 64
+    """Keys per tile (loaded as ``128 / min(128, block_size)`` page boxes)."""
+    return 128
 
 
 def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
@@ -81,8 +89,8 @@ def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     dqk, dv, bs = q.shape[2], value_cache.shape[3], key_cache.shape[2]
-    if dqk not in (64, 128, 256) or dv not in (64, 128, 256):
-        return f"head dims {dqk}/{dv} (64, 128 or 256 each)"
+    if dqk not in (64, 128) or dv not in (64, 128):
+        return f"head dims {dqk}/{dv} (64 or 128 each: shared memory)"
     if bs < 16 or bs & (bs - 1):
         return f"block size {bs} (a power of two >= 16)"
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -123,207 +131,15 @@ if GLUON_IMPORT_ERROR is None:
     CHUNK_C = gl.constexpr(CHUNK)
 
     @gluon.jit
-    def _producer(
-        k_desc, v_desc, V, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-        tbl_row, n_blk, kvh, a, n_tiles, kv_len, stride_vr,
-        HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr, BLOCK_N: gl.constexpr,
-        BOX: gl.constexpr, DQK: gl.constexpr, DV: gl.constexpr, NUM_STAGES: gl.constexpr,
+    def _work_item(
+        item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1,
+        HKV: gl.constexpr, TILE_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
     ):  # fmt: skip
-        NBOX: gl.constexpr = BLOCK_N // BOX
-        K_BYTES: gl.constexpr = BLOCK_N * DQK * k_desc.dtype.primitive_bitwidth // 8
-        V_BYTES: gl.constexpr = BLOCK_N * DV * v_desc.dtype.primitive_bitwidth // 8
-        FIX_ROWS: gl.constexpr = 16
-        fix_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        offs_r = gl.arange(0, FIX_ROWS, layout=gl.SliceLayout(1, fix_layout))
-        offs_d = gl.arange(0, DV, layout=gl.SliceLayout(0, fix_layout))
-        for j in range(n_tiles):
-            s = j % NUM_STAGES
-            phase = (j // NUM_STAGES) & 1
-            key0 = a + j * BLOCK_N
-            # K: one copy per page box and 64-column chunk (absent pages read page 0: masked)
-            mbarrier.wait(k_empty.index(s), phase)
-            mbarrier.expect(k_ready.index(s), K_BYTES)
-            kb = k_bufs.index(s)
-            absent = False
-            for i in gl.static_range(NBOX):
-                blk = (key0 + i * BOX) // BS
-                page = gl.load(tbl_row + blk, mask=blk < n_blk, other=-1).to(gl.int64)
-                if not HEADWISE:
-                    page = gl.where(page >= 0, page * HKV + kvh, -1)
-                absent = absent | (page < 0)
-                row = (gl.maximum(page, 0) * BS + (key0 + i * BOX) % BS).to(gl.int32)
-                for c in gl.static_range(DQK // CHUNK_C):
-                    tma.async_copy_global_to_shared(
-                        k_desc, [row, c * CHUNK_C], k_ready.index(s),
-                        kb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
-                    )  # fmt: skip
-            mbarrier.wait(v_empty.index(s), phase)
-            vb = v_bufs.index(s)
-            if absent | (key0 + BLOCK_N > kv_len):
-                # plain loads with the invalid rows zeroed, then publish to the async proxy
-                for r0 in gl.static_range(0, BLOCK_N, FIX_ROWS):
-                    keys = key0 + r0 + offs_r
-                    pg = gl.load(tbl_row + keys // BS, mask=keys // BS < n_blk, other=-1).to(gl.int64)
-                    if not HEADWISE:
-                        pg = gl.where(pg >= 0, pg * HKV + kvh, -1)
-                    ok = (pg >= 0) & (keys < kv_len)
-                    rows = (gl.maximum(pg, 0) * BS + keys % BS) * stride_vr
-                    ptrs = V + gl.expand_dims(rows, 1) + gl.expand_dims(offs_d, 0)
-                    vals = gl.load(ptrs, mask=gl.expand_dims(ok, 1), other=0.0)
-                    vb.slice(r0, FIX_ROWS, dim=0).store(vals)
-                gh.fence_async_shared()
-                mbarrier.arrive(v_ready.index(s), count=1)
-            else:
-                mbarrier.expect(v_ready.index(s), V_BYTES)
-                for i in gl.static_range(NBOX):
-                    blk = (key0 + i * BOX) // BS
-                    page = gl.load(tbl_row + blk).to(gl.int64)
-                    if not HEADWISE:
-                        page = page * HKV + kvh
-                    row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
-                    for c in gl.static_range(DV // CHUNK_C):
-                        tma.async_copy_global_to_shared(
-                            v_desc, [row, c * CHUNK_C], v_ready.index(s),
-                            vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
-                        )  # fmt: skip
-
-    @gluon.jit
-    def _consumer(
-        Q, O, Sinks, q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, my_turn, other_turn,
-        q0, tok0, q_len, ctx, kvh, w, a, n_tiles, qk_scale,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        G: gl.constexpr, GP: gl.constexpr, DQK: gl.constexpr, DV: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        HAS_WINDOW: gl.constexpr, SINK_MODE: gl.constexpr, PINGPONG: gl.constexpr,
-    ):  # fmt: skip
-        BLOCK_Q: gl.constexpr = BLOCK_M // GP
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16]
-        )
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-        # this consumer's query rows (tokens x padded group heads) into shared memory
-        offs_qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-        offs_qd = gl.arange(0, DQK, layout=gl.SliceLayout(0, q_layout))
-        qtok = tok0 + offs_qm // GP
-        qhh = offs_qm % GP
-        q_ok = (qtok < q_len) & (qhh < G)
-        q_rows = (q0 + qtok).to(gl.int64) * stride_qt + (kvh * G + qhh) * stride_qh
-        q = gl.load(
-            Q + gl.expand_dims(q_rows, 1) + gl.expand_dims(offs_qd, 0),
-            mask=gl.expand_dims(q_ok, 1),
-            other=0.0,
-        )
-        q_smem.store(q)
-        gh.fence_async_shared()
-        gl.thread_barrier()
-
-        offs_m = gl.arange(0, BLOCK_M, layout=row_l)
-        pos = ctx + tok0 + offs_m // GP
-        offs_n = gl.arange(0, BLOCK_N, layout=col_l)
-        p_lo = ctx + tok0  # first row's position
-        p_hi = ctx + gl.minimum(tok0 + BLOCK_Q, q_len) - 1  # last valid row's position
-        head = kvh * G + offs_m % GP
-        if SINK_MODE == 1:
-            m_i = gl.load(Sinks + head, mask=(offs_m % GP) < G, other=0.0).to(gl.float32) * 1.4426950408889634
-            l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_l)
-        elif SINK_MODE == 2:
-            m_i = gl.zeros([BLOCK_M], gl.float32, row_l)
-            l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_l)
-        else:
-            m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_l)
-            l_i = gl.zeros([BLOCK_M], gl.float32, row_l)
-        acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        p_prev = gl.zeros([BLOCK_M, BLOCK_N], Q.dtype.element_ty, p_layout)
-
-        for j in range(n_tiles):
-            st = j % NUM_STAGES
-            phase = (j // NUM_STAGES) & 1
-            key0 = a + j * BLOCK_N
-            mbarrier.wait(k_ready.index(st), phase)
-            if j > 0:
-                mbarrier.wait(v_ready.index((j - 1) % NUM_STAGES), ((j - 1) // NUM_STAGES) & 1)
-            if PINGPONG:  # issue this tile's wgmma's only in our turn: the other one runs its softmax
-                mbarrier.wait(my_turn, j & 1)
-            s_tok = gh.warpgroup_mma(
-                q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
-            if j > 0:  # P(j-1) V(j-1) behind S(j): retires while this tile's softmax runs
-                acc = gh.warpgroup_mma(p_prev, v_bufs.index((j - 1) % NUM_STAGES), acc, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(other_turn, count=1)
-                s, acc = gh.warpgroup_mma_wait(1, deps=[s_tok, acc])
-            else:
-                if PINGPONG:
-                    mbarrier.arrive(other_turn, count=1)
-                s = gh.warpgroup_mma_wait(0, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(st), count=1)
-            need_mask = key0 + BLOCK_N - 1 > p_lo
-            if HAS_WINDOW:
-                need_mask = need_mask | (key0 < p_hi - w)
-            if need_mask:
-                keys = key0 + offs_n
-                vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
-                if HAS_WINDOW:
-                    vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
-                s = gl.where(vis, s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1))
-                p = gl.exp2(s - gl.expand_dims(m_new, 1))
-            else:
-                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            if j > 0:
-                acc = gh.warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(v_empty.index((j - 1) % NUM_STAGES), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_prev = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
-        if n_tiles > 0:
-            lst = (n_tiles - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(lst), ((n_tiles - 1) // NUM_STAGES) & 1)
-            acc = gh.warpgroup_mma(p_prev, v_bufs.index(lst), acc, is_async=True)
-            acc = gh.warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(v_empty.index(lst), count=1)
-
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
-        offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        offs_od = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
-        otok = tok0 + offs_om // GP
-        ohh = offs_om % GP
-        o_ok = (otok < q_len) & (ohh < G)
-        o_rows = (q0 + otok).to(gl.int64) * stride_ot + (kvh * G + ohh) * stride_oh
-        gl.store(
-            O + gl.expand_dims(o_rows, 1) + gl.expand_dims(offs_od, 0),
-            out.to(O.dtype.element_ty),
-            mask=gl.expand_dims(o_ok, 1),
-        )
-
-    @gluon.jit
-    def _hopper_prefill_kernel(
-        Q, O, V, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_vr, stride_tbl, n_blk,
-        num_reqs, min_q_len, qk_scale, window, win_h0, win_h1,
-        G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr, DV: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BS: gl.constexpr, BOX: gl.constexpr,
-        NUM_STAGES: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
-        SINK_MODE: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PINGPONG: gl.constexpr,
-    ):  # fmt: skip
-        BLOCK_Q: gl.constexpr = BLOCK_M // GP  # tokens per consumer
-        TILE_Q: gl.constexpr = 2 * BLOCK_Q  # tokens per CTA
-        pid = gl.program_id(0)
-        kvh = pid % HKV
-        tpid = pid // HKV
+        """Work item ``item`` = (query tile, kv head): whether it exists, its request's offsets, the
+        first token, the window, and its key tiles ``[a, a + n_tiles * BLOCK_N)``."""
+        kvh = item % HKV
+        tpid = item // HKV
         # request b owns tile ids [CuQ[b] // TILE_Q + b, ...): the largest b whose first id <= tpid
         lo = 0
         hi = num_reqs - 1
@@ -338,67 +154,285 @@ if GLUON_IMPORT_ERROR is None:
         q_len = gl.load(CuQ + b + 1) - q0
         n_qt = (q_len + TILE_Q - 1) // TILE_Q
         local = tpid - (q0 // TILE_Q + b)
-        if (local < n_qt) & (q_len >= min_q_len):
-            qt = n_qt - 1 - local  # longest tiles first: less tail
-            ctx = gl.load(Ctx + b)
-            kv_len = ctx + q_len
-            tok0 = qt * TILE_Q
-            if HAS_WINDOW:
-                w = gl.where((kvh >= win_h0) & (kvh < win_h1), window, 1 << 30)
-            else:
-                w = 1 << 30
-            p_first = ctx + tok0
-            p_last = ctx + gl.minimum(tok0 + TILE_Q, q_len) - 1
-            a = gl.maximum(p_first - w, 0) // BLOCK_N * BLOCK_N
-            n_tiles = (p_last + 1 - a + BLOCK_N - 1) // BLOCK_N
-            tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
+        valid = (local < n_qt) & (q_len >= min_q_len)
+        tok0 = (n_qt - 1 - local) * TILE_Q  # a request's longest tiles first: less tail
+        ctx = gl.load(Ctx + b)
+        if HAS_WINDOW:
+            w = gl.where((kvh >= win_h0) & (kvh < win_h1), window, 1 << 30)
+        else:
+            w = 1 << 30
+        p_first = ctx + tok0
+        p_last = ctx + gl.minimum(tok0 + TILE_Q, q_len) - 1
+        a = gl.maximum(p_first - w, 0) // BLOCK_N * BLOCK_N
+        n_tiles = gl.where(valid, (p_last + 1 - a + BLOCK_N - 1) // BLOCK_N, 0)
+        tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
+        return valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row
 
-            q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQK], Q.dtype.element_ty)
-            q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, BLOCK_M, DQK], q_layout)
-            k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, DQK], k_desc.layout)
-            v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
-            bl: gl.constexpr = mbarrier.MBarrierLayout()
-            k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
-            v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
-            k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
-            v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
-            for i in gl.static_range(NUM_STAGES):
-                mbarrier.init(k_ready.index(i), count=1)
-                mbarrier.init(v_ready.index(i), count=1)
-                mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
-                mbarrier.init(v_empty.index(i), count=2)
-                mbarrier.arrive(k_empty.index(i), count=2)  # every slot starts empty
-                mbarrier.arrive(v_empty.index(i), count=2)
-            turns = gl.allocate_shared_memory(gl.int64, [2, 1], bl)  # ping-pong: whose wgmma's go next
-            mbarrier.init(turns.index(0), count=1)
-            mbarrier.init(turns.index(1), count=1)
-            mbarrier.arrive(turns.index(0), count=1)  # consumer 0 starts
-
-            gl.warp_specialize(
-                [
-                    (_consumer, (
-                        Q, O, Sinks, q_smem.index(0), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                        turns.index(0), turns.index(1),
-                        q0, tok0, q_len, ctx, kvh, w, a, n_tiles, qk_scale,
-                        stride_qt, stride_qh, stride_ot, stride_oh,
-                        G, GP, DQK, DV, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_WINDOW, SINK_MODE, PINGPONG,
-                    )),
-                    (_consumer, (
-                        Q, O, Sinks, q_smem.index(1), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                        turns.index(1), turns.index(0),
-                        q0, tok0 + BLOCK_Q, q_len, ctx, kvh, w, a, n_tiles, qk_scale,
-                        stride_qt, stride_qh, stride_ot, stride_oh,
-                        G, GP, DQK, DV, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_WINDOW, SINK_MODE, PINGPONG,
-                    )),
-                    (_producer, (
-                        k_desc, v_desc, V, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                        tbl_row, n_blk, kvh, a, n_tiles, kv_len, stride_vr,
-                        HKV, HEADWISE, BS, BLOCK_N, BOX, DQK, DV, NUM_STAGES,
-                    )),
-                ],
-                [4, 4],
-                [CONSUMER_REGS, PRODUCER_REGS],
+    @gluon.jit
+    def _producer(
+        Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+        stride_qt, stride_qh, stride_vr,
+        G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
+        DV: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    ):  # fmt: skip
+        TILE_Q: gl.constexpr = 2 * (BLOCK_M // GP)
+        NBOX: gl.constexpr = BLOCK_N // BOX
+        K_BYTES: gl.constexpr = BLOCK_N * DQK * k_desc.dtype.primitive_bitwidth // 8
+        V_BYTES: gl.constexpr = BLOCK_N * DV * v_desc.dtype.primitive_bitwidth // 8
+        ROWS: gl.constexpr = 16  # rows per plain-load chunk (few registers in this partition)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+        offs_dq = gl.arange(0, DQK, layout=gl.SliceLayout(0, ld))
+        offs_dv = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
+        it = 0
+        qi = 0
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row = _work_item(
+                item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1,
+                HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
             )  # fmt: skip
+            if valid:
+                kv_len = ctx + q_len
+                # the item's query rows (tokens x padded group heads, both consumers' halves)
+                qs = qi % 2
+                mbarrier.wait(q_empty.index(qs), (qi // 2) & 1)
+                qb = q_bufs.index(qs)
+                for r0 in gl.static_range(0, 2 * BLOCK_M, ROWS):
+                    r = r0 + offs_r
+                    tok = tok0 + r // GP
+                    hh = r % GP
+                    q_ok = (tok < q_len) & (hh < G)
+                    q_rows = (q0 + tok).to(gl.int64) * stride_qt + (kvh * G + hh) * stride_qh
+                    q_ptrs = Q + gl.expand_dims(q_rows, 1) + gl.expand_dims(offs_dq, 0)
+                    qb.slice(r0, ROWS, dim=0).store(gl.load(q_ptrs, mask=gl.expand_dims(q_ok, 1), other=0.0))
+                gh.fence_async_shared()
+                mbarrier.arrive(q_ready.index(qs), count=1)
+                qi += 1
+                for j in range(n_tiles):
+                    s = it % NUM_STAGES
+                    phase = (it // NUM_STAGES) & 1
+                    key0 = a + j * BLOCK_N
+                    # K: one copy per page box and 64-column chunk (absent pages read page 0: masked)
+                    mbarrier.wait(k_empty.index(s), phase)
+                    mbarrier.expect(k_ready.index(s), K_BYTES)
+                    kb = k_bufs.index(s)
+                    absent = False
+                    for i in gl.static_range(NBOX):
+                        blk = (key0 + i * BOX) // BS
+                        page = gl.load(tbl_row + blk, mask=blk < n_blk, other=-1).to(gl.int64)
+                        if not HEADWISE:
+                            page = gl.where(page >= 0, page * HKV + kvh, -1)
+                        absent = absent | (page < 0)
+                        row = (gl.maximum(page, 0) * BS + (key0 + i * BOX) % BS).to(gl.int32)
+                        for c in gl.static_range(DQK // CHUNK_C):
+                            tma.async_copy_global_to_shared(
+                                k_desc, [row, c * CHUNK_C], k_ready.index(s),
+                                kb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
+                            )  # fmt: skip
+                    mbarrier.wait(v_empty.index(s), phase)
+                    vb = v_bufs.index(s)
+                    if absent | (key0 + BLOCK_N > kv_len):
+                        # plain loads with the invalid rows zeroed (stale slots may hold NaN and
+                        # 0 * NaN = NaN in P @ V), then published to the async proxy
+                        for r0 in gl.static_range(0, BLOCK_N, ROWS):
+                            keys = key0 + r0 + offs_r
+                            pg = gl.load(tbl_row + keys // BS, mask=keys // BS < n_blk, other=-1).to(gl.int64)
+                            if not HEADWISE:
+                                pg = gl.where(pg >= 0, pg * HKV + kvh, -1)
+                            v_ok = (pg >= 0) & (keys < kv_len)
+                            v_rows = (gl.maximum(pg, 0) * BS + keys % BS) * stride_vr
+                            v_ptrs = V + gl.expand_dims(v_rows, 1) + gl.expand_dims(offs_dv, 0)
+                            vals = gl.load(v_ptrs, mask=gl.expand_dims(v_ok, 1), other=0.0)
+                            vb.slice(r0, ROWS, dim=0).store(vals)
+                        gh.fence_async_shared()
+                        mbarrier.arrive(v_ready.index(s), count=1)
+                    else:
+                        mbarrier.expect(v_ready.index(s), V_BYTES)
+                        for i in gl.static_range(NBOX):
+                            blk = (key0 + i * BOX) // BS
+                            page = gl.load(tbl_row + blk).to(gl.int64)
+                            if not HEADWISE:
+                                page = page * HKV + kvh
+                            row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
+                            for c in gl.static_range(DV // CHUNK_C):
+                                tma.async_copy_global_to_shared(
+                                    v_desc, [row, c * CHUNK_C], v_ready.index(s),
+                                    vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
+                                )  # fmt: skip
+                    it += 1
+
+    @gluon.jit
+    def _consumer(
+        O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
+        stride_ot, stride_oh,
+        HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
+        DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr, SINK_MODE: gl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA."""
+        BLOCK_Q: gl.constexpr = BLOCK_M // GP
+        TILE_Q: gl.constexpr = 2 * BLOCK_Q
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = O.dtype.element_ty
+        offs_m = gl.arange(0, BLOCK_M, layout=row_l)
+        offs_n = gl.arange(0, BLOCK_N, layout=col_l)
+        offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_od = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        it = 0
+        qi = 0
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row = _work_item(
+                item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1,
+                HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
+            )  # fmt: skip
+            if valid:
+                tok0 = tile_tok0 + HALF * BLOCK_Q
+                qs = qi % 2
+                mbarrier.wait(q_ready.index(qs), (qi // 2) & 1)
+                q_smem = q_bufs.index(qs).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
+                pos = ctx + tok0 + offs_m // GP
+                p_lo = ctx + tok0  # first row's position
+                p_hi = ctx + gl.minimum(tok0 + BLOCK_Q, q_len) - 1  # last valid row's position
+                if SINK_MODE == 1:
+                    head = kvh * G + offs_m % GP
+                    m_i = gl.load(Sinks + head, mask=(offs_m % GP) < G, other=0.0).to(gl.float32)
+                    m_i = m_i * 1.4426950408889634
+                    l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_l)
+                elif SINK_MODE == 2:
+                    m_i = gl.zeros([BLOCK_M], gl.float32, row_l)
+                    l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_l)
+                else:
+                    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_l)
+                    l_i = gl.zeros([BLOCK_M], gl.float32, row_l)
+                acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+                p_prev = gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout)
+                for j in range(n_tiles):
+                    st = (it + j) % NUM_STAGES
+                    key0 = a + j * BLOCK_N
+                    mbarrier.wait(k_ready.index(st), ((it + j) // NUM_STAGES) & 1)
+                    s_tok = gh.warpgroup_mma(
+                        q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                    )
+                    if j > 0:  # P(j-1) V(j-1) behind S(j): retires while this tile's softmax runs
+                        pst = (it + j - 1) % NUM_STAGES
+                        mbarrier.wait(v_ready.index(pst), ((it + j - 1) // NUM_STAGES) & 1)
+                        acc = gh.warpgroup_mma(p_prev, v_bufs.index(pst), acc, is_async=True)
+                        s, acc = gh.warpgroup_mma_wait(1, deps=[s_tok, acc])
+                    else:
+                        s = gh.warpgroup_mma_wait(0, deps=[s_tok])
+                    mbarrier.arrive(k_empty.index(st), count=1)
+                    need_mask = key0 + BLOCK_N - 1 > p_lo
+                    if HAS_WINDOW:
+                        need_mask = need_mask | (key0 < p_hi - w)
+                    if need_mask:
+                        keys = key0 + offs_n
+                        vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
+                        if HAS_WINDOW:
+                            vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
+                        s = gl.where(vis, s * qk_scale, float("-inf"))
+                        m_new = gl.maximum(m_i, gl.max(s, 1))
+                        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+                    else:
+                        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.sum(p, 1)
+                    m_i = m_new
+                    if j > 0:
+                        acc = gh.warpgroup_mma_wait(0, deps=[acc])
+                        mbarrier.arrive(v_empty.index((it + j - 1) % NUM_STAGES), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                    p_prev = gl.convert_layout(p.to(dtype), p_layout)
+                mbarrier.arrive(q_empty.index(qs), count=1)  # every S wgmma of this item has retired
+                if n_tiles > 0:
+                    lst = (it + n_tiles - 1) % NUM_STAGES
+                    mbarrier.wait(v_ready.index(lst), ((it + n_tiles - 1) // NUM_STAGES) & 1)
+                    acc = gh.warpgroup_mma(p_prev, v_bufs.index(lst), acc, is_async=True)
+                    acc = gh.warpgroup_mma_wait(0, deps=[acc])
+                    mbarrier.arrive(v_empty.index(lst), count=1)
+                it += n_tiles
+                qi += 1
+                l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+                out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
+                otok = tok0 + offs_om // GP
+                ohh = offs_om % GP
+                o_ok = (otok < q_len) & (ohh < G)
+                o_rows = (q0 + otok).to(gl.int64) * stride_ot + (kvh * G + ohh) * stride_oh
+                gl.store(
+                    O + gl.expand_dims(o_rows, 1) + gl.expand_dims(offs_od, 0),
+                    out.to(dtype),
+                    mask=gl.expand_dims(o_ok, 1),
+                )
+
+    @gluon.jit
+    def _hopper_prefill_kernel(
+        Q, O, V, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_vr, stride_tbl, n_blk,
+        num_reqs, min_q_len, qk_scale, window, win_h0, win_h1, n_items,
+        G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr, DV: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BS: gl.constexpr, BOX: gl.constexpr,
+        NUM_STAGES: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
+        SINK_MODE: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        # persistent: CTA p takes work items p, p + grid, ... (items are ordered longest first)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, DQK], Q.dtype.element_ty)
+        q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * BLOCK_M, DQK], q_layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, DQK], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
+        bl: gl.constexpr = mbarrier.MBarrierLayout()
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers release a Q buffer
+            mbarrier.arrive(q_empty.index(i), count=2)  # which starts empty
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.arrive(k_empty.index(i), count=2)  # every slot starts empty
+            mbarrier.arrive(v_empty.index(i), count=2)
+        gl.warp_specialize(
+            [
+                (_consumer, (
+                    O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                    CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
+                    stride_ot, stride_oh,
+                    0, G, GP, HKV, DQK, DV, BLOCK_M, BLOCK_N, NUM_STAGES, HEADWISE, HAS_WINDOW, SINK_MODE,
+                )),
+                (_consumer, (
+                    O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                    CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
+                    stride_ot, stride_oh,
+                    1, G, GP, HKV, DQK, DV, BLOCK_M, BLOCK_N, NUM_STAGES, HEADWISE, HAS_WINDOW, SINK_MODE,
+                )),
+                (_producer, (
+                    Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                    k_empty, v_empty, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window,
+                    win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr,
+                    G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, NUM_STAGES, HAS_WINDOW,
+                )),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 def _descriptor(cache: torch.Tensor, box: int):
@@ -427,14 +461,14 @@ def hopper_prefill(
     window: int,
     win_h0: int,
     win_h1: int,
-    num_stages: int | None = None,
-    pingpong: bool = False,
+    num_stages: int = 2,
+    num_ctas: int | None = None,
 ) -> None:
     """Launch the Hopper prefill kernel for the requests with >= 2 query tokens (arguments checked
     and prepared by :func:`.paged_attention.paged_attention`; ``qk_scale`` includes ``log2(e)``).
 
     ``q [T, Hq, Dqk]``, caches ``[NB, Hkv, BS, D]``, ``out [T, Hq, Dv]`` (rows of one-token requests
-    untouched)."""
+    untouched). ``num_ctas``: persistent grid size (default: one CTA per SM)."""
     t, hq, dqk = q.shape
     hkv, bs, dv = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
     num_reqs = cu_seqlens_q.shape[0] - 1
@@ -446,22 +480,19 @@ def hopper_prefill(
     block_n = block_n_for(dqk, dv, bs)
     box = min(block_n, bs)
     tile_q = 2 * (block_m // gp)
-    if num_stages is None:  # as deep as the 227 KB of shared memory allow (Q: 2 x 64 rows; 3 KB spare)
-        per_stage = block_n * (dqk + dv) * q.element_size()
-        room = 227 * 1024 - 3072 - 2 * block_m * dqk * q.element_size()
-        num_stages = max(2, min(3, room // per_stage))
     k_desc = _descriptor(key_cache, box)
     v_desc = _descriptor(value_cache, box)
     sink_arg = sinks if sinks is not None else q
-    grid = ((t // tile_q + num_reqs) * hkv,)
+    n_items = (t // tile_q + num_reqs) * hkv  # (query tile, kv head) ids, some past a request's end
+    grid = (max(1, min(n_items, num_ctas or _num_sms(q.device))),)
     _hopper_prefill_kernel[grid](
         q, out, value_cache, k_desc, v_desc, sink_arg, cu_seqlens_q, seq_lens_decoder, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_tables.shape[1],
-        num_reqs, 2, qk_scale, window, win_h0, win_h1,
+        num_reqs, 2, qk_scale, window, win_h0, win_h1, n_items,
         G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
         NUM_STAGES=num_stages, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
-        SINK_MODE=sink_mode, PRODUCER_REGS=40, CONSUMER_REGS=232, PINGPONG=bool(pingpong), num_warps=4,
+        SINK_MODE=sink_mode, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4,
     )  # fmt: skip
 
 
