@@ -29,10 +29,10 @@ import math
 import os
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 
+from ._framework import empty, num_sms, to_float32, torch
 from .hopper_prefill import choose_prefill_impl, hopper_prefill
 from .split_kv_reduce import split_kv_reduce
 
@@ -54,11 +54,20 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _pages(tbl_row, blk, n_blk, kvh, HKV: tl.constexpr, HEADWISE: tl.constexpr):
-    """Physical page(s) of logical block(s) ``blk`` for kv head ``kvh`` (int64, -1 where absent)."""
+def _pages(tbl_row, blk, n_blk, kvh, HKV: tl.constexpr, HEADWISE: tl.constexpr, PAGE_H: tl.constexpr = 0):
+    """Physical page(s) of logical block(s) ``blk`` for kv head ``kvh`` (int64, -1 where absent).
+
+    ``PAGE_H``: heads per block of the cache tensor (its ``stride(0) // stride(1)``), larger than
+    ``HKV`` when the layer reads the leading heads of a wider (uniform) cache; 0 means ``HKV``.
+    Head-wise pages are numbered in the layer's own view (``block * HKV + head``)."""
     page = tl.load(tbl_row + blk, mask=blk < n_blk, other=-1).to(tl.int64)
     if not HEADWISE:
-        page = tl.where(page >= 0, page * HKV + kvh, -1)
+        if PAGE_H == 0:
+            page = tl.where(page >= 0, page * HKV + kvh, -1)
+        else:
+            page = tl.where(page >= 0, page * PAGE_H + kvh, -1)
+    elif PAGE_H != 0 and PAGE_H != HKV:
+        page = tl.where(page >= 0, page // HKV * PAGE_H + page % HKV, -1)
     return page
 
 
@@ -147,7 +156,7 @@ def _attend(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr,
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, CHUNK: tl.constexpr,
-    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0,
+    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
@@ -161,7 +170,7 @@ def _attend(
         for c0 in range(start, stop, CHUNK * BLOCK_N):
             # the pages of CHUNK tiles, loaded up front: no key load waits on a table load, so the
             # compiler can pipeline the key loads several tiles deep
-            pages = _pages(tbl_row, (c0 + offs_c * BLOCK_N) // BS, n_blk, kvh, HKV, HEADWISE)
+            pages = _pages(tbl_row, (c0 + offs_c * BLOCK_N) // BS, n_blk, kvh, HKV, HEADWISE, PAGE_H)
             for s in range(c0, tl.minimum(c0 + CHUNK * BLOCK_N, stop), BLOCK_N):
                 page = tl.sum(tl.where(offs_c == (s - c0) // BLOCK_N, pages, 0))
                 ok = (page + offs_n * 0) >= 0  # a vector compare (the interpreter mis-splats scalar bools)
@@ -174,7 +183,7 @@ def _attend(
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
             keys = s + offs_n
-            page = _pages(tbl_row, keys // BS, n_blk, kvh, HKV, HEADWISE)
+            page = _pages(tbl_row, keys // BS, n_blk, kvh, HKV, HEADWISE, PAGE_H)
             acc, l_i, m_i = _tile(
                 acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
@@ -227,7 +236,7 @@ def _prefill_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
     HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0,
+    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
@@ -281,19 +290,19 @@ def _prefill_kernel(
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -314,7 +323,7 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_H: tl.constexpr, HKV: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
+    SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -354,20 +363,20 @@ def _decode_kernel(
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, start, ul, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
-        False, 0, SOFTCAP,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
+        SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
-        False, 0, SOFTCAP,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
+        SOFTCAP,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, stop, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK,
-        False, 0, SOFTCAP,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
+        SOFTCAP,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dv_ok = offs_dv[None, :] < DV
@@ -401,7 +410,7 @@ class TileConfig:
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return num_sms(device)
 
 
 def default_prefill_config(
@@ -471,11 +480,18 @@ def _tma_descriptors(key_cache, value_cache, block_n: int, dqk: int, dv: int):
     return kd, vd
 
 
-def _check_cache(name: str, cache: torch.Tensor, hkv: int, d: int) -> None:
+def _check_cache(name: str, cache: torch.Tensor, hkv: int, d: int) -> int:
+    """Check a ``[num_blocks, hkv, block_size, d]`` cache (or a strided view of the leading heads and
+    channels of a wider one); return its heads per block ``stride(0) // stride(1)`` (``PAGE_H``)."""
     if cache.dim() != 4 or cache.shape[1] != hkv or cache.shape[3] != d:
         raise ValueError(f"{name} must be [num_blocks, {hkv}, block_size, {d}], got {list(cache.shape)}")
-    if cache.stride(3) != 1 or cache.stride(0) != hkv * cache.stride(1):
-        raise ValueError(f"{name} must be contiguous in its head and page dims, got strides {cache.stride()}")
+    s0, s1 = cache.stride(0), cache.stride(1)
+    if cache.stride(3) != 1 or s1 <= 0 or s0 % s1 or s0 // s1 < hkv or cache.stride(2) * cache.shape[2] > s1:
+        raise ValueError(
+            f"{name} must be a view of [num_blocks, heads >= {hkv}, block_size, channels >= {d}] "
+            f"(blocks, heads and slots nested, channels contiguous), got strides {cache.stride()}"
+        )
+    return s0 // s1
 
 
 def paged_attention(
@@ -498,8 +514,8 @@ def paged_attention(
     num_splits: int | None = None,
     prefill_config: TileConfig | None = None,
     decode_config: TileConfig | None = None,
-    logits_soft_cap: float | None = None,
     prefill_impl: str | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the paged cache (which already holds this step's K/V).
 
@@ -516,8 +532,7 @@ def paged_attention(
       without a device sync. ``max_q_len`` must not understate: rows it rules out stay unwritten.
     * ``prefill_impl``: ``hopper`` (the warp-specialised Gluon kernel, ``kernels/hopper_prefill.py``),
       ``portable`` (the Triton kernel here) or ``None``: ``FDFLEET_PREFILL_KERNEL`` (default ``auto``:
-      hopper on sm_90 when Gluon imports and the inputs suit it, unless ``prefill_config`` is given;
-      ``logits_soft_cap`` always runs the portable kernel).
+      hopper on sm_90 when Gluon imports and the inputs suit it, unless ``prefill_config`` is given).
     * ``logits_soft_cap``: scores ``s = scale * q.k`` become ``cap * tanh(s / cap)`` before the
       softmax (Gemma-2's ``attn_logit_softcapping``, FlashInfer's ``logits_soft_cap``); sinks are not
       capped. ``None``: no capping (a compile-time switch: the uncapped kernels are unchanged).
@@ -530,8 +545,12 @@ def paged_attention(
         raise ValueError(f"q must be [T, Hq, Dqk] with a contiguous last dim, got shape {list(q.shape)}")
     t, hq, dqk = q.shape
     hkv, bs, dv = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
-    _check_cache("key_cache", key_cache, hkv, dqk)
-    _check_cache("value_cache", value_cache, hkv, dv)
+    page_h = _check_cache("key_cache", key_cache, hkv, dqk)
+    if _check_cache("value_cache", value_cache, hkv, dv) != page_h:
+        raise ValueError(
+            f"key_cache and value_cache must have the same heads per block, got strides "
+            f"{key_cache.stride()} and {value_cache.stride()}"
+        )
     if hkv <= 0 or hq % hkv:
         raise ValueError(f"q heads {hq} must be a multiple of the cache's kv heads {hkv}")
     if window_left is not None and window_left < 0:
@@ -546,9 +565,9 @@ def paged_attention(
     if sink_mode == 1:
         if sinks is None or sinks.numel() != hq:
             raise ValueError(f"sink_kind='learnable' needs sinks of shape [{hq}], got {sinks!r}")
-        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+        sinks = to_float32(sinks, q)
     if out is None:
-        out = torch.empty((t, hq, dv), dtype=q.dtype, device=q.device)
+        out = empty((t, hq, dv), q.dtype, q)
     elif out.shape != (t, hq, dv) or out.stride(2) != 1:
         raise ValueError(f"out must be [{t}, {hq}, {dv}] with a contiguous last dim, got {list(out.shape)}")
     num_reqs = cu_seqlens_q.shape[0] - 1
@@ -573,7 +592,7 @@ def paged_attention(
     common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
     consts = dict(
         HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
-        BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window,
+        BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h,
     )  # fmt: skip
     consts["SOFTCAP"] = softcap
     sink_arg = sinks if sink_mode == 1 else q  # any pointer when unused
@@ -599,7 +618,7 @@ def paged_attention(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk,
             num_reqs, 2, qk_scale, window, win_h0, win_h1,
             G=g, GP=gp, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SINK_MODE=sink_mode, USE_TMA=desc is not None,
-            EXP_BF16=cfg.exp_bf16 and q.dtype == torch.bfloat16 and q.is_cuda, PROFILE=cfg.profile,
+            EXP_BF16=cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda, PROFILE=cfg.profile,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
         )  # fmt: skip
     if not run_decode:
@@ -615,8 +634,8 @@ def paged_attention(
     desc = _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
     mid_o = mid_l = q  # unused unless split
     if num_splits > 1:
-        mid_o = torch.empty((num_reqs, hq, num_splits, dv), dtype=torch.float32, device=q.device)
-        mid_l = torch.empty((num_reqs, hq, num_splits), dtype=torch.float32, device=q.device)
+        mid_o = empty((num_reqs, hq, num_splits, dv), "float32", q)
+        mid_l = empty((num_reqs, hq, num_splits), "float32", q)
     _decode_kernel[(num_reqs, hkv, num_splits)](
         q, key_cache, value_cache, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg,
         cu_seqlens_q, seq_lens_decoder, block_tables,
