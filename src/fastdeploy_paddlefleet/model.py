@@ -213,9 +213,12 @@ def batch_meta_from_forward_meta(
 def packed_positions(meta: BatchMeta, num_tokens: int) -> paddle.Tensor:
     """Absolute position of each packed token ``[T]`` int64.
 
-    Token ``t`` of request ``b`` sits at ``seq_lens_decoder[b] + (t - cu_seqlens_q[b])``.
+    Token ``t`` of request ``b`` sits at ``seq_lens_decoder[b] + (t - cu_seqlens_q[b])``. Request ids
+    are clipped into ``[0, bsz)`` on the device: padding tokens of a CUDA graph's padded batch may
+    carry any id, and their rows are never used.
     """
-    bid = meta.batch_id_per_token[:num_tokens].astype("int64")
+    bsz = int(meta.seq_lens_decoder.shape[0])
+    bid = meta.batch_id_per_token[:num_tokens].astype("int64").clip(0, max(bsz - 1, 0))
     cached = paddle.gather(meta.seq_lens_decoder.astype("int64"), bid)
     start = paddle.gather(meta.cu_seqlens_q[:-1].astype("int64"), bid)
     return cached + paddle.arange(num_tokens, dtype="int64") - start
@@ -258,17 +261,17 @@ def build_from_fd_config(fd_config: Any) -> tuple[paddle.nn.Layer, AttentionPlan
         from .parallel import foreign_expert_prefixes, parallel_setup, shard_minifleet
 
         setup = parallel_setup(fd_config)  # FastDeploy's TP group: the caches hold kv_heads // tp
+        if setup.expert_parallel:  # this rank's experts; the exchange runs over FastDeploy's ep_group
+            raw = {**raw, "expert_model_parallel_size": setup.ep_size}
         dtype = _get(mc, "dtype") or "float32"
         model = build_minifleet(raw, seed=int(_get(mc, "seed") or 0), dtype=dtype)
         #: weight name -> how this rank's part is cut from a full checkpoint tensor (set_state_dict)
-        if setup.expert_parallel:  # this rank's experts; the exchange runs over FastDeploy's ep_group
-            raw = {**raw, "expert_model_parallel_size": setup.ep_size}
         model.fdfleet_tp_shards = shard_minifleet(model, setup)
+        #: checkpoint names of the experts other EP ranks own (set_state_dict skips them)
+        model.fdfleet_foreign_prefixes = foreign_expert_prefixes(model)
         return model, plan_from_config(model.config, setup.tp_size, setup.tp_rank), False
     if importlib.util.find_spec("paddlefleet") is None:
         raise ImportError(
-        #: checkpoint names of the experts other EP ranks own (set_state_dict skips them)
-        model.fdfleet_foreign_prefixes = foreign_expert_prefixes(model)
             f"PaddleFleetForCausalLM needs the `paddlefleet` package to build {raw.get('architectures')} "
             f"from {model_dir!r} through PaddleFormers; install paddlefleet (Paddle's package index) "
             "or serve an embedded minifleet config",
@@ -574,14 +577,14 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         shards = getattr(self.model, "fdfleet_tp_shards", None) or {}
         unexpected: list[str] = []
         loaded: set[str] = set()
+        foreign = getattr(self.model, "fdfleet_foreign_prefixes", None) or ()
         for name, value in state_dict.items():
             key = name[len("model.") :] if name not in own and name.startswith("model.") else name
-            if key not in own:
-        foreign = getattr(self.model, "fdfleet_foreign_prefixes", None) or ()
-                unexpected.append(name)
-                continue
             if key not in own and foreign and key.startswith(foreign):
                 continue  # an expert another expert-parallel rank owns
+            if key not in own:
+                unexpected.append(name)
+                continue
             target = own[key]
             tensor = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
             if key in shards and list(tensor.shape) != list(target.shape):  # full-size weight, TP rank's part
