@@ -32,7 +32,9 @@ def test_kernel_modules_and_framework_layer_work_without_torch():
         """
         import paddle
         from fastdeploy_paddlefleet.kernels import _framework as fw
-        from fastdeploy_paddlefleet.kernels import cache_write, split_kv_reduce  # noqa: F401
+        from fastdeploy_paddlefleet.kernels import cache_write, paged_attention, split_kv_reduce  # noqa: F401
+        from fastdeploy_paddlefleet.kernels import hopper_prefill
+        assert hopper_prefill.torch is None
         assert fw.torch is None
         q = paddle.zeros([3, 4, 8], dtype="float16")
         out = fw.empty((3, 4, 8), q.dtype, q)

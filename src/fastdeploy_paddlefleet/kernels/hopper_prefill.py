@@ -37,7 +37,10 @@ from __future__ import annotations
 import functools
 import logging
 
-import torch
+try:  # the Hopper path runs on torch tensors (Gluon's TensorDescriptor); without torch it is never chosen
+    import torch
+except ImportError:  # a FastDeploy deployment without torch: the portable kernel serves
+    torch = None
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     """``None`` when the Hopper kernel can run these inputs, else the reason it cannot."""
     if not gluon_available():
         return f"gluon unavailable ({GLUON_IMPORT_ERROR!r})"
+    if torch is None or not isinstance(q, torch.Tensor):
+        return "inputs are not torch tensors (the Hopper path launches through torch)"
     if not q.is_cuda or not is_hopper(q.device):
         return "not an sm_90 GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
