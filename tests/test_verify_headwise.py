@@ -69,11 +69,14 @@ def test_headwise_kv_flag_releases_pages_and_keeps_parity(capsys, preset):
     assert report["max_abs_logit_diff"] <= TOL and report["greedy_agreement"] == 1.0
     plan = plan_from_config(build_minifleet(preset).config)
     final = [r["prompt_len"] + 8 for r in report["requests"]]  # 8 decode steps (default)
-    assert report["pages_released"] == expected_released(plan, final) > 0
+    expected = expected_released(plan, final)
+    assert report["pages_released"] == expected
     per_step = report["per_step"]
     assert sum(s["pages_released"] for s in per_step) == report["pages_released"]
-    # pages come back while requests still decode, not only when they finish
-    assert any(s["pages_released"] and s["num_decode"] for s in per_step)
+    if preset == "tiny-mla":  # PaddleFleet's MLA layers never slide: nothing to release, parity still holds
+        assert expected == 0
+    else:  # pages come back while requests still decode, not only when they finish
+        assert expected > 0 and any(s["pages_released"] and s["num_decode"] for s in per_step)
     assert 0 < report["max_pages_used"] <= report["pages_total"]
 
 
