@@ -600,7 +600,10 @@ def paged_attention(
     # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
     run_prefill = max_q_len is None or max_q_len > 1
     run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
-    if run_prefill and choose_prefill_impl(prefill_impl, prefill_config, q, key_cache, value_cache) == "hopper":
+    if (
+        run_prefill
+        and choose_prefill_impl(prefill_impl, prefill_config, q, key_cache, value_cache) == "hopper"
+    ):
         hopper_prefill(
             q, key_cache, value_cache, out, cu_seqlens_q, seq_lens_decoder, block_tables,
             sinks if sink_mode == 1 else None, qk_scale=qk_scale, sink_mode=sink_mode,
