@@ -212,6 +212,31 @@ def _check_page_heads(name: str, table: Any, used: Any, hkv: int) -> None:
         )
 
 
+def _check_operands(q: Any, k: Any, v: Any, layer: LayerAttention, meta: BatchMeta, kv_cache: Any) -> tuple:
+    """Shapes and dtypes of one layer's operands (no host copy); returns ``(T, num_blocks, block_size)``."""
+    _check_layer(layer)
+    hq, hkv, dqk, dv = layer.num_q_heads, layer.num_kv_heads, layer.qk_head_dim, layer.v_head_dim
+    t = _check_tensor("q", q, (None, hq, dqk))[0]
+    _check_tensor("k", k, (t, hkv, dqk))
+    _check_tensor("v", v, (t, hkv, dv))
+    if not (dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype)):
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not isinstance(meta, BatchMeta):
+        raise TypeError(f"meta must be a BatchMeta, got {type(meta).__name__}")
+    bs = meta.block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
+        raise ValueError(f"meta.block_size must be a positive int, got {bs!r}")
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+        raise TypeError(f"kv_cache must be a (key_cache, value_cache) pair, got {type(kv_cache).__name__}")
+    nb = _check_tensor("kv_cache[0] (key cache)", kv_cache[0], (None, hkv, bs, dqk))[0]
+    _check_tensor("kv_cache[1] (value cache)", kv_cache[1], (nb, hkv, bs, dv))
+    if dtype_name(kv_cache[0].dtype) != dtype_name(kv_cache[1].dtype):
+        raise TypeError(
+            f"key and value caches must share one dtype, got {kv_cache[0].dtype} and {kv_cache[1].dtype}"
+        )
+    return t, nb, bs
+
+
 def validate_inputs(
     q: Any,
     k: Any,
@@ -230,28 +255,8 @@ def validate_inputs(
     """
     import numpy as np
 
-    _check_layer(layer)
-    hq, hkv, dqk, dv = layer.num_q_heads, layer.num_kv_heads, layer.qk_head_dim, layer.v_head_dim
-    t = _check_tensor("q", q, (None, hq, dqk))[0]
-    _check_tensor("k", k, (t, hkv, dqk))
-    _check_tensor("v", v, (t, hkv, dv))
-    if not (dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype)):
-        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-
-    if not isinstance(meta, BatchMeta):
-        raise TypeError(f"meta must be a BatchMeta, got {type(meta).__name__}")
-    bs = meta.block_size
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
-        raise ValueError(f"meta.block_size must be a positive int, got {bs!r}")
-
-    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
-        raise TypeError(f"kv_cache must be a (key_cache, value_cache) pair, got {type(kv_cache).__name__}")
-    nb = _check_tensor("kv_cache[0] (key cache)", kv_cache[0], (None, hkv, bs, dqk))[0]
-    _check_tensor("kv_cache[1] (value cache)", kv_cache[1], (nb, hkv, bs, dv))
-    if dtype_name(kv_cache[0].dtype) != dtype_name(kv_cache[1].dtype):
-        raise TypeError(
-            f"key and value caches must share one dtype, got {kv_cache[0].dtype} and {kv_cache[1].dtype}"
-        )
+    t, nb, bs = _check_operands(q, k, v, layer, meta, kv_cache)
+    hq, hkv = layer.num_q_heads, layer.num_kv_heads
 
     this_time = _int_array(meta, "seq_lens_this_time", None)
     bsz = this_time.shape[0]
@@ -377,22 +382,8 @@ def validate_shapes(
     """The checks of :func:`validate_inputs` that need no host copy (shapes, dtypes, ranks, the
     metadata's lengths): safe inside a CUDA graph capture and on FastDeploy's hot path, where the
     metadata's values stay on the device. Raises ``ValueError`` / ``TypeError`` like it."""
-    _check_layer(layer)
-    hq, hkv, dqk, dv = layer.num_q_heads, layer.num_kv_heads, layer.qk_head_dim, layer.v_head_dim
-    t = _check_tensor("q", q, (None, hq, dqk))[0]
-    _check_tensor("k", k, (t, hkv, dqk))
-    _check_tensor("v", v, (t, hkv, dv))
-    if not (dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype)):
-        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not isinstance(meta, BatchMeta):
-        raise TypeError(f"meta must be a BatchMeta, got {type(meta).__name__}")
-    bs = meta.block_size
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
-        raise ValueError(f"meta.block_size must be a positive int, got {bs!r}")
-    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
-        raise TypeError(f"kv_cache must be a (key_cache, value_cache) pair, got {type(kv_cache).__name__}")
-    nb = _check_tensor("kv_cache[0] (key cache)", kv_cache[0], (None, hkv, bs, dqk))[0]
-    _check_tensor("kv_cache[1] (value cache)", kv_cache[1], (nb, hkv, bs, dv))
+    t = _check_operands(q, k, v, layer, meta, kv_cache)[0]
+    hq = layer.num_q_heads
     bsz = _shape(meta.seq_lens_this_time)[0] if meta.seq_lens_this_time is not None else None
     if bsz is None:
         raise ValueError("meta.seq_lens_this_time is required, got None")
