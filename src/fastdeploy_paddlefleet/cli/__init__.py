@@ -35,7 +35,7 @@ EXTRAS: dict[str, str] = {
     "tqdm": "verify",
     "paddleformers": "paddleformers",
     "triton": "kernels",
-    "torch": "kernels",
+    "torch": "torch",
 }
 
 logger = logging.getLogger(__name__)
