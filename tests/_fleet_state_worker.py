@@ -14,16 +14,12 @@ import json
 import os
 import sys
 
+from _gloo import set_gloo_env  # tests/ is the script's folder
+
 
 def main(spec: dict) -> None:
     rank, endpoints = spec["rank"], spec["endpoints"]
-    os.environ.update(
-        PADDLE_DISTRI_BACKEND="gloo",
-        PADDLE_TRAINER_ID=str(rank),
-        PADDLE_TRAINERS_NUM=str(len(endpoints)),
-        PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
-        PADDLE_CURRENT_ENDPOINT=endpoints[rank],
-    )
+    set_gloo_env(rank, endpoints)
     import paddle
     import paddle.distributed as dist
     from paddle.distributed import fleet

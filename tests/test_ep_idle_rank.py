@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _gloo import free_endpoints
 
 from fastdeploy_paddlefleet.presets import load_preset
 
@@ -42,19 +42,8 @@ def moe_config(ep: int) -> dict:
     return cfg
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def launch(out: Path, early_return: bool) -> list[subprocess.Popen]:
-    endpoints = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    endpoints = free_endpoints(2)
     steps = {0: [PROMPT, *DECODES], 1: [[]] * (1 + len(DECODES))}
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     procs = []

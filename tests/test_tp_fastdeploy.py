@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import paddle
+from _gloo import free_endpoints, run_to_completion
 
 from fastdeploy_paddlefleet.fastdeploy_modeldir import write_model_dir
 from fastdeploy_paddlefleet.presets import load_preset
@@ -45,26 +44,12 @@ def ep_config() -> dict:
     return cfg
 
 
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def run_ranks(out: Path, model_dir: Path, tp: int, ep: int = 1) -> list[dict]:
     world = max(tp, ep)
-    endpoints = [f"127.0.0.1:{p}" for p in free_ports(world)]
+    endpoints = free_endpoints(world)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", FDFLEET_BACKEND="reference")
-    procs = []
-    for rank in range(world):
-        spec = {
+    specs = [
+        {
             "rank": rank,
             "endpoints": endpoints,
             "out": str(out),
@@ -73,21 +58,9 @@ def run_ranks(out: Path, model_dir: Path, tp: int, ep: int = 1) -> list[dict]:
             "tp": tp,
             "ep": ep,
         }
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append(
-            subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], stdout=log, stderr=log, env=env)
-        )
-        log.close()
-    try:
-        for proc in procs:
-            proc.wait(timeout=TIMEOUT)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    text = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("rank*.log")))
-    assert [p.returncode for p in procs] == [0] * world, text
+        for rank in range(world)
+    ]
+    run_to_completion(WORKER, specs, [out / f"rank{r}.log" for r in range(world)], env, TIMEOUT)
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(world)]
 
 
@@ -147,27 +120,11 @@ def test_paddlefleet_parallel_state_gets_fastdeploy_tp_ranks(tmp_path):
     (pkg / "parallel_state.py").write_text(STAND_IN_PARALLEL_STATE)
     print("stand-in modules: paddlefleet, paddlefleet.parallel_state")
     worker = Path(__file__).with_name("_fleet_state_worker.py")
-    endpoints = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    endpoints = free_endpoints(2)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "standins"), env.get("PYTHONPATH", "")])
-    procs = []
-    for rank in range(2):
-        spec = {"rank": rank, "endpoints": endpoints, "out": str(tmp_path)}
-        log = open(tmp_path / f"state{rank}.log", "w")
-        procs.append(
-            subprocess.Popen([sys.executable, str(worker), json.dumps(spec)], stdout=log, stderr=log, env=env)
-        )
-        log.close()
-    try:
-        for proc in procs:
-            proc.wait(timeout=TIMEOUT)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    text = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("state*.log")))
-    assert [p.returncode for p in procs] == [0, 0], text
+    specs = [{"rank": rank, "endpoints": endpoints, "out": str(tmp_path)} for rank in range(2)]
+    run_to_completion(worker, specs, [tmp_path / f"state{r}.log" for r in range(2)], env, TIMEOUT)
     for rank in range(2):
         got = json.loads((tmp_path / f"state{rank}.json").read_text())
         assert got["ranks"] == [0, 1] and got["nranks"] == 2  # FastDeploy's tp_group ranks
