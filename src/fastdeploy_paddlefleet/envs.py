@@ -62,15 +62,20 @@ def get_bool(name: str, default: bool) -> bool:
     return default if value is None else parse_bool(name, value)
 
 
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Variable ``name`` as one of ``choices`` (case-insensitive; ``default`` when unset or empty)."""
+    value = _raw(name)
+    if value is None:
+        return default
+    v = value.strip().lower()
+    if v not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return v
+
+
 def backend_name() -> str:
     """``FDFLEET_BACKEND``: which attention backend to use (default ``auto``)."""
-    value = _raw("FDFLEET_BACKEND")
-    if value is None:
-        return "auto"
-    v = value.strip().lower()
-    if v not in BACKENDS:
-        raise ValueError(f"FDFLEET_BACKEND={value!r} is not one of {', '.join(BACKENDS)}")
-    return v
+    return _choice("FDFLEET_BACKEND", BACKENDS, "auto")
 
 
 def headwise_kv() -> bool:
@@ -115,13 +120,7 @@ def prefill_kernel() -> str:
     """``FDFLEET_PREFILL_KERNEL``: ``auto`` (default: the Hopper Gluon kernel on sm_90 when it can run
     the inputs, else the portable Triton one), ``hopper`` (required; an error if it cannot run) or
     ``portable`` (always the portable Triton kernel)."""
-    value = _raw("FDFLEET_PREFILL_KERNEL")
-    if value is None:
-        return "auto"
-    v = value.strip().lower()
-    if v not in PREFILL_KERNELS:
-        raise ValueError(f"FDFLEET_PREFILL_KERNEL={value!r} is not one of {', '.join(PREFILL_KERNELS)}")
-    return v
+    return _choice("FDFLEET_PREFILL_KERNEL", PREFILL_KERNELS, "auto")
 
 
 #: every switch's getter (check_all runs them all)
