@@ -33,6 +33,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -226,9 +227,11 @@ def run_ours(
 ):
     import torch
 
+    from fastdeploy_paddlefleet.kernels.errors import check_kernel_errors, new_error_flag
     from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention
 
     q = batch["q"]
+    flag = new_error_flag(q)  # as served: every launch bounds-checks its tables and records in a flag
     hq, dqk = q.shape[1], q.shape[2]
     dv = dv or batch["vc"].shape[3]
     scale = 1.0 / math.sqrt(dqk)
@@ -256,10 +259,12 @@ def run_ours(
             prefill_config=prefill_config,
             decode_config=decode_config,
             prefill_impl=prefill_impl,
+            errors=flag,
         )
 
     fn()
     sync()
+    check_kernel_errors(flag)  # valid tables: the flag stays clear
     errs = {}
     if check:
         assert torch.isfinite(out).all(), f"{name}: unwritten or non-finite output"
@@ -825,9 +830,43 @@ def plot(records: list[dict], path: str) -> bool:
     return True
 
 
+def print_comparison(records: list[dict], path: str) -> None:
+    """Each (case, impl) of ``records`` beside the same one in the JSON lines file ``path``: the case's
+    figure (GB/s, TFLOP/s or ms), both timings where recorded, and the ratio now / then."""
+    with open(path) as f:
+        old = {
+            (r.get("case"), r.get("impl")): r
+            for r in (json.loads(line) for line in f if line.strip())
+            if "case" in r and "error" not in r
+        }
+    head = f"{'case':28} {'impl':22} {'metric':7} {'now':>9} {'then':>9} {'ratio':>6}"
+    print(head + "  ms now/then (bench | graph)")
+    for r in records:
+        key = (r.get("case"), r.get("impl"))
+        if "case" not in r or "error" in r or key not in old:
+            continue
+        o = old[key]
+        metric = next((m for m in ("gbps", "tflops", "ms") if m in r and m in o), None)
+        if metric is None:
+            continue
+        ratio = r[metric] / o[metric] if o[metric] else float("nan")
+        times = " | ".join(f"{r.get(k, '-')}/{o.get(k, '-')}" for k in ("ms_bench", "ms_graph"))
+        print(f"{key[0]:28} {key[1]:22} {metric:7} {r[metric]:9} {o[metric]:9} {ratio:6.3f}  {times}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help="JSON lines file (default: %(default)s)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help=f"JSON lines file (default: {DEFAULT_OUT}; with --smoke a file in the temporary directory)",
+    )
+    ap.add_argument(
+        "--compare",
+        metavar="FILE",
+        default=None,
+        help="print each case's figure beside the same case in FILE (e.g. the committed results)",
+    )
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     ap.add_argument("--plot-only", metavar="FILE", help="draw the PNG from saved JSON lines and exit")
     ap.add_argument(
@@ -850,6 +889,8 @@ def main(argv=None) -> int:
 
     import torch
 
+    if args.out is None:  # smoke runs never replace the committed results
+        args.out = os.path.join(tempfile.gettempdir(), "attention-smoke.jsonl") if args.smoke else DEFAULT_OUT
     if args.smoke:
         SH.update(SMOKE)
         if torch.cuda.is_available():
@@ -911,6 +952,8 @@ def main(argv=None) -> int:
             for s in summary(RECORDS):
                 emit({"summary": True, **s}, fh)
         emit({"meta": True, "wall_s": round(time.time() - t0, 1)}, fh)
+    if args.compare:
+        print_comparison(RECORDS, args.compare)
     if not args.sweep:
         path = args.plot or os.path.splitext(args.out)[0] + ".png"
         if plot(RECORDS, path):

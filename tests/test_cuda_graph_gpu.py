@@ -152,3 +152,39 @@ def test_decode_step_captured_in_a_cuda_graph_replays_with_new_metadata(kind):
         # the step's K/V landed in the graph's cache exactly where the eager step put them
         assert torch.equal(static["kc"].nan_to_num(7.0), new["kc"].nan_to_num(7.0))
         assert torch.equal(static["vc"].nan_to_num(7.0), new["vc"].nan_to_num(7.0))
+
+
+def test_bad_table_in_a_replayed_graph_is_named_not_an_illegal_address():
+    """Served mode under a CUDA graph: a replay whose block table holds an entry past the cache (or a
+    -1 inside the context) reads nothing outside the cache; the backend's device flag, allocated by the
+    warm-up before capture, names the entry when the serving loop checks it after the step."""
+    layer = LAYERS["full"]
+    backend = TritonBackend(validate=False, host_checks=False, check_every=1)
+    static, _, _ = make_step(0, [40, 7, -1, 130])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(backend, layer, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    backend.step_done()  # the warm-up step was clean
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(backend, layer, static)
+    for req, blk, value, pattern in ((3, 2, 2**30, "past the cache"), (0, 1, -1, "negative")):
+        new, hist, this = make_step(1, [300, -1, 15, 64]) if req == 3 else make_step(2, [100, 5, 9, -1])
+        new["table"][req, blk] = value
+        for name, x in new.items():
+            static[name].copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()  # the step's output is synchronised: the check costs no extra sync
+        with pytest.raises(ValueError, match=rf"request {req}, logical block {blk}: .*{pattern}"):
+            backend.step_done()
+        good = [b for b, n in enumerate(this) if n and b != req]
+        assert torch.isfinite(out[[sum(this[:b]) for b in good]]).all()
+    new, hist, this = make_step(3, [20, 30, -1, 40])  # a clean step: the device is healthy
+    for name, x in new.items():
+        static[name].copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    backend.step_done()  # the report cleared the flag; nothing new
+    check_against_dense(out, layer, new, hist, this)

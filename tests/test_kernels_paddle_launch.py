@@ -56,16 +56,17 @@ def test_backend_hands_paddle_tensors_to_the_kernels_without_torch(monkeypatch):
     tensors (the cache views included) and Triton gets Paddle's torch proxy."""
     from fastdeploy_paddlefleet.backends import triton as triton_backend
     from fastdeploy_paddlefleet.kernels import _framework as fw
-    from fastdeploy_paddlefleet.runner.batch import build_meta
     from fastdeploy_paddlefleet.spec.layer import LayerAttention
+    from fastdeploy_paddlefleet.runner.batch import build_meta
 
     calls = {}
     monkeypatch.setattr(fw, "torch", None)
     monkeypatch.setattr(fw, "_COMPAT_DONE", False)
     monkeypatch.setattr(paddle, "enable_compat", lambda **kw: calls.setdefault("compat", kw))
 
-    def launch(q, k, v, kc, vc, cu, dec, bid, table, sinks, layer, meta, headwise):
+    def launch(q, k, v, kc, vc, cu, dec, bid, table, sinks, layer, meta, headwise, errors=None):
         calls["args"] = (q, kc, vc, cu, table)
+        calls["errors"] = errors
         return paddle.zeros([q.shape[0], layer.num_q_heads, layer.v_head_dim])
 
     monkeypatch.setattr(triton_backend.TritonBackend, "_launch", staticmethod(launch))
@@ -84,3 +85,7 @@ def test_backend_hands_paddle_tensors_to_the_kernels_without_torch(monkeypatch):
     got_q, got_kc, got_vc, cu, table = calls["args"]
     assert got_q is q and got_kc is cache[0] and got_vc is cache[1]  # no conversion, no copy
     assert got_kc.data_ptr() == wide.data_ptr() and str(cu.dtype).endswith("int32")
+    # the device error flag (kernels/errors.py) is a paddle int32 [8] tensor, cleared
+    flag = calls["errors"]
+    assert isinstance(flag, paddle.Tensor) and str(flag.dtype).endswith("int32")
+    assert flag.numpy().tolist() == [0] * 8

@@ -18,6 +18,23 @@ metadata's contents through a host copy (once per step). The host copy is skippe
 graph is being captured, and ``host_checks=False`` (set by the model under FastDeploy) skips it
 always: the launch bounds then come from ``meta.max_seq_len_this_time`` when known and from the
 tensors' shapes otherwise, never from the step's values.
+
+Bad tables (served mode): whatever the metadata, the kernels never read or write outside the caches
+they are given. A block-table entry that is negative inside the keys a query sees, past the cache, or
+a table narrower than a request's context is never dereferenced; the first such entry is recorded in
+a device-side error flag (``kernels/errors.py``; one ``int32 [8]`` tensor per device, owned by the
+backend, passed to every launch; no host sync, CUDA-graph capturable). The serving path reads it
+where the step is synchronised anyway:
+
+* ``backend.step_done()`` once per step after the step's output has been synchronised (e.g. after
+  the sampled tokens are copied to the host): it counts steps and, every ``check_every`` steps
+  (default 1; 0 = never on its own), reads the flag (one small device-to-host copy) and raises a
+  ``ValueError`` naming the request, logical block and bad value, clearing the flag;
+* ``backend.check_errors()`` reads and raises at once (e.g. at the end of a request, in tests).
+
+Create the flag before capturing a CUDA graph (``backend.error_flag(tensor_on_device)``, or any eager
+call such as the warm-up run): a flag first allocated inside a capture would be cleared by every
+replay.
 """
 
 from __future__ import annotations
@@ -101,10 +118,44 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_unequal_v_dim = True
 
-    def __init__(self, validate: bool = True, host_checks: bool = True) -> None:
+    def __init__(self, validate: bool = True, host_checks: bool = True, check_every: int = 1) -> None:
         self.validate = validate
         #: copy the metadata to the host to check its contents (off under FastDeploy: no host sync)
         self.host_checks = host_checks
+        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 0:
+            raise ValueError(f"check_every must be an int >= 0, got {check_every!r}")
+        #: :meth:`step_done` reads the device error flags every this many steps (0: never)
+        self.check_every = check_every
+        self._monitors: dict[Any, Any] = {}  # (framework, device) -> KernelErrorMonitor
+
+    def error_flag(self, like: Any) -> Any:
+        """The device error flag (``int32 [8]``, ``kernels/errors.py``) for ``like``'s framework and
+        device, created on first use: call once before capturing a CUDA graph."""
+        key = (type(like).__module__.split(".", 1)[0], str(getattr(like, "device", None)))
+        mon = self._monitors.get(key)
+        if mon is None:
+            from ..kernels.errors import KernelErrorMonitor, new_error_flag
+
+            mon = self._monitors[key] = KernelErrorMonitor(new_error_flag(like), every=self.check_every)
+        return mon.flag
+
+    def step_done(self) -> None:
+        """Count a step; every ``check_every`` steps read the error flags (one small device-to-host copy
+        each: call it where the step's output is synchronised anyway) and raise ``ValueError`` naming
+        the first bad block-table entry (request, logical block, value), clearing the flag."""
+        for mon in self._monitors.values():
+            mon.step()
+
+    def check_errors(self) -> None:
+        """Read every error flag now (a sync) and raise ``ValueError`` naming the first bad block-table
+        entry recorded since the last check, clearing the flag."""
+        for mon in self._monitors.values():
+            mon.check()
+
+    def reset_errors(self) -> None:
+        """Clear every error flag (asynchronously)."""
+        for mon in self._monitors.values():
+            mon.reset()
 
     def check_layer(self, layer: LayerAttention) -> None:
         if layer.num_kv_heads <= 0 or layer.num_q_heads % layer.num_kv_heads:
@@ -152,7 +203,7 @@ class TritonBackend(AttentionBackend):
             )
             stream = fw.paddle_stream(dev) if return_paddle else contextlib.nullcontext()
             with stream:
-                out = self._launch(*args, layer, meta, headwise)
+                out = self._launch(*args, layer, meta, headwise, self.error_flag(tq))
             out = out.view(out.shape[0], -1)
             return _to_paddle(out) if return_paddle else out
         # paddle tensors, no torch: FastDeploy's way (Triton on Paddle's torch proxy)
@@ -171,12 +222,14 @@ class TritonBackend(AttentionBackend):
             layer,
             meta,
             headwise,
+            self.error_flag(q),
         )
         return out.reshape([int(out.shape[0]), -1])
 
     @staticmethod
-    def _launch(q, k, v, kc, vc, cu, dec, bid, table, sinks, layer, meta, headwise) -> Any:
-        """The cache write and the attention launch on tensors of one framework; ``out [T, Hq, Dv]``."""
+    def _launch(q, k, v, kc, vc, cu, dec, bid, table, sinks, layer, meta, headwise, errors=None) -> Any:
+        """The cache write and the attention launch on tensors of one framework; ``out [T, Hq, Dv]``.
+        ``errors``: the device error flag both kernels record bad table entries in."""
         from ..kernels.cache_write import write_kv_cache
         from ..kernels.paged_attention import paged_attention
 
@@ -190,7 +243,7 @@ class TritonBackend(AttentionBackend):
                 f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests), got q on "
                 f"{q.device}"
             )
-        write_kv_cache(k, v, kc, vc, bid, cu, dec, table, headwise=headwise)
+        write_kv_cache(k, v, kc, vc, bid, cu, dec, table, headwise=headwise, errors=errors)
         slides = layer.sliding_kv_heads is not None and layer.window_left is not None
         return paged_attention(
             q,
@@ -208,6 +261,7 @@ class TritonBackend(AttentionBackend):
             max_q_len=meta.max_seq_len_this_time,
             max_context_len=meta.max_context_len,
             logits_soft_cap=layer.logits_soft_cap,
+            errors=errors,
         )
 
     def _validate(self, q, k, v, layer, meta, kv_cache, sinks) -> None:

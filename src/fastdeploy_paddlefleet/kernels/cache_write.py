@@ -2,9 +2,11 @@
 
 Token ``t`` of request ``b`` sits at position ``pos = seq_lens_decoder[b] + t - cu_seqlens_q[b]``:
 logical block ``pos // block_size``, slot ``pos % block_size``. The page of kv head ``h`` is
-``block_tables[b, blk] * Hkv + h`` or, head-wise, ``page_table[b * Hkv + h, blk]``. A ``-1`` page
-(or a token with a negative request id, or past its request's rows: padding) is skipped, never
-written through.
+``block_tables[b, blk] * Hkv + h`` or, head-wise, ``page_table[b * Hkv + h, blk]``. A token with a
+negative request id (or one past its request's rows, or a request id past the batch: padding) is
+skipped. A table entry that is negative, past the cache, or past the table's width (a position the
+table does not cover) is never written through, and is recorded in the error flag when one is given
+(``kernels/errors.py``): a token being written is always visible to itself, so its page must exist.
 """
 
 from __future__ import annotations
@@ -13,35 +15,48 @@ import triton
 import triton.language as tl
 
 from ._framework import torch  # noqa: F401 - annotations (None without torch)
+from .errors import KERNEL_CACHE_WRITE, check_entries
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pages", "num_reqs"])
 def _write_kv_kernel(
-    K, V, KC, VC, Bid, CuQ, Ctx, Tbl,
+    K, V, KC, VC, Bid, CuQ, Ctx, Tbl, Err,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, num_reqs,
     HKV: tl.constexpr, BLOCK_HKV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr,
-    PAGE_H: tl.constexpr,
+    PAGE_H: tl.constexpr, HAS_ERR: tl.constexpr = False,
 ):  # fmt: skip
     t = tl.program_id(0)
     b = tl.load(Bid + t)
-    if b < 0:
+    if (b < 0) | (b >= num_reqs):
         return
     if t >= tl.load(CuQ + b + 1):  # a padding token (a CUDA graph's batch is padded): not this request's
         return
     pos = tl.load(Ctx + b) + t - tl.load(CuQ + b)
+    if pos < 0:
+        return
     blk = pos // BS
     slot = pos % BS
     offs_h = tl.arange(0, BLOCK_HKV)
-    h_ok = (offs_h < HKV) & (blk + offs_h * 0 < n_blk)  # vector compares only (interpreter splat bug)
-    if HEADWISE:
-        page = tl.load(Tbl + (b * HKV + offs_h) * stride_tbl + blk, mask=h_ok, other=-1).to(tl.int64)
+    h_in = offs_h < HKV
+    blk_v = blk + offs_h * 0  # vector compares only (interpreter splat bug)
+    h_ok = h_in & (blk_v < n_blk)
+    if HEADWISE:  # row b * HKV + h of the page table per kv head
+        raw = tl.load(Tbl + (b * HKV + offs_h) * stride_tbl + blk, mask=h_ok, other=-1)
+        good = check_entries(
+            Err, raw, blk_v, n_blk, h_in, n_pages, b, offs_h, offs_h, KERNEL_CACHE_WRITE, HAS_ERR
+        )
+        page = tl.where(good, raw, -1).to(tl.int64)
         if PAGE_H != HKV:  # pages are numbered in the layer's view: block * HKV + head
             page = tl.where(page >= 0, page // HKV * PAGE_H + page % HKV, -1)
     else:
-        block = tl.load(Tbl + b * stride_tbl + blk + offs_h * 0, mask=h_ok, other=-1).to(tl.int64)
-        page = tl.where(block >= 0, block * PAGE_H + offs_h, -1)
+        raw = tl.load(Tbl + b * stride_tbl + blk_v, mask=h_ok, other=-1)
+        head = offs_h * 0 - 1
+        good = check_entries(
+            Err, raw, blk_v, n_blk, h_in, n_pages, b, head, offs_h, KERNEL_CACHE_WRITE, HAS_ERR
+        )
+        page = tl.where(good, raw.to(tl.int64) * PAGE_H + offs_h, -1)
     ok = h_ok & (page >= 0)
     t64 = t.to(tl.int64)
     offs_dk = tl.arange(0, BLOCK_DQK)
@@ -67,13 +82,18 @@ def write_kv_cache(
     block_tables: torch.Tensor,
     *,
     headwise: bool = False,
+    errors: torch.Tensor | None = None,
 ) -> None:
     """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` into ``key_cache [NB, Hkv, BS, Dqk]`` /
     ``value_cache [NB, Hkv, BS, Dv]`` in place. ``block_tables [bsz, max_blocks]`` or, with
     ``headwise=True``, ``[bsz * Hkv, max_pages]`` page tables.
 
     The caches may be strided views of the leading heads and channels of wider tensors (FastDeploy's
-    one cache shape for every layer): blocks are addressed through ``stride(0)``, nothing is copied."""
+    one cache shape for every layer): blocks are addressed through ``stride(0)``, nothing is copied.
+
+    ``errors``: an ``int32 [8]`` device error flag (``kernels/errors.py``) recording the first table
+    entry a written token needs that is negative, past the cache or past the table's width; such
+    entries are never written through, with or without a flag."""
     t, hkv, dqk = k.shape
     dv = v.shape[2]
     if t == 0:
@@ -96,12 +116,14 @@ def write_kv_cache(
             f"key_cache and value_cache must have the same heads per block, got strides "
             f"{key_cache.stride()} and {value_cache.stride()}"
         )
+    n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
     _write_kv_kernel[(t,)](
         k, v, key_cache, value_cache, batch_id_per_token, cu_seqlens_q, seq_lens_decoder, block_tables,
+        errors if errors is not None else block_tables,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), block_tables.shape[1],
-        HKV=hkv, BLOCK_HKV=triton.next_power_of_2(hkv), DQK=dqk, DV=dv,
+        block_tables.stride(0), block_tables.shape[1], n_pages, cu_seqlens_q.shape[0] - 1,
+        HAS_ERR=errors is not None, HKV=hkv, BLOCK_HKV=triton.next_power_of_2(hkv), DQK=dqk, DV=dv,
         BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
         BS=key_cache.shape[2], HEADWISE=bool(headwise), PAGE_H=page_h[0], num_warps=4,
     )  # fmt: skip

@@ -136,8 +136,33 @@ if GLUON_IMPORT_ERROR is None:
     CHUNK_C = gl.constexpr(CHUNK)
 
     @gluon.jit
+    def _page_entry(
+        tbl_row, blk, n_blk, n_pages, need, Err, req, kvh,
+        HEADWISE: gl.constexpr, HAS_ERR: gl.constexpr,
+    ):  # fmt: skip
+        """Table entry of logical block ``blk`` (a scalar) if it may be dereferenced (``0 <= entry <
+        n_pages``, ``blk < n_blk``), else -1; with ``HAS_ERR`` a ``need``-ed bad entry is recorded in
+        ``Err`` unless one was already (``kernels/errors.py``: first compare-and-swap wins)."""
+        raw = gl.load(tbl_row + blk, mask=blk < n_blk, other=-1)
+        good = (raw >= 0) & (raw < n_pages) & (blk < n_blk)
+        if HAS_ERR:
+            if need & (good == 0):
+                code = gl.where(blk >= n_blk, 3, gl.where(raw < 0, 2, 1))
+                if gl.atomic_cas(Err, 0, code) == 0:
+                    gl.store(Err + 1, req)
+                    gl.store(Err + 2, blk)
+                    gl.store(Err + 3, gl.where(blk >= n_blk, n_blk, raw))
+                    if HEADWISE:
+                        gl.store(Err + 4, kvh)
+                    else:
+                        gl.store(Err + 4, -1)
+                    gl.store(Err + 5, 4)  # errors.KERNEL_HOPPER_PREFILL
+                    gl.store(Err + 6, n_pages)
+        return gl.where(good, raw, -1).to(gl.int64)
+
+    @gluon.jit
     def _work_item(
-        item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1,
+        item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_tok,
         HKV: gl.constexpr, TILE_Q: gl.constexpr, BLOCK_N: gl.constexpr,
         HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
     ):  # fmt: skip
@@ -159,7 +184,7 @@ if GLUON_IMPORT_ERROR is None:
         q_len = gl.load(CuQ + b + 1) - q0
         n_qt = (q_len + TILE_Q - 1) // TILE_Q
         local = tpid - (q0 // TILE_Q + b)
-        valid = (local < n_qt) & (q_len >= min_q_len)
+        valid = (local < n_qt) & (q_len >= min_q_len) & (q0 >= 0) & (q0 + q_len <= n_tok)  # rows inside q
         tok0 = (n_qt - 1 - local) * TILE_Q  # a request's longest tiles first: less tail
         ctx = gl.load(Ctx + b)
         if HAS_WINDOW:
@@ -171,16 +196,16 @@ if GLUON_IMPORT_ERROR is None:
         a = gl.maximum(p_first - w, 0) // BLOCK_N * BLOCK_N
         n_tiles = gl.where(valid, (p_last + 1 - a + BLOCK_N - 1) // BLOCK_N, 0)
         tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
-        return valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row
+        return valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row, b
 
     @gluon.jit
     def _producer(
         Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
         CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
-        stride_qt, stride_qh, stride_vr,
+        stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
         G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
-        DV: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
+        DV: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr,
     ):  # fmt: skip
         TILE_Q: gl.constexpr = 2 * (BLOCK_M // GP)
         NBOX: gl.constexpr = BLOCK_N // BOX
@@ -194,12 +219,13 @@ if GLUON_IMPORT_ERROR is None:
         it = 0
         qi = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row = _work_item(
-                item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1,
+            valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row, b = _work_item(
+                item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_tok,
                 HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
             )  # fmt: skip
             if valid:
                 kv_len = ctx + q_len
+                lo_key = gl.maximum(ctx + tok0 - w, 0)  # keys below it may be released (-1)
                 # the item's query rows (tokens x padded group heads, both consumers' halves)
                 qs = qi % 2
                 mbarrier.wait(q_empty.index(qs), (qi // 2) & 1)
@@ -219,14 +245,17 @@ if GLUON_IMPORT_ERROR is None:
                     s = it % NUM_STAGES
                     phase = (it // NUM_STAGES) & 1
                     key0 = a + j * BLOCK_N
-                    # K: one copy per page box and 64-column chunk (absent pages read page 0: masked)
+                    # K: one copy per page box and 64-column chunk (absent pages read page 0: masked;
+                    # entries past the cache or the table count as absent, never dereferenced)
                     mbarrier.wait(k_empty.index(s), phase)
                     mbarrier.expect(k_ready.index(s), K_BYTES)
                     kb = k_bufs.index(s)
                     absent = False
                     for i in gl.static_range(NBOX):
-                        blk = (key0 + i * BOX) // BS
-                        page = gl.load(tbl_row + blk, mask=blk < n_blk, other=-1).to(gl.int64)
+                        kb0 = key0 + i * BOX
+                        blk = kb0 // BS
+                        need = (kb0 < kv_len) & (kb0 + BOX > lo_key)
+                        page = _page_entry(tbl_row, blk, n_blk, n_pages, need, Err, b, kvh, HEADWISE, HAS_ERR)
                         if not HEADWISE:
                             page = gl.where(page >= 0, page * HKV + kvh, -1)
                         absent = absent | (page < 0)
@@ -244,6 +273,7 @@ if GLUON_IMPORT_ERROR is None:
                         for r0 in gl.static_range(0, BLOCK_N, ROWS):
                             keys = key0 + r0 + offs_r
                             pg = gl.load(tbl_row + keys // BS, mask=keys // BS < n_blk, other=-1).to(gl.int64)
+                            pg = gl.where(pg < n_pages, pg, -1)
                             if not HEADWISE:
                                 pg = gl.where(pg >= 0, pg * HKV + kvh, -1)
                             v_ok = (pg >= 0) & (keys < kv_len)
@@ -257,7 +287,7 @@ if GLUON_IMPORT_ERROR is None:
                         mbarrier.expect(v_ready.index(s), V_BYTES)
                         for i in gl.static_range(NBOX):
                             blk = (key0 + i * BOX) // BS
-                            page = gl.load(tbl_row + blk).to(gl.int64)
+                            page = gl.load(tbl_row + blk, mask=blk < n_blk, other=0).to(gl.int64)
                             if not HEADWISE:
                                 page = page * HKV + kvh
                             row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
@@ -272,7 +302,7 @@ if GLUON_IMPORT_ERROR is None:
     def _consumer(
         O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
         CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
-        stride_ot, stride_oh,
+        stride_ot, stride_oh, n_tok,
         HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
         DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
         HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr, SINK_MODE: gl.constexpr,
@@ -298,8 +328,8 @@ if GLUON_IMPORT_ERROR is None:
         it = 0
         qi = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row = _work_item(
-                item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1,
+            valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = _work_item(
+                item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_tok,
                 HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
             )  # fmt: skip
             if valid:
@@ -383,13 +413,14 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _hopper_prefill_kernel(
-        Q, O, V, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_vr, stride_tbl, n_blk,
+        Q, O, V, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
         num_reqs, min_q_len, qk_scale, window, win_h0, win_h1, n_items,
         G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr, DV: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BS: gl.constexpr, BOX: gl.constexpr,
         NUM_STAGES: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
         SINK_MODE: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        HAS_ERR: gl.constexpr,
     ):  # fmt: skip
         # persistent: CTA p takes work items p, p + grid, ... (items are ordered longest first)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, DQK], Q.dtype.element_ty)
@@ -419,20 +450,20 @@ if GLUON_IMPORT_ERROR is None:
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
-                    stride_ot, stride_oh,
+                    stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, BLOCK_M, BLOCK_N, NUM_STAGES, HEADWISE, HAS_WINDOW, SINK_MODE,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
-                    stride_ot, stride_oh,
+                    stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, BLOCK_M, BLOCK_N, NUM_STAGES, HEADWISE, HAS_WINDOW, SINK_MODE,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                     k_empty, v_empty, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window,
-                    win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr,
-                    G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, NUM_STAGES, HAS_WINDOW,
+                    win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
+                    G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, NUM_STAGES, HAS_WINDOW, HAS_ERR,
                 )),
             ],
             [4, 4],
@@ -468,12 +499,15 @@ def hopper_prefill(
     win_h1: int,
     num_stages: int = 2,
     num_ctas: int | None = None,
+    errors: torch.Tensor | None = None,
 ) -> None:
     """Launch the Hopper prefill kernel for the requests with >= 2 query tokens (arguments checked
     and prepared by :func:`.paged_attention.paged_attention`; ``qk_scale`` includes ``log2(e)``).
 
     ``q [T, Hq, Dqk]``, caches ``[NB, Hkv, BS, D]``, ``out [T, Hq, Dv]`` (rows of one-token requests
-    untouched). ``num_ctas``: persistent grid size (default: one CTA per SM)."""
+    untouched). ``num_ctas``: persistent grid size (default: one CTA per SM). ``errors``: the
+    ``int32 [8]`` device error flag (``kernels/errors.py``) or ``None``; table entries outside the
+    cache are never dereferenced either way."""
     t, hq, dqk = q.shape
     hkv, bs, dv = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
     num_reqs = cu_seqlens_q.shape[0] - 1
@@ -490,14 +524,16 @@ def hopper_prefill(
     sink_arg = sinks if sinks is not None else q
     n_items = (t // tile_q + num_reqs) * hkv  # (query tile, kv head) ids, some past a request's end
     grid = (max(1, min(n_items, num_ctas or _num_sms(q.device))),)
+    n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
     _hopper_prefill_kernel[grid](
         q, out, value_cache, k_desc, v_desc, sink_arg, cu_seqlens_q, seq_lens_decoder, block_tables,
+        errors if errors is not None else block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), value_cache.stride(2),
-        block_tables.stride(0), block_tables.shape[1],
+        block_tables.stride(0), block_tables.shape[1], n_pages, t,
         num_reqs, 2, qk_scale, window, win_h0, win_h1, n_items,
         G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
         NUM_STAGES=num_stages, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
-        SINK_MODE=sink_mode, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4,
+        SINK_MODE=sink_mode, PRODUCER_REGS=40, CONSUMER_REGS=232, HAS_ERR=errors is not None, num_warps=4,
     )  # fmt: skip
 
 

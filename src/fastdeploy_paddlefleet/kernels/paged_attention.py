@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ._framework import empty, num_sms, to_float32, torch
+from .errors import KERNEL_DECODE, KERNEL_PREFILL, check_entries
 from .hopper_prefill import choose_prefill_impl, hopper_prefill
 from .split_kv_reduce import split_kv_reduce
 
@@ -54,13 +55,27 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _pages(tbl_row, blk, n_blk, kvh, HKV: tl.constexpr, HEADWISE: tl.constexpr, PAGE_H: tl.constexpr = 0):
+def _pages(
+    tbl_row, blk, n_blk, kvh, Err, n_pages, req, need,
+    HKV: tl.constexpr, HEADWISE: tl.constexpr, PAGE_H: tl.constexpr = 0,
+    HAS_ERR: tl.constexpr = False, KERNEL: tl.constexpr = 0,
+):  # fmt: skip
     """Physical page(s) of logical block(s) ``blk`` for kv head ``kvh`` (int64, -1 where absent).
 
     ``PAGE_H``: heads per block of the cache tensor (its ``stride(0) // stride(1)``), larger than
     ``HKV`` when the layer reads the leading heads of a wider (uniform) cache; 0 means ``HKV``.
-    Head-wise pages are numbered in the layer's own view (``block * HKV + head``)."""
-    page = tl.load(tbl_row + blk, mask=blk < n_blk, other=-1).to(tl.int64)
+    Head-wise pages are numbered in the layer's own view (``block * HKV + head``).
+
+    Bounds: an entry outside ``[0, n_pages)`` (blocks, or head-wise pages) or a block past the table's
+    ``n_blk`` columns gives -1 (never dereferenced); with ``HAS_ERR`` the first such entry among the
+    ``need``-ed ones (keys some query sees) is recorded in ``Err`` (``kernels/errors.py``)."""
+    raw = tl.load(tbl_row + blk, mask=blk < n_blk, other=-1)
+    if HEADWISE:
+        head = blk * 0 + kvh
+    else:
+        head = blk * 0 - 1
+    good = check_entries(Err, raw, blk, n_blk, need, n_pages, req, head, blk, KERNEL, HAS_ERR)
+    page = tl.where(good, raw, -1).to(tl.int64)
     if not HEADWISE:
         if PAGE_H == 0:
             page = tl.where(page >= 0, page * HKV + kvh, -1)
@@ -150,16 +165,19 @@ def _tile(
 
 @triton.jit
 def _attend(
-    acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh,
+    acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, req,
     start, stop, pos, lo_key, kv_len, window, qk_scale,
     stride_kp, stride_kr, stride_vp, stride_vr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr,
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, CHUNK: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, KERNEL: tl.constexpr = 0,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
+
+    Table entries of keys in ``[lo_key, kv_len)`` must exist (``_pages`` records the first that does
+    not, for request ``req``); entries outside the cache are never dereferenced.
 
     ``MASK=False`` is only used for tiles every row sees entirely (no mask, no predicated loads
     beyond the page check). Keys below ``lo_key`` or at/after ``kv_len`` are never loaded.
@@ -170,7 +188,12 @@ def _attend(
         for c0 in range(start, stop, CHUNK * BLOCK_N):
             # the pages of CHUNK tiles, loaded up front: no key load waits on a table load, so the
             # compiler can pipeline the key loads several tiles deep
-            pages = _pages(tbl_row, (c0 + offs_c * BLOCK_N) // BS, n_blk, kvh, HKV, HEADWISE, PAGE_H)
+            tiles = c0 + offs_c * BLOCK_N
+            need = (tiles < stop) & (tiles < kv_len) & (tiles + BLOCK_N > lo_key)
+            pages = _pages(
+                tbl_row, tiles // BS, n_blk, kvh, Err, n_pages, req, need,
+                HKV, HEADWISE, PAGE_H, HAS_ERR, KERNEL,
+            )  # fmt: skip
             for s in range(c0, tl.minimum(c0 + CHUNK * BLOCK_N, stop), BLOCK_N):
                 page = tl.sum(tl.where(offs_c == (s - c0) // BLOCK_N, pages, 0))
                 ok = (page + offs_n * 0) >= 0  # a vector compare (the interpreter mis-splats scalar bools)
@@ -183,7 +206,11 @@ def _attend(
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
             keys = s + offs_n
-            page = _pages(tbl_row, keys // BS, n_blk, kvh, HKV, HEADWISE, PAGE_H)
+            need = (keys >= lo_key) & (keys < kv_len)
+            page = _pages(
+                tbl_row, keys // BS, n_blk, kvh, Err, n_pages, req, need,
+                HKV, HEADWISE, PAGE_H, HAS_ERR, KERNEL,
+            )  # fmt: skip
             acc, l_i, m_i = _tile(
                 acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
@@ -226,18 +253,18 @@ def _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW: tl.constexpr):
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pages", "n_tok"])
 def _prefill_kernel(
-    Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl,
+    Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
     num_reqs, min_q_len, qk_scale, window, win_h0, win_h1,
     G: tl.constexpr, GP: tl.constexpr, HKV: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
     HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid = tl.program_id(0)
@@ -267,7 +294,7 @@ def _prefill_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     tok = tok0 + offs_m // GP
     hh = offs_m % GP
-    row_ok = (tok < q_len) & (hh < G)
+    row_ok = (tok < q_len) & (hh < G) & (q0 + tok >= 0) & (q0 + tok < n_tok)  # rows inside q / out
     head = kvh * G + hh
     pos = ctx + tok
     offs_dk = tl.arange(0, BLOCK_DQK)
@@ -288,22 +315,25 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, a, ul, pos, lo_key, kv_len, w,
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP,
+        SOFTCAP, HAS_ERR, KERNEL_PREFILL,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, pos, lo_key, kv_len, w,
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        ul, uh, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP,
+        SOFTCAP, HAS_ERR, KERNEL_PREFILL,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, p_last + 1, pos, lo_key, kv_len,
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP,
+        SOFTCAP, HAS_ERR, KERNEL_PREFILL,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -314,23 +344,23 @@ def _prefill_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pages", "n_tok"])
 def _decode_kernel(
-    Q, K, V, O, k_desc, v_desc, MidO, MidL, Sinks, CuQ, Ctx, Tbl,
+    Q, K, V, O, k_desc, v_desc, MidO, MidL, Sinks, CuQ, Ctx, Tbl, Err,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
     qk_scale, window, win_h0, win_h1,
     G: tl.constexpr, BLOCK_H: tl.constexpr, HKV: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     q0 = tl.load(CuQ + b)
-    if tl.load(CuQ + b + 1) - q0 != 1:
+    if (tl.load(CuQ + b + 1) - q0 != 1) | (q0 < 0) | (q0 >= n_tok):  # not a decode row inside q / out
         return
     pos = tl.load(Ctx + b)  # the query's position; it sees keys [lo_key, pos]
     kv_len = pos + 1
@@ -361,22 +391,25 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, start, ul, posv, lo_key, kv_len,
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        start, ul, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP,
+        SOFTCAP, HAS_ERR, KERNEL_DECODE,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, ul, uh, posv, lo_key, kv_len,
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        ul, uh, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP,
+        SOFTCAP, HAS_ERR, KERNEL_DECODE,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, uh, stop, posv, lo_key, kv_len,
+        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        uh, stop, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP,
+        SOFTCAP, HAS_ERR, KERNEL_DECODE,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dv_ok = offs_dv[None, :] < DV
@@ -516,6 +549,7 @@ def paged_attention(
     decode_config: TileConfig | None = None,
     prefill_impl: str | None = None,
     logits_soft_cap: float | None = None,
+    errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the paged cache (which already holds this step's K/V).
 
@@ -536,6 +570,9 @@ def paged_attention(
     * ``logits_soft_cap``: scores ``s = scale * q.k`` become ``cap * tanh(s / cap)`` before the
       softmax (Gemma-2's ``attn_logit_softcapping``, FlashInfer's ``logits_soft_cap``); sinks are not
       capped. ``None``: no capping (a compile-time switch: the uncapped kernels are unchanged).
+    * ``errors``: an ``int32 [8]`` device error flag (``kernels/errors.py``): the first table entry
+      that is needed but negative, past the cache or past the table's width is recorded there (no host
+      sync). Such entries are never dereferenced, with or without a flag.
 
     Returns ``out [T, Hq, Dv]`` in q's dtype. Requests with one query token go through the decode
     kernel (split-KV when the batch is too small to fill the GPU), longer ones through the prefill
@@ -589,12 +626,17 @@ def paged_attention(
             raise ValueError("prefill_impl='hopper' has no soft-capping; use 'portable' with logits_soft_cap")
         qk_scale, softcap, prefill_impl = float(scale) / cap, cap * LOG2E, "portable"
     n_blk, stride_tbl = block_tables.shape[1], block_tables.stride(0)
+    # table entries must lie in [0, n_pages): blocks, or head-wise pages (block * Hkv + head)
+    n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
+    has_err = errors is not None
+    err_arg = errors if has_err else block_tables  # any pointer when unused
     common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
     consts = dict(
         HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
         BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h,
     )  # fmt: skip
     consts["SOFTCAP"] = softcap
+    consts["HAS_ERR"] = has_err
     sink_arg = sinks if sink_mode == 1 else q  # any pointer when unused
 
     # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
@@ -608,6 +650,7 @@ def paged_attention(
             q, key_cache, value_cache, out, cu_seqlens_q, seq_lens_decoder, block_tables,
             sinks if sink_mode == 1 else None, qk_scale=qk_scale, sink_mode=sink_mode,
             headwise=bool(headwise), has_window=has_window, window=window, win_h0=win_h0, win_h1=win_h1,
+            errors=errors,
         )  # fmt: skip
     elif run_prefill:
         cfg = prefill_config or default_prefill_config(dqk, dv, q.device, q.element_size(), has_window)
@@ -617,8 +660,8 @@ def paged_attention(
         grid = ((t // block_q + num_reqs) * hkv,)
         _prefill_kernel[grid](
             q, key_cache, value_cache, out, desc and desc[0], desc and desc[1], sink_arg,
-            cu_seqlens_q, seq_lens_decoder, block_tables,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk,
+            cu_seqlens_q, seq_lens_decoder, block_tables, err_arg,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk, n_pages, t,
             num_reqs, 2, qk_scale, window, win_h0, win_h1,
             G=g, GP=gp, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SINK_MODE=sink_mode, USE_TMA=desc is not None,
             EXP_BF16=cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda, PROFILE=cfg.profile,
@@ -641,8 +684,8 @@ def paged_attention(
         mid_l = empty((num_reqs, hq, num_splits), "float32", q)
     _decode_kernel[(num_reqs, hkv, num_splits)](
         q, key_cache, value_cache, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg,
-        cu_seqlens_q, seq_lens_decoder, block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk,
+        cu_seqlens_q, seq_lens_decoder, block_tables, err_arg,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk, n_pages, t,
         qk_scale, window, win_h0, win_h1,
         G=g, BLOCK_H=max(16, _next_pow2(g)), BLOCK_N=cfg.block_n, SINK_MODE=sink_mode,
         NUM_SPLITS=num_splits, USE_TMA=desc is not None,

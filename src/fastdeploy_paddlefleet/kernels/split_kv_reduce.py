@@ -15,14 +15,14 @@ from ._framework import torch  # noqa: F401 - annotations (None without torch)
 
 @triton.jit
 def _split_kv_reduce_kernel(
-    MidO, MidL, O, Sinks, CuQ, stride_ot, stride_oh,
+    MidO, MidL, O, Sinks, CuQ, stride_ot, stride_oh, n_tok,
     HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SINK_MODE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     q0 = tl.load(CuQ + b)
-    if tl.load(CuQ + b + 1) - q0 != 1:
+    if (tl.load(CuQ + b + 1) - q0 != 1) | (q0 < 0) | (q0 >= n_tok):  # not a decode row inside out
         return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_DV)
@@ -61,7 +61,7 @@ def split_kv_reduce(
     bsz, hq, splits, dv = mid_o.shape
     sink_arg = sinks if sinks is not None else mid_o  # any pointer when unused
     _split_kv_reduce_kernel[(bsz, hq)](
-        mid_o, mid_lse, out, sink_arg, cu_seqlens_q, out.stride(0), out.stride(1),
+        mid_o, mid_lse, out, sink_arg, cu_seqlens_q, out.stride(0), out.stride(1), out.shape[0],
         HQ=hq, DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), SINK_MODE=sink_mode,
         num_warps=4,
