@@ -61,8 +61,8 @@ import numpy as np
 
 from fastdeploy_paddlefleet.kvcache.headwise import HeadwiseKVManager, size_pools
 from fastdeploy_paddlefleet.kvcache.layout import layer_bytes_per_token
+from fastdeploy_paddlefleet.plan.config import plan_from_config
 from fastdeploy_paddlefleet.presets import load_preset
-from fastdeploy_paddlefleet.spec.config import plan_from_config
 
 logger = logging.getLogger("headwise_sim")
 

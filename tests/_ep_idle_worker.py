@@ -29,9 +29,9 @@ def main(spec: dict) -> None:
     import paddle.distributed as dist
 
     from fastdeploy_paddlefleet.minifleet import build_minifleet
-    from fastdeploy_paddlefleet.model import PaddleFleetForCausalLM
     from fastdeploy_paddlefleet.patch import cache_plan
-    from fastdeploy_paddlefleet.spec import plan_from_config
+    from fastdeploy_paddlefleet.plan import plan_from_config
+    from fastdeploy_paddlefleet.serving.model import PaddleFleetForCausalLM
 
     paddle.set_device("cpu")
     dist.init_parallel_env()

@@ -24,7 +24,7 @@ def main(spec: dict) -> None:
     import paddle.distributed as dist
     from paddle.distributed import fleet
 
-    from fastdeploy_paddlefleet.parallel import ParallelSetup, init_paddlefleet_parallel_state
+    from fastdeploy_paddlefleet.serving.parallel import ParallelSetup, init_paddlefleet_parallel_state
 
     paddle.set_device("cpu")
     world = len(endpoints)

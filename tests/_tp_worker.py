@@ -32,8 +32,8 @@ def main(spec: dict) -> None:
     import paddle.distributed as dist
     from safetensors.numpy import load_file
 
-    from fastdeploy_paddlefleet.kvcache.uniform import uniform_cache
-    from fastdeploy_paddlefleet.model import PaddleFleetForCausalLM
+    from fastdeploy_paddlefleet.serving.cache_views import uniform_cache
+    from fastdeploy_paddlefleet.serving.model import PaddleFleetForCausalLM
 
     paddle.set_device("cpu")
     group = None

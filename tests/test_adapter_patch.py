@@ -21,10 +21,10 @@ from fastdeploy_paddlefleet.minifleet import (
     causal_startend_row_indices,
 )
 from fastdeploy_paddlefleet.patch import cache_plan, patch_core_attention, step_holder, unpatch_core_attention
+from fastdeploy_paddlefleet.plan import plan_from_config
 from fastdeploy_paddlefleet.runner.batch import PagedKVState, allocate_kv_caches
 from fastdeploy_paddlefleet.runner.fleet_case import build_minifleet_case
 from fastdeploy_paddlefleet.runner.verify import run_verify
-from fastdeploy_paddlefleet.spec import plan_from_config
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ paddle = pytest.importorskip("paddle")
 
 from fastdeploy_paddlefleet.backends import get_backend  # noqa: E402
 from fastdeploy_paddlefleet.backends.checks import validate_inputs  # noqa: E402
+from fastdeploy_paddlefleet.plan.layer import LayerAttention  # noqa: E402
 from fastdeploy_paddlefleet.runner.batch import build_meta  # noqa: E402
-from fastdeploy_paddlefleet.spec.layer import LayerAttention  # noqa: E402
 
 HKV, GROUP, DQK, DV, BS, NB = 2, 2, 16, 8, 4, 4
 T = 6  # request 0: 5 cached + 2 new (blocks [2, 0]); request 1: 4 new (block [1])

@@ -23,8 +23,8 @@ if not torch.cuda.is_available():  # before the kernels are defined: @triton.jit
 
 from fastdeploy_paddlefleet.backends import get_backend  # noqa: E402
 from fastdeploy_paddlefleet.kvcache.headwise import HeadwiseKVManager  # noqa: E402
+from fastdeploy_paddlefleet.plan.layer import AttentionPlan, LayerAttention  # noqa: E402
 from fastdeploy_paddlefleet.runner.batch import build_meta  # noqa: E402
-from fastdeploy_paddlefleet.spec.layer import AttentionPlan, LayerAttention  # noqa: E402
 
 HKV, GROUP, DQK, DV, WINDOW, BS = 2, 2, 8, 4, 5, 4
 LAYER = LayerAttention(

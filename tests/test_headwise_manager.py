@@ -31,7 +31,7 @@ from fastdeploy_paddlefleet.kvcache.headwise import (
     groups_from_plan,
     size_pools,
 )
-from fastdeploy_paddlefleet.spec.layer import AttentionPlan, LayerAttention
+from fastdeploy_paddlefleet.plan.layer import AttentionPlan, LayerAttention
 
 SCHEDULES = 10_000
 

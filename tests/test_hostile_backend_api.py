@@ -16,8 +16,8 @@ paddle = pytest.importorskip("paddle")
 from fastdeploy_paddlefleet.backends import get_backend  # noqa: E402
 from fastdeploy_paddlefleet.backends.base import BatchMeta  # noqa: E402
 from fastdeploy_paddlefleet.backends.checks import validate_inputs  # noqa: E402
+from fastdeploy_paddlefleet.plan.layer import LayerAttention, MLADims  # noqa: E402
 from fastdeploy_paddlefleet.runner.batch import build_meta  # noqa: E402
-from fastdeploy_paddlefleet.spec.layer import LayerAttention, MLADims  # noqa: E402
 
 HKV, GROUP, D, BS, NB = 2, 2, 8, 4, 6
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from fastdeploy_paddlefleet.kvcache.layout import kv_budget
-from fastdeploy_paddlefleet.spec import load_config, plan_from_config
+from fastdeploy_paddlefleet.plan import load_config, plan_from_config
 
 BASE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 

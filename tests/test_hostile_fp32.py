@@ -215,7 +215,7 @@ def backend_forward_error(device: str) -> float:
     """Worst error of the triton backend's ``forward`` (cache write included) in fp32, d80 GQA 6."""
     from fastdeploy_paddlefleet.backends import get_backend
     from fastdeploy_paddlefleet.backends.base import BatchMeta
-    from fastdeploy_paddlefleet.spec.layer import LayerAttention
+    from fastdeploy_paddlefleet.plan.layer import LayerAttention
 
     reqs, hkv, group, d, bs = [(0, 50), (70, 1)], 2, 6, 80, 16
     args, hist = _case(reqs, hkv=hkv, group=group, d=d, dv=d, bs=bs, seed=3, device=device)

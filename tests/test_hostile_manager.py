@@ -16,7 +16,7 @@ from fastdeploy_paddlefleet.kvcache.headwise import (
     groups_from_plan,
     size_pools,
 )
-from fastdeploy_paddlefleet.spec.layer import AttentionPlan, LayerAttention
+from fastdeploy_paddlefleet.plan.layer import AttentionPlan, LayerAttention
 
 
 def layer(i: int, hkv: int, first: int | None, w: int | None) -> LayerAttention:

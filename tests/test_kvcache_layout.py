@@ -16,7 +16,7 @@ from fastdeploy_paddlefleet.kvcache.layout import (
     kv_budget,
     window_blocks,
 )
-from fastdeploy_paddlefleet.spec import AttentionPlan, LayerAttention, plan_from_config
+from fastdeploy_paddlefleet.plan import AttentionPlan, LayerAttention, plan_from_config
 
 
 def layer(index, kind="full", hkv=2, qk=16, v=16, window=None, slide=None):

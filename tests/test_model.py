@@ -17,14 +17,14 @@ import paddle
 import pytest
 
 from fastdeploy_paddlefleet.minifleet import build_minifleet
-from fastdeploy_paddlefleet.model import (
+from fastdeploy_paddlefleet.patch import cache_plan
+from fastdeploy_paddlefleet.plan import plan_from_config
+from fastdeploy_paddlefleet.presets import load_preset
+from fastdeploy_paddlefleet.serving.model import (
     PaddleFleetForCausalLM,
     batch_meta_from_forward_meta,
     packed_positions,
 )
-from fastdeploy_paddlefleet.patch import cache_plan
-from fastdeploy_paddlefleet.presets import load_preset
-from fastdeploy_paddlefleet.spec import plan_from_config
 
 TOL = 1e-4
 BLOCK = 4
@@ -138,7 +138,7 @@ def test_packed_forward_matches_native_dense_forward(config):
 
 def test_parity_check_can_fail_with_wrong_positions(monkeypatch):
     """Sanity of the comparison: wrong RoPE positions break it (not a uniform shift: RoPE is relative)."""
-    import fastdeploy_paddlefleet.model as model_mod
+    import fastdeploy_paddlefleet.serving.model as model_mod
 
     native, wrapper = twins("tiny")
     real = model_mod.packed_positions

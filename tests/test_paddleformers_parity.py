@@ -29,9 +29,9 @@ from fastdeploy_paddlefleet.patch.paddleformers import (  # noqa: E402
     patch_paddleformers,
     unpatch_paddleformers,
 )
+from fastdeploy_paddlefleet.plan import plan_from_config  # noqa: E402
 from fastdeploy_paddlefleet.runner import paddleformers_case as pfc  # noqa: E402
 from fastdeploy_paddlefleet.runner.verify import run_verify  # noqa: E402
-from fastdeploy_paddlefleet.spec import plan_from_config  # noqa: E402
 
 TOL = 1e-4
 DECODE_STEPS = 32

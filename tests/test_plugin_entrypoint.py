@@ -15,7 +15,7 @@ def test_entry_point_registers_nothing_without_fastdeploy(caplog):
     eps = importlib.metadata.entry_points(group="fastdeploy.model_register_plugins")
     ours = [ep for ep in eps if ep.name == "paddlefleet"]
     assert len(ours) == 1, [ep.name for ep in eps]
-    assert ours[0].value == "fastdeploy_paddlefleet.plugin:register"
+    assert ours[0].value == "fastdeploy_paddlefleet.serving.entry_points:register"
     register = ours[0].load()
     with caplog.at_level(logging.INFO, logger="fastdeploy_paddlefleet"):
         assert register() is False
@@ -25,7 +25,7 @@ def test_entry_point_registers_nothing_without_fastdeploy(caplog):
 
 
 def test_log_level_switch_applies_to_the_package_logger(monkeypatch):
-    from fastdeploy_paddlefleet import plugin
+    from fastdeploy_paddlefleet.serving import entry_points as plugin
 
     pkg = logging.getLogger("fastdeploy_paddlefleet")
     before = pkg.level

@@ -130,13 +130,13 @@ def fake_fastdeploy(tmp_path, monkeypatch):
 
 
 def _register() -> bool:
-    from fastdeploy_paddlefleet import plugin
+    from fastdeploy_paddlefleet.serving import entry_points as plugin
 
     return plugin.register()
 
 
 def test_register_adds_architecture_with_our_module_path(fake_fastdeploy, caplog):
-    from fastdeploy_paddlefleet.model import PaddleFleetForCausalLM
+    from fastdeploy_paddlefleet.serving.model import PaddleFleetForCausalLM
 
     with caplog.at_level(logging.INFO, logger="fastdeploy_paddlefleet"):
         assert _register() is True
@@ -199,7 +199,7 @@ def test_paddlefleet_engine_args_route_to_our_class(fake_fastdeploy, monkeypatch
 
 def test_register_early_extends_the_cli_without_importing_the_model_package(fake_fastdeploy):
     """The hook FastDeploy runs during ``import fastdeploy`` touches the argument modules only."""
-    from fastdeploy_paddlefleet import plugin
+    from fastdeploy_paddlefleet.serving import entry_points as plugin
 
     assert plugin.register_early() is True
     assert "fastdeploy.model_executor.models.model_base" not in sys.modules
@@ -296,7 +296,7 @@ def _fd_config(**over):
     ],
 )
 def test_load_time_refusals_name_the_setting(setting, words):
-    from fastdeploy_paddlefleet.fastdeploy_checks import check_fd_config
+    from fastdeploy_paddlefleet.serving.checks import check_fd_config
 
     with pytest.raises(ValueError) as err:
         check_fd_config(_fd_config(**setting), "PaddleFleetForCausalLM")
@@ -305,7 +305,7 @@ def test_load_time_refusals_name_the_setting(setting, words):
 
 
 def test_load_time_checks_pass_the_v1_v0_and_dummy_loaders():
-    from fastdeploy_paddlefleet.fastdeploy_checks import check_fd_config
+    from fastdeploy_paddlefleet.serving.checks import check_fd_config
 
     check_fd_config(_fd_config(), "PaddleFleetForCausalLM")
     check_fd_config(_fd_config(load_config__load_choices="dummy"), "PaddleFleetForCausalLM")
@@ -313,7 +313,7 @@ def test_load_time_checks_pass_the_v1_v0_and_dummy_loaders():
 
 
 def test_rl_class_refuses_naming_the_rl_loader():
-    from fastdeploy_paddlefleet.model import PaddleFleetForCausalLMRL
+    from fastdeploy_paddlefleet.serving.model import PaddleFleetForCausalLMRL
 
     assert PaddleFleetForCausalLMRL.name() == "PaddleFleetForCausalLMRL"
     with pytest.raises(ValueError, match="RL loader"):
@@ -323,7 +323,7 @@ def test_rl_class_refuses_naming_the_rl_loader():
 def test_parallel_setup_checks_fastdeploy_groups():
     from types import SimpleNamespace
 
-    from fastdeploy_paddlefleet.parallel import parallel_setup
+    from fastdeploy_paddlefleet.serving.parallel import parallel_setup
 
     def cfg(**pc):
         return SimpleNamespace(parallel_config=SimpleNamespace(**pc))
@@ -348,7 +348,7 @@ def test_parallel_setup_checks_fastdeploy_groups():
 def test_cut_concatenates_the_rank_slices():
     import numpy as np
 
-    from fastdeploy_paddlefleet.parallel import cut
+    from fastdeploy_paddlefleet.serving.parallel import cut
 
     full = np.arange(24, dtype="float32").reshape(2, 12)
     got = cut(full, 1, [(0, 2), (6, 8)]).numpy()
@@ -360,7 +360,7 @@ def test_model_dir_writer(tmp_path):
 
     from safetensors.numpy import load_file
 
-    from fastdeploy_paddlefleet.fastdeploy_modeldir import main, write_model_dir
+    from fastdeploy_paddlefleet.serving.modeldir import main, write_model_dir
 
     out = write_model_dir("tiny", tmp_path / "tiny", dtype="float32", seed=3)
     config = json.loads((out / "config.json").read_text())

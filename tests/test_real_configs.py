@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fastdeploy_paddlefleet.cli import main
-from fastdeploy_paddlefleet.spec import plan_from_config
+from fastdeploy_paddlefleet.plan import plan_from_config
 
 DATA = Path(__file__).parent / "data" / "configs"
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 paddle = pytest.importorskip("paddle")
 
 from fastdeploy_paddlefleet.backends import get_backend  # noqa: E402
+from fastdeploy_paddlefleet.plan.layer import LayerAttention  # noqa: E402
 from fastdeploy_paddlefleet.runner.batch import PagedKVState, allocate_kv_caches  # noqa: E402
-from fastdeploy_paddlefleet.spec.layer import LayerAttention  # noqa: E402
 
 TOL = 1e-5
 #: relative error of the final rounding to each output dtype (inputs are rounded before the dense reference)

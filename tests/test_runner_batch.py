@@ -9,13 +9,13 @@ import pytest
 
 paddle = pytest.importorskip("paddle")
 
+from fastdeploy_paddlefleet.plan.layer import AttentionPlan, LayerAttention  # noqa: E402
 from fastdeploy_paddlefleet.runner.batch import (  # noqa: E402
     BlockAllocator,
     PagedKVState,
     allocate_kv_caches,
     build_meta,
 )
-from fastdeploy_paddlefleet.spec.layer import AttentionPlan, LayerAttention  # noqa: E402
 
 
 def _np(x):

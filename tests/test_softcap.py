@@ -202,8 +202,8 @@ def test_paddleformers_has_no_soft_capping_model_so_patching_one_is_refused():
     pytest.importorskip("paddleformers")
     from fastdeploy_paddlefleet.backends import get_backend
     from fastdeploy_paddlefleet.patch.paddleformers import patch_paddleformers
+    from fastdeploy_paddlefleet.plan import plan_from_config
     from fastdeploy_paddlefleet.runner.paddleformers_case import build_twins, tiny_config
-    from fastdeploy_paddlefleet.spec import plan_from_config
 
     config = tiny_config("gemma3_text", attn_logit_softcapping=30.0, num_hidden_layers=2)
     plan = plan_from_config(config)

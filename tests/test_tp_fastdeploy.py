@@ -22,8 +22,8 @@ import numpy as np
 import paddle
 from _gloo import free_endpoints, run_to_completion
 
-from fastdeploy_paddlefleet.fastdeploy_modeldir import write_model_dir
 from fastdeploy_paddlefleet.presets import load_preset
+from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
 
 WORKER = Path(__file__).with_name("_tp_worker.py")
 SEED = 11

@@ -415,7 +415,7 @@ def test_random_batches_match_dense_reference(case):
 
 
 def _layer(hkv, group, dqk, dv, kind="full", window=None, sliding=None, sink="vanilla"):
-    from fastdeploy_paddlefleet.spec.layer import LayerAttention
+    from fastdeploy_paddlefleet.plan.layer import LayerAttention
 
     ranges = {"full": None, "sliding": (0, hkv), "headwise": sliding}
     return LayerAttention(

@@ -20,7 +20,11 @@ from _dense_attention import dense_attention
 paddle = pytest.importorskip("paddle")
 
 from fastdeploy_paddlefleet.backends import get_backend  # noqa: E402
-from fastdeploy_paddlefleet.kvcache.uniform import (  # noqa: E402
+from fastdeploy_paddlefleet.plan import plan_from_config  # noqa: E402
+from fastdeploy_paddlefleet.plan.layer import LayerAttention  # noqa: E402
+from fastdeploy_paddlefleet.presets import load_preset  # noqa: E402
+from fastdeploy_paddlefleet.runner.batch import PagedKVState  # noqa: E402
+from fastdeploy_paddlefleet.serving.cache_views import (  # noqa: E402
     UniformCache,
     check_cache_list,
     check_fastdeploy_cache_settings,
@@ -30,10 +34,6 @@ from fastdeploy_paddlefleet.kvcache.uniform import (  # noqa: E402
     uniform_cache,
     uniform_cost,
 )
-from fastdeploy_paddlefleet.presets import load_preset  # noqa: E402
-from fastdeploy_paddlefleet.runner.batch import PagedKVState  # noqa: E402
-from fastdeploy_paddlefleet.spec import plan_from_config  # noqa: E402
-from fastdeploy_paddlefleet.spec.layer import LayerAttention  # noqa: E402
 
 
 def _fd_model_config(preset: str) -> SimpleNamespace:

@@ -25,11 +25,11 @@ from fastdeploy_paddlefleet.cli import verify as verify_cli  # noqa: E402
 from fastdeploy_paddlefleet.kvcache import headwise as headwise_mod  # noqa: E402
 from fastdeploy_paddlefleet.kvcache.headwise import HeadwiseKVManager  # noqa: E402
 from fastdeploy_paddlefleet.minifleet import build_minifleet  # noqa: E402
+from fastdeploy_paddlefleet.plan import plan_from_config  # noqa: E402
 from fastdeploy_paddlefleet.runner import fleet_case  # noqa: E402
 from fastdeploy_paddlefleet.runner import verify as driver  # noqa: E402
 from fastdeploy_paddlefleet.runner.batch import allocate_kv_caches  # noqa: E402
 from fastdeploy_paddlefleet.runner.headwise_state import HeadwiseKVState  # noqa: E402
-from fastdeploy_paddlefleet.spec import plan_from_config  # noqa: E402
 
 TOL = 1e-4
 BLOCK = 4  # fdfleet verify's default block size
@@ -233,7 +233,7 @@ def test_headwise_kv_triton_backend_under_interpreter():
 
 # ---- the FastDeploy model class with head-wise tables ------------------------------------------
 def test_model_forward_reads_headwise_tables(monkeypatch, caplog):
-    from fastdeploy_paddlefleet.model import PaddleFleetForCausalLM
+    from fastdeploy_paddlefleet.serving.model import PaddleFleetForCausalLM
 
     monkeypatch.setenv("FDFLEET_HEADWISE_KV", "1")
     native = build_minifleet("tiny", seed=3)
@@ -263,7 +263,7 @@ def test_model_forward_reads_headwise_tables(monkeypatch, caplog):
     # no head-wise tables from the host while the switch is on: one warning, still correct
     meta = state.schedule([("a", 1)])
     forward_meta = SimpleNamespace(**{**vars(meta), "block_tables_headwise": None}, caches=[])
-    with caplog.at_level(logging.WARNING, logger="fastdeploy_paddlefleet.model"):
+    with caplog.at_level(logging.WARNING, logger="fastdeploy_paddlefleet.serving.model"):
         _warn_only(model, forward_meta)
         _warn_only(model, forward_meta)
     assert sum("FDFLEET_HEADWISE_KV is on" in r.message for r in caplog.records) == 1
@@ -276,7 +276,7 @@ def _warn_only(model, forward_meta) -> None:
 
 
 def test_model_bad_env_value_fails_at_build(monkeypatch):
-    from fastdeploy_paddlefleet.model import PaddleFleetForCausalLM
+    from fastdeploy_paddlefleet.serving.model import PaddleFleetForCausalLM
 
     monkeypatch.setenv("FDFLEET_HEADWISE_KV", "maybe")
     model = build_minifleet("tiny")

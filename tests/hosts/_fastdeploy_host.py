@@ -8,7 +8,7 @@ scenario's source to a file and runs it with ``python`` in a child process whose
 Where the host comes from (:func:`locate_host`):
 
 1. ``$FDFLEET_HOST_FASTDEPLOY``: a folder holding the ``fastdeploy`` package
-   (``.ci/run`` points it at ``../shared/hosts/fastdeploy``); it is put first on
+   (``.ci/run`` defaults it to ``~/.cache/fdfleet-hosts/fastdeploy``); it is put first on
    the child's ``sys.path`` (``PYTHONPATH``);
 2. otherwise an installed ``fastdeploy`` (``importlib.util.find_spec``);
 3. otherwise :func:`host_or_skip` skips the test with a reason.

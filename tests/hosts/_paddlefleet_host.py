@@ -3,7 +3,7 @@
 Where the host comes from (:func:`locate_host`):
 
 1. ``$FDFLEET_HOST_PADDLEFLEET``: a folder holding the ``paddlefleet`` package
-   sources (``.ci/run`` points it at ``../shared/hosts/paddlefleet/src``, four
+   sources (``.ci/run`` defaults it to ``~/.cache/fdfleet-hosts/paddlefleet/src``, four
    unmodified PaddleFleet files);
 2. otherwise an installed ``paddlefleet`` (its package folder is used the same way);
 3. otherwise :func:`host_or_skip` skips the test with a reason.

@@ -134,8 +134,8 @@ report(results=results)
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from fastdeploy_paddlefleet.fastdeploy_modeldir import write_model_dir
     from fastdeploy_paddlefleet.presets import load_preset
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
 
     uniform = load_preset("tiny")  # every layer 2 kv heads of 16 channels: FastDeploy's own shape fits
     uniform.update(swa_v_head_dim=16, swa_head_dim=16, swa_num_key_value_heads=2, v_head_dim=16)

@@ -3,7 +3,7 @@
 Each scenario runs in a fresh child process (``_fastdeploy_host.run_scenario``) with
 the host on ``sys.path`` and ``FD_PLUGINS=paddlefleet``; FastDeploy itself loads the
 plugin through its entry point groups (this project's editable install provides them).
-The model directory is the ``tiny`` preset written by ``fastdeploy_modeldir`` (config
+The model directory is the ``tiny`` preset written by ``serving.modeldir`` (config
 with ``dtype`` + safetensors weights), its ``architectures`` replaced by a native
 FastDeploy name (``Qwen3ForCausalLM``) so routing and the kept names are visible.
 """
@@ -32,7 +32,7 @@ def host():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from fastdeploy_paddlefleet.fastdeploy_modeldir import write_model_dir
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
 
     path = write_model_dir("tiny", tmp_path_factory.mktemp("fdtiny"), dtype="float32", seed=5)
     config = json.loads((path / "config.json").read_text())
@@ -136,7 +136,7 @@ else:
 
 @pytest.fixture(scope="module")
 def mla_dir(tmp_path_factory):
-    from fastdeploy_paddlefleet.fastdeploy_modeldir import write_model_dir
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
 
     return str(write_model_dir("tiny-mla", tmp_path_factory.mktemp("fdtinymla"), dtype="float32"))
 
@@ -154,8 +154,8 @@ def test_offline_engine_args_llm_and_real_registry(plugin_run):
     assert data["engine_args_model_impl"] == "auto"  # what FastDeploy's own checks and worker CLI see
     assert data["env"] == "paddlefleet"  # inherited by the workers FastDeploy spawns
     assert data["architectures"] == ["PaddleFleetForCausalLM", NATIVE]  # ours first, the original kept
-    assert "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM" in data["cls"]
-    assert "fastdeploy_paddlefleet.model.PaddleFleetForCausalLMRL" in data["rl_cls"]
+    assert "fastdeploy_paddlefleet.serving.model.PaddleFleetForCausalLM" in data["cls"]
+    assert "fastdeploy_paddlefleet.serving.model.PaddleFleetForCausalLMRL" in data["rl_cls"]
     assert data["native_arch"] == NATIVE and data["native_cls"] != "model"  # native class not shadowed
     assert data["llm_model_impl"] == "auto"
     assert set(data["supported"]) == {"PaddleFleetForCausalLM", "PaddleFleetForCausalLMRL"}
@@ -225,7 +225,7 @@ def test_plugin_class_serves_over_a_native_class_of_the_same_name(host, model_di
     """Routing with a pre-registered native ``PaddleFleetForCausalLM`` (FastDeploy #7964 on, simulated)."""
     data = run_scenario(with_names(COEXIST, model_dir), host=host).check().data
     assert data["choices"].count("paddlefleet") == 1
-    assert data["served"] == "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
+    assert data["served"] == "fastdeploy_paddlefleet.serving.model.PaddleFleetForCausalLM"
     assert data["architectures"] == ["PaddleFleetForCausalLM", NATIVE]
     assert len(data["lines"]) == 1 and data["levels"] == ["WARNING"]
     assert "__main__.PaddleFleetForCausalLM" in data["lines"][0]  # names the class set aside
@@ -281,7 +281,7 @@ attempt("ckpt_quant", lambda c: setattr(c.model_config, "quantization_config", {
 report(**out)
 """
 
-OURS = "fastdeploy_paddlefleet.model.PaddleFleetForCausalLM"
+OURS = "fastdeploy_paddlefleet.serving.model.PaddleFleetForCausalLM"
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 Each case builds a tiny PaddleFleet-shaped model twice around the real
 ``DotProductAttention`` (same weights), patches one with ``patch_core_attention``
-and the plan ``spec.plan_from_config`` reads from the model's config, and runs
+and the plan ``plan.plan_from_config`` reads from the model's config, and runs
 ``runner.verify.run_verify``: three requests (prompts longer than every window)
 in chunked prefill (chunks of 5) and 16 greedy decode steps in mixed batches on
 a shuffled paged KV cache, every position compared with the real module's own
@@ -29,9 +29,9 @@ from _paddlefleet_host import (
 )
 
 from fastdeploy_paddlefleet.patch import patch_core_attention, unpatch_core_attention
+from fastdeploy_paddlefleet.plan import plan_from_config
 from fastdeploy_paddlefleet.runner.fleet_case import fleet_case
 from fastdeploy_paddlefleet.runner.verify import run_verify
-from fastdeploy_paddlefleet.spec import plan_from_config
 
 TOL = 1e-4
 DECODE_STEPS = 16

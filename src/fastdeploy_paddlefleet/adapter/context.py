@@ -25,7 +25,7 @@ class StepContext:
     * ``meta``: the batch metadata (FastDeploy ForwardMeta names)
     * ``kv_caches``: per layer index, ``(key_cache, value_cache)`` in
       FastDeploy's layout ``[num_blocks, Hkv_l, block_size, D_l]``: under FastDeploy,
-      strided views of its one cache shape for every layer (``kvcache/uniform.py``)
+      strided views of its one cache shape for every layer (``serving/cache_views.py``)
     * ``positions``: ``[T]`` int, each packed token's absolute position
       (``seq_lens_decoder[b] + offset in this step's chunk``)
     """

@@ -22,7 +22,7 @@ from typing import Any
 import paddle
 
 from ..backends.base import AttentionBackend
-from ..spec.layer import LayerAttention
+from ..plan.layer import LayerAttention
 from .context import StepContextHolder
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec.layer import LayerAttention
+from ..plan.layer import LayerAttention
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec.layer import LayerAttention
+from ..plan.layer import LayerAttention
 from .base import BatchMeta
 
 #: dtypes q/k/v and the cache may have (the part of ``str(dtype)`` after the last dot)

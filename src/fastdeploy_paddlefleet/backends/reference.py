@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..spec.layer import LayerAttention
+from ..plan.layer import LayerAttention
 from .base import AttentionBackend, BatchMeta
 from .checks import HostMeta, dtype_name, validate_inputs
 

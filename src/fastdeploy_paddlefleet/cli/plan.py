@@ -12,9 +12,9 @@ import json
 from typing import Any
 
 from ..kvcache.layout import KVBudget, format_bytes, kv_budget
-from ..kvcache.uniform import uniform_budget
+from ..plan import AttentionPlan, LayerAttention, plan_from_config
 from ..presets import list_presets
-from ..spec import AttentionPlan, LayerAttention, plan_from_config
+from ..serving.cache_views import uniform_budget
 from . import float_arg, int_arg
 
 LAYER_KEYS = (

@@ -137,12 +137,12 @@ def _minifleet_config(args: Any) -> Any:
                 "(minifleet presets: tiny, tiny-mla; use `fdfleet plan` for the others)"
             )
         return name
-    from ..spec.config import load_config
+    from ..plan.config import load_config
 
     raw = load_raw_config(load_config(args.config))  # load_config names the file in its errors
     model_type = raw.get("model_type", "minifleet")
     if model_type == "minifleet":
-        from ..spec import plan_from_config
+        from ..plan import plan_from_config
 
         plan_from_config(raw)  # impossible sizes refused by name before a model is built
         return raw

@@ -64,7 +64,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..spec.layer import AttentionPlan
+from ..plan.layer import AttentionPlan
 
 logger = logging.getLogger(__name__)
 

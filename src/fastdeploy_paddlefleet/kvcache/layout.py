@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec.layer import AttentionPlan, LayerAttention
+from ..plan.layer import AttentionPlan, LayerAttention
 
 GIB = 1 << 30
 

@@ -4,7 +4,7 @@ The embedded default model of ``fdfleet verify`` and the test host while
 ``paddlefleet`` cannot be installed. Its core attention is plain dense eager
 attention on PaddleFleet's two paths (FlashMask start/end rows, or the eager
 causal mask); masks, sinks and head counts come from the raw config fields
-(never from ``spec``), so comparing it with the patched paged path checks the
+(never from ``plan``), so comparing it with the patched paged path checks the
 plan too. Where it still differs from PaddleFleet's real classes: docs/semantics.md.
 """
 

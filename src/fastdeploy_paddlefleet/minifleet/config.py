@@ -1,6 +1,6 @@
 """minifleet's config: PaddleFleet ``TransformerConfig`` field names and defaults.
 
-Deliberately independent of ``spec``: the window, sink and head-count rules
+Deliberately independent of ``plan``: the window, sink and head-count rules
 below are written from PaddleFleet's behaviour (HOST_INTERFACES.md), so that
 ``fdfleet verify`` checks the plan against a second, separate reading of the
 same config fields. Stdlib only.
@@ -32,7 +32,7 @@ class MiniFleetConfig(SimpleNamespace):
     """An attribute bag like PaddleFleet's ``TransformerConfig``: every raw field plus defaults.
 
     Being an attribute object (not a dict / HF ``PretrainedConfig``) matters:
-    ``spec.plan_from_config`` reads it with PaddleFleet's rules (which layers
+    ``plan.plan_from_config`` reads it with PaddleFleet's rules (which layers
     slide, MTP layers, MLA), as the host's own ``TransformerConfig`` is read.
     """
 

@@ -24,7 +24,7 @@ import paddle
 from ..adapter.context import StepContextHolder
 from ..adapter.core_attention import PagedCoreAttention, backend_layer
 from ..backends.base import AttentionBackend
-from ..spec.layer import AttentionPlan, LayerAttention
+from ..plan.layer import AttentionPlan, LayerAttention
 from .report import PatchedLayer, PatchReport, SkippedLayer
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ Build a native twin from its own config copy: gpt_oss / llama read the key
 from the config object, so a shared config would switch both.
 
 Windows, sinks and scales come from the *plan* (translated from the config
-by ``spec``), never from the module: PaddleFormers carries the sliding window
+by ``plan``), never from the module: PaddleFormers carries the sliding window
 only inside the additive mask, so the parity check against the model's own
 eager forward is what decides that the translation is right. The module's
 own sink parameter (gpt_oss ``sinks``, ``[heads]``) is the backend's
@@ -47,7 +47,7 @@ from typing import Any
 
 from ..adapter.context import StepContextHolder
 from ..backends.base import AttentionBackend
-from ..spec.layer import AttentionPlan, LayerAttention
+from ..plan.layer import AttentionPlan, LayerAttention
 from .report import PatchedLayer, PatchReport, SkippedLayer
 
 logger = logging.getLogger(__name__)

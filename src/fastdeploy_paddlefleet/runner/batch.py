@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..backends.base import BatchMeta
-from ..spec.layer import AttentionPlan, LayerAttention
+from ..plan.layer import AttentionPlan, LayerAttention
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ def allocate_kv_caches(
     unwritten slots are never read). ``uniform=True`` allocates the way FastDeploy
     does, one shape ``[num_blocks, max Hkv, block_size, max head dim]`` for every
     layer's K and V, and returns each layer's strided views of it
-    (``kvcache/uniform.py``).
+    (``serving/cache_views.py``).
     """
     import paddle
 
@@ -308,7 +308,7 @@ def allocate_kv_caches(
     layers = plan.layers if isinstance(plan, AttentionPlan) else tuple(plan)
     value = 0.0 if fill is None else float(fill)
     if uniform:
-        from ..kvcache.uniform import layer_cache_views, uniform_cache
+        from ..serving.cache_views import layer_cache_views, uniform_cache
 
         shape = uniform_cache(layers)
         full = [num_blocks, shape.num_kv_heads, block_size, shape.head_dim]

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..backends.base import AttentionBackend
-from ..spec.layer import AttentionPlan
+from ..plan.layer import AttentionPlan
 from .verify import VerifyCase
 
 
@@ -103,12 +103,12 @@ def build_minifleet_case(
     """A :class:`VerifyCase` on minifleet: two models with identical weights, one patched.
 
     ``config``: a preset name, a JSON path, a dict or a ``MiniFleetConfig``.
-    The plan comes from ``spec.plan_from_config`` over the same config object
+    The plan comes from ``plan.plan_from_config`` over the same config object
     the model was built from (PaddleFleet's attribute config, so an int
     ``sliding_window`` has PaddleFleet's meaning).
     """
     from ..minifleet import build_minifleet, make_config
-    from ..spec import plan_from_config
+    from ..plan import plan_from_config
 
     cfg = make_config(config)
     native = build_minifleet(cfg, seed=seed)
@@ -157,7 +157,7 @@ def build_paddlefleet_case(
     state dict, so they agree even where initialisation is not seeded); the plan is read from the
     built model's own ``TransformerConfig`` (``model.config``: the host's window convention).
     """
-    from ..spec import plan_from_config
+    from ..plan import plan_from_config
 
     config = paddlefleet_config(raw)
     native = build_paddlefleet_model(config, seed)

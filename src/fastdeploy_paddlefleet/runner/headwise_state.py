@@ -29,7 +29,7 @@ from typing import Any
 
 from ..backends.base import BatchMeta
 from ..kvcache.headwise import HeadwiseKVManager, RecycleMode
-from ..spec.layer import AttentionPlan
+from ..plan.layer import AttentionPlan
 from .batch import _positive_int, build_meta, check_steps, token_positions
 
 logger = logging.getLogger(__name__)

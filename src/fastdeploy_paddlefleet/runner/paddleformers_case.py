@@ -41,8 +41,8 @@ from typing import Any
 
 from ..backends import get_backend
 from ..backends.base import AttentionBackend
-from ..spec.config import plan_from_config
-from ..spec.layer import AttentionPlan
+from ..plan.config import plan_from_config
+from ..plan.layer import AttentionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def build_case(
 
     ``config_path``: a ``config.json`` of that architecture (default: the tiny
     random-init config of :func:`tiny_config`). The plan is translated from
-    the config by ``spec.plan_from_config``; ``plan_transform`` (tests) may
+    the config by ``plan.plan_from_config``; ``plan_transform`` (tests) may
     alter it before patching, e.g. to show that a wrong window breaks parity.
     """
     _check_arch(arch)

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..adapter.context import StepContextHolder
 from ..patch.report import PatchReport
-from ..spec.layer import AttentionPlan
+from ..plan.layer import AttentionPlan
 
 logger = logging.getLogger(__name__)
 

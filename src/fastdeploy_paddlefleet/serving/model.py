@@ -44,69 +44,23 @@ each MoE layer joins its exchange, and returns ``[0, hidden]``.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
-import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import paddle
 
-from .adapter.context import StepContext, StepContextHolder
-from .backends import AttentionBackend, BatchMeta, get_backend
-from .spec.layer import AttentionPlan
+from ..adapter.context import StepContext, StepContextHolder
+from ..backends import AttentionBackend, BatchMeta
+from ..plan.layer import AttentionPlan
+from ._fields import field as _get
+from .build import build_from_fd_config, resolve_backend
+from .forward_meta import batch_meta_from_forward_meta, layer_caches, packed_positions
+from .weights import assign_weights
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "PaddleFleetForCausalLM"
-
-
-def _get(obj: Any, name: str) -> Any:
-    """``obj.name`` or ``obj[name]`` (``None`` when absent)."""
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
-
-
-def _int32_flat(value: Any, name: str) -> paddle.Tensor:
-    if value is None:
-        raise ValueError(f"forward_meta.{name} is required, got None")
-    t = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
-    return t.reshape([-1]).astype("int32")
-
-
-def pair_caches(caches: Sequence[Any] | None, num_layers: int) -> list[tuple[Any, Any]]:
-    """FastDeploy's flat ``[k0, v0, k1, v1, ...]`` (or already paired) -> ``[(k_l, v_l), ...]``."""
-    if caches is None:
-        raise ValueError("forward_meta.caches is required (the paged KV caches), got None")
-    items = list(caches)
-    if items and all(isinstance(c, tuple | list) and len(c) == 2 for c in items):
-        pairs = [tuple(c) for c in items]
-    else:
-        if len(items) % 2:
-            raise ValueError(f"forward_meta.caches must hold key/value pairs, got {len(items)} tensors")
-        pairs = [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
-    if len(pairs) < num_layers:
-        raise ValueError(
-            f"forward_meta.caches holds {len(pairs)} key/value pairs, the plan has {num_layers} layers"
-        )
-    return pairs
-
-
-def layer_caches(caches: Sequence[Any] | None, plan: AttentionPlan) -> list[tuple[Any, Any]]:
-    """FastDeploy's flat ``forward_meta.caches`` -> each layer's ``(key, value)`` views.
-
-    FastDeploy allocates one shape for every layer; each layer reads its leading kv heads and
-    channels through strided views (``kvcache/uniform.py``). Layouts other than one K and one V
-    per layer (``FD_ATTENTION_BACKEND=MLA_ATTN``, block-wise fp8) are refused naming the setting.
-    """
-    from .kvcache.uniform import check_cache_list, layer_cache_views
-
-    if caches is not None:
-        check_cache_list(caches, len(plan))
-    return layer_cache_views(pair_caches(caches, len(plan)), plan)
-
 
 _GRAPH_STEP_CLASS: Any = None
 
@@ -137,172 +91,6 @@ def _graph_step_layer(fd_config: Any, owner: PaddleFleetForCausalLM) -> paddle.n
     return _GRAPH_STEP_CLASS(fd_config=fd_config, owner=owner)
 
 
-def batch_meta_from_forward_meta(
-    forward_meta: Any,
-    block_size: int | None = None,
-    num_tokens: int | None = None,
-    decode_tokens: int = 1,
-) -> BatchMeta:
-    """FastDeploy's ``ForwardMeta`` (or any object / mapping with its names) -> ``BatchMeta``.
-
-    ``seq_lens_*`` may be ``[bsz]`` or ``[bsz, 1]``; ``batch_id_per_token`` is
-    cut to ``num_tokens`` when given (FastDeploy may pad it). ``block_size``
-    defaults to ``forward_meta.block_size``, else the key caches' dim 2.
-
-    Nothing is copied to the host (a CUDA graph captures this step and replays it with other
-    metadata): the launch bounds come from host-side facts only. ``max_seq_len_this_time`` is
-    ``decode_tokens`` (1, or 1 + speculative tokens) when FastDeploy's host flag
-    ``forward_meta.exist_prefill`` is ``False``, else unknown (``None``: the kernels bound their
-    grids by the token count); ``max_context_len`` is left unknown (the kernels bound it by the
-    block table's width and split each request's own key range at run time).
-    """
-    this = _int32_flat(_get(forward_meta, "seq_lens_this_time"), "seq_lens_this_time")
-    bsz = int(this.shape[0])
-    decoder = _int32_flat(_get(forward_meta, "seq_lens_decoder"), "seq_lens_decoder")
-    encoder = _get(forward_meta, "seq_lens_encoder")
-    encoder = paddle.zeros([bsz], "int32") if encoder is None else _int32_flat(encoder, "seq_lens_encoder")
-    cu = _int32_flat(_get(forward_meta, "cu_seqlens_q"), "cu_seqlens_q")
-    batch_id = _int32_flat(_get(forward_meta, "batch_id_per_token"), "batch_id_per_token")
-    for name, t, want in (("seq_lens_decoder", decoder, bsz), ("seq_lens_encoder", encoder, bsz)):
-        if int(t.shape[0]) != want:
-            raise ValueError(
-                f"forward_meta.{name} has {int(t.shape[0])} entries, seq_lens_this_time has {bsz}"
-            )
-    if int(cu.shape[0]) != bsz + 1:
-        raise ValueError(
-            f"forward_meta.cu_seqlens_q must have bsz + 1 = {bsz + 1} entries, got {int(cu.shape[0])}"
-        )
-    if num_tokens is not None:
-        if int(batch_id.shape[0]) < num_tokens:
-            raise ValueError(
-                f"forward_meta.batch_id_per_token has {int(batch_id.shape[0])} entries "
-                f"for {num_tokens} tokens"
-            )
-        batch_id = batch_id[:num_tokens]
-    tables = _get(forward_meta, "block_tables")
-    if tables is None:
-        raise ValueError("forward_meta.block_tables is required, got None")
-    tables = (tables if isinstance(tables, paddle.Tensor) else paddle.to_tensor(tables)).astype("int32")
-    if block_size is None:
-        block_size = _get(forward_meta, "block_size")
-    if block_size is None:
-        caches = _get(forward_meta, "caches")
-        if caches:
-            first = caches[0][0] if isinstance(caches[0], tuple | list) else caches[0]
-            block_size = int(first.shape[2])
-    if block_size is None or int(block_size) < 1:
-        raise ValueError(
-            f"block_size must be a positive int (argument, forward_meta or caches), got {block_size}"
-        )
-    exist_prefill = _get(forward_meta, "exist_prefill")
-    max_q = int(decode_tokens) if exist_prefill is False else None
-    return BatchMeta(
-        seq_lens_encoder=encoder,
-        seq_lens_decoder=decoder,
-        seq_lens_this_time=this,
-        cu_seqlens_q=cu,
-        batch_id_per_token=batch_id,
-        block_tables=tables,
-        block_size=int(block_size),
-        block_tables_headwise=_get(forward_meta, "block_tables_headwise"),
-        max_seq_len_this_time=max_q,
-        max_context_len=None,
-    )
-
-
-def packed_positions(meta: BatchMeta, num_tokens: int) -> paddle.Tensor:
-    """Absolute position of each packed token ``[T]`` int64.
-
-    Token ``t`` of request ``b`` sits at ``seq_lens_decoder[b] + (t - cu_seqlens_q[b])``. Request ids
-    are clipped into ``[0, bsz)`` on the device: padding tokens of a CUDA graph's padded batch may
-    carry any id, and their rows are never used.
-    """
-    bsz = int(meta.seq_lens_decoder.shape[0])
-    bid = meta.batch_id_per_token[:num_tokens].astype("int64").clip(0, max(bsz - 1, 0))
-    cached = paddle.gather(meta.seq_lens_decoder.astype("int64"), bid)
-    start = paddle.gather(meta.cu_seqlens_q[:-1].astype("int64"), bid)
-    return cached + paddle.arange(num_tokens, dtype="int64") - start
-
-
-def _resolve_backend(backend: str | AttentionBackend | None) -> AttentionBackend:
-    if isinstance(backend, AttentionBackend):
-        return backend
-    if backend is None:
-        from .envs import backend_name
-
-        backend = backend_name()
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a name or an AttentionBackend, got {type(backend).__name__}")
-    return get_backend(backend)
-
-
-def _read_model_config(model_dir: str) -> dict[str, Any]:
-    path = model_dir if os.path.isfile(model_dir) else os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"fd_config.model_config.model={model_dir!r} has no config.json")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def build_from_fd_config(fd_config: Any) -> tuple[paddle.nn.Layer, AttentionPlan, bool]:
-    """Build the host model of ``fd_config``: ``(GPTModel, plan, weights_already_loaded)``."""
-    from .spec import plan_from_config
-
-    mc = _get(fd_config, "model_config")
-    pc = _get(fd_config, "parallel_config")
-    model_dir = _get(mc, "model")
-    if not model_dir:
-        raise ValueError(f"fd_config.model_config.model must name the model directory, got {model_dir!r}")
-    tp_size = int(_get(pc, "tensor_parallel_size") or 1)
-    tp_rank = int(_get(pc, "tensor_parallel_rank") or 0)
-    raw = _read_model_config(model_dir)
-    if raw.get("model_type") == "minifleet":
-        from .minifleet import build_minifleet
-        from .parallel import foreign_expert_prefixes, parallel_setup, shard_minifleet
-
-        setup = parallel_setup(fd_config)  # FastDeploy's TP group: the caches hold kv_heads // tp
-        if setup.expert_parallel:  # this rank's experts; the exchange runs over FastDeploy's ep_group
-            raw = {**raw, "expert_model_parallel_size": setup.ep_size}
-        dtype = _get(mc, "dtype") or "float32"
-        model = build_minifleet(raw, seed=int(_get(mc, "seed") or 0), dtype=dtype)
-        #: weight name -> how this rank's part is cut from a full checkpoint tensor (set_state_dict)
-        model.fdfleet_tp_shards = shard_minifleet(model, setup)
-        #: checkpoint names of the experts other EP ranks own (set_state_dict skips them)
-        model.fdfleet_foreign_prefixes = foreign_expert_prefixes(model)
-        return model, plan_from_config(model.config, setup.tp_size, setup.tp_rank), False
-    if importlib.util.find_spec("paddlefleet") is None:
-        raise ImportError(
-            f"PaddleFleetForCausalLM needs the `paddlefleet` package to build {raw.get('architectures')} "
-            f"from {model_dir!r} through PaddleFormers; install paddlefleet (Paddle's package index) "
-            "or serve an embedded minifleet config",
-            name="paddlefleet",
-        )
-    from .parallel import init_paddlefleet_parallel_state, parallel_setup
-
-    setup = parallel_setup(fd_config)
-    logger.info("%s", init_paddlefleet_parallel_state(setup))  # before PaddleFleet builds its layers
-    model = _build_paddlefleet(model_dir, mc, pc, tp_size)
-    # the plan reads the built model's own TransformerConfig: its window convention is the host's
-    return model, plan_from_config(model.config, tp_size, tp_rank), True
-
-
-def _build_paddlefleet(model_dir: str, mc: Any, pc: Any, tp_size: int) -> paddle.nn.Layer:  # pragma: no cover
-    """PaddleFormers' fleet-backed ``from_pretrained`` (its class builds a PaddleFleet ``GPTModel``).
-
-    Not exercised here: ``paddlefleet`` installs only from Paddle's own index with a GPU build.
-    """
-    from paddleformers.transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.tensor_model_parallel_size = tp_size
-    config.expert_model_parallel_size = int(_get(pc, "expert_parallel_size") or 1)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=_get(mc, "dtype"), convert_from_hf=True
-    )
-    model.eval()
-    return model
-
-
 class PaddleFleetForCausalLM(paddle.nn.Layer):
     """FastDeploy's model class around a patched PaddleFleet-shaped ``GPTModel``.
 
@@ -316,7 +104,7 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
     idle_early_return: bool = False
 
     def __init__(self, fd_config: Any) -> None:
-        from .fastdeploy_checks import check_fd_config
+        from .checks import check_fd_config
 
         check_fd_config(fd_config, self.name())  # loader / quantization refused here, naming the setting
         super().__init__()
@@ -343,8 +131,8 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
 
     def _check_fastdeploy_caches(self, fd_config: Any) -> None:
         """Refuse cache layouts the attention cannot read; warn when FastDeploy's cache shape was sized
-        before this load could fit it to every layer (see ``kvcache/uniform.py``)."""
-        from .kvcache.uniform import check_fastdeploy_cache_settings, fit_fastdeploy_model_config
+        before this load could fit it to every layer (see ``serving/cache_views.py``)."""
+        from .cache_views import check_fastdeploy_cache_settings, fit_fastdeploy_model_config
 
         check_fastdeploy_cache_settings(fd_config)
         mc = _get(fd_config, "model_config")
@@ -409,7 +197,7 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         *,
         expert_parallel: bool,
     ) -> None:
-        from .patch import patch_core_attention
+        from ..patch import patch_core_attention
 
         if not isinstance(plan, AttentionPlan):
             raise TypeError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
@@ -422,10 +210,10 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         self.model = model
         self.plan = plan
         self.block_size = None if block_size is None else int(block_size)
-        self.backend = _resolve_backend(backend)
+        self.backend = resolve_backend(backend)
         self.holder = StepContextHolder()
         self.patch_report = patch_core_attention(model, plan, self.backend, holder=self.holder)
-        from .envs import headwise_kv
+        from ..envs import headwise_kv
 
         #: FDFLEET_HEADWISE_KV: the host's scheduler is expected to pass head-wise page tables
         self.headwise_kv = headwise_kv()
@@ -522,7 +310,7 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
     def _scratch_step(self) -> tuple[BatchMeta, list[tuple[Any, Any]]]:
         """A one-token prefill batch on a private one-block cache per layer (built once)."""
         if self._scratch is None:
-            from .patch import cache_plan
+            from ..patch import cache_plan
 
             block = self.block_size or 16
             caches = []
@@ -573,38 +361,7 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         if self._weights_preloaded:  # FastDeploy's v0 loader calls this with the checkpoint it read
             logger.info("set_state_dict: weights were loaded by PaddleFormers from_pretrained; skipping")
             return []
-        own = self.model.state_dict()
-        shards = getattr(self.model, "fdfleet_tp_shards", None) or {}
-        unexpected: list[str] = []
-        loaded: set[str] = set()
-        foreign = getattr(self.model, "fdfleet_foreign_prefixes", None) or ()
-        for name, value in state_dict.items():
-            key = name[len("model.") :] if name not in own and name.startswith("model.") else name
-            if key not in own and foreign and key.startswith(foreign):
-                continue  # an expert another expert-parallel rank owns
-            if key not in own:
-                unexpected.append(name)
-                continue
-            target = own[key]
-            tensor = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
-            if key in shards and list(tensor.shape) != list(target.shape):  # full-size weight, TP rank's part
-                from .parallel import cut
-
-                tensor = cut(tensor, *shards[key])
-            if list(tensor.shape) != list(target.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {list(tensor.shape)}, the model expects {list(target.shape)}"
-                )
-            target.set_value(tensor.astype(target.dtype))
-            loaded.add(key)
-        if unexpected:
-            raise ValueError(
-                f"{len(unexpected)} weight names are not in the model, e.g. {sorted(unexpected)[:5]}"
-            )
-        missing = sorted(set(own) - loaded)
-        if missing:
-            logger.warning("set_state_dict: %d model weights not given, e.g. %s", len(missing), missing[:5])
-        return missing
+        return assign_weights(self.model, state_dict)
 
     def load_weights(self, weights_iterator: Iterable[tuple[str, Any]]) -> list[str]:
         """FastDeploy's loader: ``(name, array or tensor)`` pairs, same names as :meth:`set_state_dict`.
@@ -626,7 +383,7 @@ class PaddleFleetForCausalLMRL(PaddleFleetForCausalLM):
     """
 
     def __init__(self, fd_config: Any) -> None:
-        from .fastdeploy_checks import check_loader
+        from .checks import check_loader
 
         check_loader(fd_config, ARCHITECTURE)
         raise ValueError(

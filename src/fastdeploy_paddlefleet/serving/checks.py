@@ -5,7 +5,7 @@ where it is one), raised when FastDeploy builds the model class, before any
 weight is read. What is refused and why (``docs/fastdeploy.md``):
 
 * The loaders that work: v1 (``default_v1``, FastDeploy's default), v0
-  (``default``, also FastDeploy's worker fallback from v1: ``fastdeploy_pretrained``
+  (``default``, also FastDeploy's worker fallback from v1: ``serving.pretrained``
   answers its ``get_pretrain_cls``) and ``dummy``.
 * **RL loader** (``load_config.dynamic_load_weight``): FastDeploy looks up
   ``<architecture>RL`` and builds it under ``paddle.LazyGuard`` for weights pushed
@@ -21,11 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-
-def _get(obj: Any, name: str) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
+from ._fields import field as _get
 
 
 def _value(x: Any) -> Any:

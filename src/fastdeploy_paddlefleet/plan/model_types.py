@@ -331,7 +331,7 @@ def _check_unsupported(r: _Reader, model_type: Any, defaults: Mapping[str, Any])
 
 
 def hf_overrides(config: Any, origin: str, convention: str | None = None) -> dict[str, Any]:
-    """Field overrides that make the generic reader in ``spec.config`` plan ``config`` the
+    """Field overrides that make the generic reader in ``plan.config`` plan ``config`` the
     way its model type's reference code runs. A value ``None`` means "treat as absent".
 
     ``origin``: ``dict`` (a mapping or ``config.json``), ``pretrained`` (a

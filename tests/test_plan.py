@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastdeploy_paddlefleet.spec import AttentionPlan, MLADims, load_config, plan_from_config
+from fastdeploy_paddlefleet.plan import AttentionPlan, MLADims, load_config, plan_from_config
 
 
 def base(**kw):

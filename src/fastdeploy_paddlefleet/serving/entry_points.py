@@ -20,7 +20,7 @@ import importlib.util
 import logging
 import os
 
-from .envs import log_level
+from ..envs import log_level
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def register_early() -> bool:
     if importlib.util.find_spec("fastdeploy") is None:
         logger.info("fastdeploy is not installed; paddlefleet plugin (early hook) skipped")
         return False
-    from ._fastdeploy_registration import register_model_impl
+    from .registration import register_model_impl
 
     return register_model_impl(early=True)
 
@@ -55,6 +55,6 @@ def register() -> bool:
     if importlib.util.find_spec("fastdeploy") is None:
         logger.info("fastdeploy is not installed; paddlefleet plugin registration skipped")
         return False
-    from ._fastdeploy_registration import register_with_fastdeploy
+    from .registration import register_with_fastdeploy
 
     return register_with_fastdeploy()

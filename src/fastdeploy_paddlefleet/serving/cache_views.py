@@ -32,8 +32,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec.layer import AttentionPlan, LayerAttention
-from .layout import dtype_bytes
+from ..kvcache.layout import dtype_bytes
+from ..plan.layer import AttentionPlan, LayerAttention
+from ._fields import field as _get
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,6 @@ def fastdeploy_kv_heads(num_key_value_heads: int, tp_size: int) -> int:
     return max(1, int(num_key_value_heads) // int(tp_size))
 
 
-def _get(obj: Any, name: str) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
-
-
 def fit_fastdeploy_model_config(model_config: Any, plan: AttentionPlan | None = None) -> dict[str, Any]:
     """Raise ``model_config.num_key_value_heads`` / ``head_dim`` so FastDeploy's one cache shape
     fits every layer; return ``{field: (old, new)}`` for what changed (empty when it already fits).
@@ -94,7 +89,7 @@ def fit_fastdeploy_model_config(model_config: Any, plan: AttentionPlan | None = 
     built by the runner whatever the model, compares it with a float.
     """
     if plan is None:
-        from ..spec import plan_from_config
+        from ..plan import plan_from_config
 
         model_dir = _get(model_config, "model")
         if not model_dir:
@@ -283,7 +278,7 @@ def uniform_budget(plan: AttentionPlan | Sequence[LayerAttention], budget: Any) 
     """FastDeploy's single shape against per-layer sizing for a :class:`~.layout.KVBudget` of ``plan``:
     the shape, bytes per token both ways, and the blocks and whole requests the budget's memory holds
     with the single shape (``num_blocks`` / ``max_requests`` of the budget are per-layer sizing)."""
-    from .layout import GIB
+    from ..kvcache.layout import GIB
 
     cost = uniform_cost(plan, budget.dtype)
     per_block = cost.bytes_per_token_uniform * budget.block_size

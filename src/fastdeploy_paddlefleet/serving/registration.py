@@ -59,7 +59,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .envs import MODEL_IMPL_VAR, model_impl_is_paddlefleet
+from ..envs import MODEL_IMPL_VAR, model_impl_is_paddlefleet
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ ARCHITECTURE = "PaddleFleetForCausalLM"
 #: what FastDeploy's loaders look up when ``load_config.dynamic_load_weight`` (RL) is on
 RL_ARCHITECTURE = ARCHITECTURE + "RL"
 MODEL_IMPL = "paddlefleet"
-MODULE_PATH = "fastdeploy_paddlefleet"
+MODULE_PATH = "fastdeploy_paddlefleet.serving"
 MODULE_NAME = "model"
 #: set by the plugin when ``--model-impl paddlefleet`` was chosen; read by the registry routing
 MODEL_IMPL_ENV = MODEL_IMPL_VAR
@@ -176,17 +176,17 @@ def _register_class(registry: Any, registry_module: Any, name: str, cls: type) -
 
 
 def _register_pretrained(registry: Any) -> list[str]:
-    """What the v0 loader's ``get_pretrain_cls(ARCHITECTURE)`` returns (``fastdeploy_pretrained``)."""
+    """What the v0 loader's ``get_pretrain_cls(ARCHITECTURE)`` returns (``serving.pretrained``)."""
     register = getattr(registry, "register_pretrained_model", None)
     table = getattr(registry, "_arch_to_pretrained_model_cls", None)
     if not callable(register):
         return []
-    from .fastdeploy_pretrained import PaddleFleetPretrainedModel
+    from .pretrained import PaddleFleetPretrainedModel
 
     if isinstance(table, Mapping) and table.get(ARCHITECTURE) is PaddleFleetPretrainedModel:
         return []
     register(PaddleFleetPretrainedModel)
-    return [f"v0 loader entry {ARCHITECTURE} (fastdeploy_pretrained.PaddleFleetPretrainedModel)"]
+    return [f"v0 loader entry {ARCHITECTURE} (serving.pretrained.PaddleFleetPretrainedModel)"]
 
 
 def _register_architecture(registry: Any, registry_module: Any) -> list[str]:
@@ -354,7 +354,7 @@ def _wrap_model_config(model_config_cls: Any) -> list[str]:
     ``paddlefleet`` chosen the names read from ``config.json`` are put back after
     ``PaddleFleetForCausalLM`` (ERNIE's tokenizer choice and the MTP draft model read them),
     and ``num_key_value_heads`` / ``head_dim`` are raised so FastDeploy's single cache shape
-    fits every layer (``kvcache.uniform.fit_fastdeploy_model_config``; engine and workers
+    fits every layer (``cache_views.fit_fastdeploy_model_config``; engine and workers
     build their own ``ModelConfig``, both go through here).
     """
     post_init = getattr(model_config_cls, "_post_init", None)
@@ -369,7 +369,7 @@ def _wrap_model_config(model_config_cls: Any) -> list[str]:
         if _wants_paddlefleet(self):
             _lead_with_architecture(self, original)
             # FastDeploy sizes ONE cache shape for every layer from these fields: make every layer fit
-            from .kvcache.uniform import fit_fastdeploy_model_config
+            from .cache_views import fit_fastdeploy_model_config
 
             fit_fastdeploy_model_config(self)
         return out

@@ -30,22 +30,18 @@ heads. A model served on those caches must be sharded the same way:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import paddle
 
+from ._fields import field as _get
+
 logger = logging.getLogger(__name__)
 
 #: weight name -> (axis, [(start, stop), ...]): the rank's weight is the concatenation of the slices
 ShardMap = dict[str, tuple[int, list[tuple[int, int]]]]
-
-
-def _get(obj: Any, name: str) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
 
 
 def _int(value: Any, default: int, name: str) -> int:
@@ -239,8 +235,8 @@ def shard_minifleet(model: paddle.nn.Layer, setup: ParallelSetup) -> ShardMap:
     GQA attention with a dense SwiGLU MLP only: MLA and MoE layers raise ``ValueError``
     (sharding them is not implemented). Heads must divide by the TP size.
     """
-    from .minifleet.attention import SelfAttention
-    from .minifleet.layers import SwiGLUMLP, TransformerLayer
+    from ..minifleet.attention import SelfAttention
+    from ..minifleet.layers import SwiGLUMLP, TransformerLayer
 
     tp, rank, group = setup.tp_size, setup.tp_rank, setup.tp_group
     if tp == 1:

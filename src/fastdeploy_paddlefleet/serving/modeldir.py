@@ -5,7 +5,7 @@ requires a ``dtype`` or ``torch_dtype`` field, takes ``architectures`` for the
 registry lookup) and its v1 loader streams the weights of ``*.safetensors`` files
 into ``model.load_weights``. A preset JSON has neither, so::
 
-    python -m fastdeploy_paddlefleet.fastdeploy_modeldir tiny /tmp/tiny --dtype float32 [--seed 0] [--json]
+    python -m fastdeploy_paddlefleet.serving.modeldir tiny /tmp/tiny --dtype float32 [--seed 0] [--json]
 
 writes ``config.json`` (the preset plus ``dtype``, ``seed``, ``torch_dtype`` absent,
 FastDeploy's ``max_model_len``-related ``max_position_embeddings`` kept) and
@@ -33,8 +33,8 @@ def write_model_dir(
     import numpy as np
     from safetensors.numpy import save_file
 
-    from .minifleet import build_minifleet
-    from .presets import load_preset
+    from ..minifleet import build_minifleet
+    from ..presets import load_preset
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -63,7 +63,7 @@ def write_model_dir(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fastdeploy_paddlefleet.fastdeploy_modeldir",
+        prog="python -m fastdeploy_paddlefleet.serving.modeldir",
         description="Write a minifleet preset as a FastDeploy model directory (config.json + weights).",
     )
     parser.add_argument("preset", help="minifleet preset name (tiny, tiny-mla)")

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from fastdeploy_paddlefleet.spec import load_config, plan_from_config
+from fastdeploy_paddlefleet.plan import load_config, plan_from_config
 
 
 def base(**kw):

@@ -1,0 +1,144 @@
+"""FastDeploy's ``ForwardMeta`` -> the plugin's ``BatchMeta``, cache pairs and packed positions.
+
+FastDeploy fills one ``ForwardMeta`` per step (names: ``seq_lens_encoder``, ``seq_lens_decoder``,
+``seq_lens_this_time``, ``cu_seqlens_q``, ``batch_id_per_token``, ``block_tables``, ``caches``,
+``exist_prefill``); this module translates it without any host synchronisation, so the step it
+feeds can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import paddle
+
+from ..backends import BatchMeta
+from ..plan.layer import AttentionPlan
+from ._fields import field as _get
+
+
+def _int32_flat(value: Any, name: str) -> paddle.Tensor:
+    if value is None:
+        raise ValueError(f"forward_meta.{name} is required, got None")
+    t = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
+    return t.reshape([-1]).astype("int32")
+
+
+def pair_caches(caches: Sequence[Any] | None, num_layers: int) -> list[tuple[Any, Any]]:
+    """FastDeploy's flat ``[k0, v0, k1, v1, ...]`` (or already paired) -> ``[(k_l, v_l), ...]``."""
+    if caches is None:
+        raise ValueError("forward_meta.caches is required (the paged KV caches), got None")
+    items = list(caches)
+    if items and all(isinstance(c, tuple | list) and len(c) == 2 for c in items):
+        pairs = [tuple(c) for c in items]
+    else:
+        if len(items) % 2:
+            raise ValueError(f"forward_meta.caches must hold key/value pairs, got {len(items)} tensors")
+        pairs = [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+    if len(pairs) < num_layers:
+        raise ValueError(
+            f"forward_meta.caches holds {len(pairs)} key/value pairs, the plan has {num_layers} layers"
+        )
+    return pairs
+
+
+def layer_caches(caches: Sequence[Any] | None, plan: AttentionPlan) -> list[tuple[Any, Any]]:
+    """FastDeploy's flat ``forward_meta.caches`` -> each layer's ``(key, value)`` views.
+
+    FastDeploy allocates one shape for every layer; each layer reads its leading kv heads and
+    channels through strided views (``serving/cache_views.py``). Layouts other than one K and one V
+    per layer (``FD_ATTENTION_BACKEND=MLA_ATTN``, block-wise fp8) are refused naming the setting.
+    """
+    from .cache_views import check_cache_list, layer_cache_views
+
+    if caches is not None:
+        check_cache_list(caches, len(plan))
+    return layer_cache_views(pair_caches(caches, len(plan)), plan)
+
+
+def batch_meta_from_forward_meta(
+    forward_meta: Any,
+    block_size: int | None = None,
+    num_tokens: int | None = None,
+    decode_tokens: int = 1,
+) -> BatchMeta:
+    """FastDeploy's ``ForwardMeta`` (or any object / mapping with its names) -> ``BatchMeta``.
+
+    ``seq_lens_*`` may be ``[bsz]`` or ``[bsz, 1]``; ``batch_id_per_token`` is
+    cut to ``num_tokens`` when given (FastDeploy may pad it). ``block_size``
+    defaults to ``forward_meta.block_size``, else the key caches' dim 2.
+
+    Nothing is copied to the host (a CUDA graph captures this step and replays it with other
+    metadata): the launch bounds come from host-side facts only. ``max_seq_len_this_time`` is
+    ``decode_tokens`` (1, or 1 + speculative tokens) when FastDeploy's host flag
+    ``forward_meta.exist_prefill`` is ``False``, else unknown (``None``: the kernels bound their
+    grids by the token count); ``max_context_len`` is left unknown (the kernels bound it by the
+    block table's width and split each request's own key range at run time).
+    """
+    this = _int32_flat(_get(forward_meta, "seq_lens_this_time"), "seq_lens_this_time")
+    bsz = int(this.shape[0])
+    decoder = _int32_flat(_get(forward_meta, "seq_lens_decoder"), "seq_lens_decoder")
+    encoder = _get(forward_meta, "seq_lens_encoder")
+    encoder = paddle.zeros([bsz], "int32") if encoder is None else _int32_flat(encoder, "seq_lens_encoder")
+    cu = _int32_flat(_get(forward_meta, "cu_seqlens_q"), "cu_seqlens_q")
+    batch_id = _int32_flat(_get(forward_meta, "batch_id_per_token"), "batch_id_per_token")
+    for name, t, want in (("seq_lens_decoder", decoder, bsz), ("seq_lens_encoder", encoder, bsz)):
+        if int(t.shape[0]) != want:
+            raise ValueError(
+                f"forward_meta.{name} has {int(t.shape[0])} entries, seq_lens_this_time has {bsz}"
+            )
+    if int(cu.shape[0]) != bsz + 1:
+        raise ValueError(
+            f"forward_meta.cu_seqlens_q must have bsz + 1 = {bsz + 1} entries, got {int(cu.shape[0])}"
+        )
+    if num_tokens is not None:
+        if int(batch_id.shape[0]) < num_tokens:
+            raise ValueError(
+                f"forward_meta.batch_id_per_token has {int(batch_id.shape[0])} entries "
+                f"for {num_tokens} tokens"
+            )
+        batch_id = batch_id[:num_tokens]
+    tables = _get(forward_meta, "block_tables")
+    if tables is None:
+        raise ValueError("forward_meta.block_tables is required, got None")
+    tables = (tables if isinstance(tables, paddle.Tensor) else paddle.to_tensor(tables)).astype("int32")
+    if block_size is None:
+        block_size = _get(forward_meta, "block_size")
+    if block_size is None:
+        caches = _get(forward_meta, "caches")
+        if caches:
+            first = caches[0][0] if isinstance(caches[0], tuple | list) else caches[0]
+            block_size = int(first.shape[2])
+    if block_size is None or int(block_size) < 1:
+        raise ValueError(
+            f"block_size must be a positive int (argument, forward_meta or caches), got {block_size}"
+        )
+    exist_prefill = _get(forward_meta, "exist_prefill")
+    max_q = int(decode_tokens) if exist_prefill is False else None
+    return BatchMeta(
+        seq_lens_encoder=encoder,
+        seq_lens_decoder=decoder,
+        seq_lens_this_time=this,
+        cu_seqlens_q=cu,
+        batch_id_per_token=batch_id,
+        block_tables=tables,
+        block_size=int(block_size),
+        block_tables_headwise=_get(forward_meta, "block_tables_headwise"),
+        max_seq_len_this_time=max_q,
+        max_context_len=None,
+    )
+
+
+def packed_positions(meta: BatchMeta, num_tokens: int) -> paddle.Tensor:
+    """Absolute position of each packed token ``[T]`` int64.
+
+    Token ``t`` of request ``b`` sits at ``seq_lens_decoder[b] + (t - cu_seqlens_q[b])``. Request ids
+    are clipped into ``[0, bsz)`` on the device: padding tokens of a CUDA graph's padded batch may
+    carry any id, and their rows are never used.
+    """
+    bsz = int(meta.seq_lens_decoder.shape[0])
+    bid = meta.batch_id_per_token[:num_tokens].astype("int64").clip(0, max(bsz - 1, 0))
+    cached = paddle.gather(meta.seq_lens_decoder.astype("int64"), bid)
+    start = paddle.gather(meta.cu_seqlens_q[:-1].astype("int64"), bid)
+    return cached + paddle.arange(num_tokens, dtype="int64") - start
