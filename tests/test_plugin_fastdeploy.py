@@ -143,7 +143,7 @@ def test_register_adds_architecture_with_our_module_path(fake_fastdeploy, caplog
     from fastdeploy.model_executor.models.model_base import ModelCategory, ModelRegistry
 
     entry = ModelRegistry._enhanced_models["PaddleFleetForCausalLM"]
-    assert entry["module_path"] == "fastdeploy_paddlefleet"
+    assert entry["module_path"] == "fastdeploy_paddlefleet.serving"
     assert entry["module_name"] == "model"
     assert entry["category"] == ModelCategory.TEXT_GENERATION
     # what FastDeploy's lazy loader does with the entry
@@ -253,7 +253,7 @@ def test_register_passes_only_accepted_keywords(tmp_path, monkeypatch):
         from fastdeploy.model_executor.models.model_base import ModelRegistry
 
         entry = ModelRegistry._enhanced_models["PaddleFleetForCausalLM"]
-        assert (entry["module_path"], entry["module_name"]) == ("fastdeploy_paddlefleet", "model")
+        assert (entry["module_path"], entry["module_name"]) == ("fastdeploy_paddlefleet.serving", "model")
     finally:
         _drop_fake_modules()
 

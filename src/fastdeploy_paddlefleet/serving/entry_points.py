@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 def _apply_log_level() -> None:
     """``FDFLEET_LOG_LEVEL``, when set, is the level of every ``fastdeploy_paddlefleet`` logger."""
     if os.environ.get("FDFLEET_LOG_LEVEL", "").strip():
-        logging.getLogger(__package__).setLevel(log_level())
+        logging.getLogger(__name__.partition(".")[0]).setLevel(log_level())
 
 
 def register_early() -> bool:
