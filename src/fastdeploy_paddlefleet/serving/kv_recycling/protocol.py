@@ -1,0 +1,271 @@
+"""What the engine's scheduler hook tells the worker: lanes, groups and per-task page deltas.
+
+Stdlib only (no FastDeploy, no paddle): the engine process (``scheduler``) writes these objects,
+the worker process (``serving/model_runner/``) reads them, and both build the same
+:class:`RecyclingLayout` from the same plans with :func:`layout_from_plans`.
+
+Groups and lanes
+----------------
+Layers that share their kv head count and per-head windows form a *group* (``LayerGroup`` of
+``kvcache/headwise.py``, one page pool, one set of tables). A group is cut into *lanes*, the
+units that are released independently:
+
+* whole-block groups (``unit == num_kv_heads``: all heads full, all sliding, or any group when
+  head-wise release is off) have ONE lane; its entries are block ids of that group's cache
+  ``[num_blocks_g, Hkv, block_size, D]``.
+* head-wise groups (``unit == 1``: one layer mixes full and sliding kv heads) have one lane per
+  local kv head ``h``; its entries are page ids of the cache viewed as ``[num_blocks_g * Hkv,
+  block_size, D]`` (page ``p`` is block ``p // Hkv``, head ``p % Hkv``); any page may hold any
+  head's block.
+
+Tensor parallelism: every rank shares the engine's one set of tables, so a lane slides only if
+it slides on EVERY rank (:func:`merge_tp_plans`); where ranks' windows differ the lane keeps the
+largest (it releases later, never too early).
+
+Deltas
+------
+The scheduler attaches one :class:`KVDelta` per request to the task it sends that step (the
+prefill ``Request`` or the ``ScheduledDecodeTask``) under the attribute :data:`TASK_ATTR`; it
+survives pickle. It lists every table entry that changed since the request's previous delta,
+in order: ``(group, lane, logical_block, unit_id)`` with ``unit_id == -1`` for a released entry.
+
+What the worker must do, for each task of a batch, BEFORE it runs that batch:
+
+1. ``delta.layout_id`` must equal its own layout's ``layout_id`` (else refuse: engine and worker
+   planned different lanes).
+2. Order: keep the last ``seq`` applied per request. ``seq == last + 1``: apply.
+   ``seq <= last``: already applied (a task delivered twice): skip. ``seq > last + 1``: a delta
+   was lost: refuse, the tables would be wrong. A request's first delta has ``seq == 1``.
+3. ``reset``: the request (re)starts from zero tokens (first delta, or after preemption): set
+   every row of the request's batch slot (``task.idx``) in every group to ``-1`` first.
+4. For each change, in order, write ``unit_id`` at row ``slot * lanes_g + lane``, column
+   ``logical_block`` of group ``group``'s table ``[max_num_seqs * lanes_g, max_blocks]``.
+5. Columns ``>= delta.num_blocks`` of the request's rows are ``-1`` afterwards (the request holds
+   ``num_blocks`` logical blocks; the changes already say so, this is a check).
+
+A request that finishes, is aborted or preempted gets no further delta for that incarnation: the
+worker clears its slot when FastDeploy frees the slot (``ScheduledPreemptTask`` /
+``ScheduledAbortTask`` / a finished request), and the next incarnation starts with ``reset``.
+A released entry is ``-1`` in the same batch that may hand its page to another request, and
+pages are only released for keys no query of that batch or a later one can see (the engine
+counts tokens as computed when scheduled, and batches run in order), so applying deltas batch
+by batch is always safe however far the worker lags.
+
+:class:`LaneTables` is the reference implementation of these rules on plain lists (tests, and
+the worker's own check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ...kvcache.headwise import RECYCLE_MODES, LayerGroup, RecycleMode, groups_from_plan
+from ...plan.layer import AttentionPlan, LayerAttention
+
+#: the attribute of a scheduled task (``Request`` / ``ScheduledDecodeTask``) holding its KVDelta
+TASK_ATTR = "fdfleet_kv_delta"
+#: bumped when the meaning of a delta changes
+PROTOCOL_VERSION = 1
+
+#: ``(group, lane, logical_block, unit_id)``; ``unit_id == -1``: released
+Change = tuple[int, int, int, int]
+
+
+def _merge_layer(layers: Sequence[LayerAttention]) -> LayerAttention:
+    """One layer as every rank sees it: a kv head slides only if it slides on every rank."""
+    first = layers[0]
+    for other in layers[1:]:
+        if other.num_kv_heads != first.num_kv_heads:
+            raise ValueError(
+                f"layer {first.index}: ranks hold {first.num_kv_heads} and {other.num_kv_heads} kv heads; "
+                "one shared page table needs the same count on every rank"
+            )
+    ranges = [la.sliding_kv_heads for la in layers]
+    if any(r is None for r in ranges):
+        start, stop = 0, 0
+    else:
+        start, stop = max(r[0] for r in ranges), min(r[1] for r in ranges)
+    if start >= stop:
+        if first.kind == "full":
+            return first
+        return replace(first, kind="full", window_left=None, sliding_kv_heads=None)
+    window = max(la.window_left for la in layers)
+    kind = "sliding" if (start, stop) == (0, first.num_kv_heads) else "headwise"
+    return replace(first, kind=kind, window_left=window, sliding_kv_heads=(start, stop))
+
+
+def merge_tp_plans(plans: Sequence[AttentionPlan]) -> AttentionPlan:
+    """The plan whose windows hold on every TP rank (``plans``: one per rank, any order)."""
+    plans = list(plans)
+    if not plans or not all(isinstance(p, AttentionPlan) for p in plans):
+        raise TypeError(f"plans={plans!r}: expected a non-empty list of AttentionPlan (one per TP rank)")
+    if len(plans) == 1:
+        return plans[0]
+    n = {len(p) for p in plans}
+    if len(n) != 1:
+        raise ValueError(f"TP plans have different layer counts {sorted(n)}")
+    layers = tuple(_merge_layer([p[i] for p in plans]) for i in range(len(plans[0])))
+    return replace(plans[0], layers=layers, tp_rank=0, source=f"{plans[0].source} (merged over TP ranks)")
+
+
+@dataclass(frozen=True)
+class RecyclingLayout:
+    """Groups and lanes shared by the engine's manager and the worker's tables."""
+
+    block_size: int
+    mode: str
+    groups: tuple[LayerGroup, ...]
+
+    @property
+    def layout_id(self) -> str:
+        """Short digest of everything the tables depend on (engine and worker must agree)."""
+        text = repr((PROTOCOL_VERSION, self.block_size, self.mode, self.groups))
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+    def lanes(self, group: int) -> int:
+        """Rows per request in ``group``'s table."""
+        return len(self.groups[group].lanes)
+
+    @property
+    def slides(self) -> bool:
+        """True when some lane releases pages (else recycling gains nothing)."""
+        return any(w is not None for g in self.groups for w in g.lanes)
+
+    def layer_group(self) -> dict[int, int]:
+        """``{layer index: group index}``."""
+        return {li: g.index for g in self.groups for li in g.layers}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "mode": self.mode,
+            "layout_id": self.layout_id,
+            "groups": [
+                {
+                    "index": g.index,
+                    "kind": g.kind,
+                    "layers": list(g.layers),
+                    "num_kv_heads": g.num_kv_heads,
+                    "unit": g.unit,
+                    "lanes": list(g.lanes),
+                }
+                for g in self.groups
+            ],
+        }
+
+
+def layout_from_plans(
+    plans: AttentionPlan | Sequence[AttentionPlan], block_size: int, mode: RecycleMode = "headwise"
+) -> RecyclingLayout:
+    """The layout for ``plans`` (one plan, or one per TP rank) at ``block_size`` tokens per block."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}: expected an int >= 1")
+    if mode not in RECYCLE_MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {RECYCLE_MODES}")
+    plan = plans if isinstance(plans, AttentionPlan) else merge_tp_plans(plans)
+    return RecyclingLayout(block_size, mode, tuple(groups_from_plan(plan, mode)))
+
+
+def layout_from_config(
+    config: Any, tp_size: int, block_size: int, mode: RecycleMode = "headwise"
+) -> RecyclingLayout:
+    """:func:`layout_from_plans` over every TP rank's plan of ``config`` (plan_from_config's input)."""
+    from ...plan.config import plan_from_config
+
+    plans = [plan_from_config(config, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
+    return layout_from_plans(plans, block_size, mode)
+
+
+@dataclass(frozen=True, slots=True)
+class KVDelta:
+    """Table changes of one request since its previous delta (see the module docstring)."""
+
+    request_id: str
+    seq: int
+    reset: bool
+    num_blocks: int
+    changes: tuple[Change, ...]
+    layout_id: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1:
+            raise ValueError(
+                f"KVDelta(request_id={self.request_id!r}).seq={self.seq!r}: expected an int >= 1"
+            )
+
+
+class LaneTables:
+    """Reference worker tables on plain lists: ``rows[request][group][lane] -> [unit ids]``.
+
+    Applies :class:`KVDelta` objects exactly as the module docstring prescribes (the worker's
+    device tables hold the same values at row ``slot * lanes + lane``).
+    """
+
+    def __init__(self, layout: RecyclingLayout) -> None:
+        self.layout = layout
+        self.rows: dict[str, list[list[list[int]]]] = {}
+        self.last_seq: dict[str, int] = {}
+
+    def apply(self, delta: KVDelta) -> bool:
+        """Apply ``delta``; False when it was already applied. ``ValueError`` on a gap or layout."""
+        if not isinstance(delta, KVDelta):
+            raise TypeError(f"delta={delta!r}: expected a KVDelta")
+        if delta.layout_id != self.layout.layout_id:
+            raise ValueError(
+                f"delta for {delta.request_id!r} has layout_id={delta.layout_id!r}, the worker's is "
+                f"{self.layout.layout_id!r}: engine and worker planned different lanes"
+            )
+        last = self.last_seq.get(delta.request_id, 0)
+        if delta.seq <= last:
+            return False
+        if delta.seq != last + 1:
+            raise ValueError(
+                f"delta for {delta.request_id!r} has seq={delta.seq}, expected {last + 1}: a delta was lost"
+            )
+        if delta.reset or delta.request_id not in self.rows:
+            self.rows[delta.request_id] = [[[] for _ in g.lanes] for g in self.layout.groups]
+        rows = self.rows[delta.request_id]
+        for group, lane, block, unit in delta.changes:
+            ids = rows[group][lane]
+            if block >= len(ids):
+                ids.extend([-1] * (block + 1 - len(ids)))
+            ids[block] = unit
+        for lanes in rows:
+            for ids in lanes:
+                if any(u >= 0 for u in ids[delta.num_blocks :]):
+                    raise ValueError(
+                        f"delta for {delta.request_id!r} leaves entries past num_blocks={delta.num_blocks}"
+                    )
+                del ids[delta.num_blocks :]
+        self.last_seq[delta.request_id] = delta.seq
+        return True
+
+    def apply_all(self, deltas: Iterable[KVDelta]) -> None:
+        for d in deltas:
+            self.apply(d)
+
+    def drop(self, request_id: str) -> None:
+        """The request's slot was freed (finish, abort, preemption): forget its rows, keep its seq."""
+        self.rows.pop(request_id, None)
+
+
+def task_delta(task: Any) -> KVDelta | None:
+    """The delta a scheduled task carries, or None."""
+    return getattr(task, TASK_ATTR, None)
+
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "TASK_ATTR",
+    "Change",
+    "KVDelta",
+    "LaneTables",
+    "RecyclingLayout",
+    "layout_from_config",
+    "layout_from_plans",
+    "merge_tp_plans",
+    "task_delta",
+]
