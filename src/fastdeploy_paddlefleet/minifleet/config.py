@@ -3,7 +3,9 @@
 Deliberately independent of ``plan``: the window, sink and head-count rules
 below are written from PaddleFleet's behaviour (HOST_INTERFACES.md), so that
 ``fdfleet verify`` checks the plan against a second, separate reading of the
-same config fields. Stdlib only.
+same config fields. Only the input bounds are shared (``plan.fields``: file
+size, count caps, numeric fields), so a bad field gets the same message from
+``fdfleet plan`` and ``fdfleet verify --config``. Stdlib only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 from importlib import resources
 from types import SimpleNamespace
 from typing import Any
+
+from ..plan.fields import check_caps, check_numeric_fields, read_json_file
 
 # Old/new PaddleFleet (and HF) spellings of the same field: alias -> canonical name.
 _ALIASES = {
@@ -50,8 +54,7 @@ def load_raw_config(config: dict | str | os.PathLike) -> dict[str, Any]:
         raise TypeError(f"config must be a dict, a preset name or a path, got {type(config).__name__}")
     path = os.fspath(config)
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        return read_json_file(path)  # size capped before reading; errors name the file
     else:
         preset = resources.files("fastdeploy_paddlefleet.presets").joinpath(f"{path}.json")
         if not preset.is_file():
@@ -73,6 +76,8 @@ def make_config(config: dict | str | os.PathLike | MiniFleetConfig) -> MiniFleet
     for name in _REQUIRED:
         if raw.get(name) is None:
             raise ValueError(f"config field {name!r} is required (got None)")
+    check_caps(raw)  # before any per-layer list is built
+    check_numeric_fields(raw)  # NaN / negative / zero epsilons, RoPE bases, sizes: named by field
     c = dict(raw)
     heads = int(c["num_attention_heads"])
     c.setdefault("num_key_value_heads", None)

@@ -11,14 +11,14 @@ semantics". Impossible configs raise ``ValueError`` naming the field and value.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .fields import LIMITS, MAX_INT, check_caps, check_numeric_fields, read_json_file
 from .layer import SINK_KINDS, AttentionPlan, LayerAttention, MLADims
-from .model_types import hf_overrides, text_model
+from .model_types import check_layer_types, hf_overrides, text_model
 
 CONVENTIONS: tuple[str, ...] = ("hf", "paddlefleet", "paddlefleet-tuple", "paddlefleet-int")
 
@@ -57,27 +57,6 @@ class _Fields:
     def get(self, name: str, default: Any = None) -> Any:
         value = self.named(name)[1]
         return default if value is None else value
-
-
-#: upper bounds of config sizes, checked before anything is built (default: int32, ``MAX_INT``)
-MAX_INT = 2**31 - 1
-MAX_LAYERS = 10_000
-MAX_HEADS = 65_536
-MAX_HEAD_DIM = 65_536
-LIMITS: dict[str, int] = {
-    "num_hidden_layers": MAX_LAYERS,
-    "num_layers": MAX_LAYERS,
-    **dict.fromkeys(
-        ("num_attention_heads", "num_key_value_heads", "num_query_groups", "swa_num_attention_heads")
-        + ("swa_num_key_value_heads",),
-        MAX_HEADS,
-    ),
-    **dict.fromkeys(
-        ("head_dim", "kv_channels", "v_head_dim", "swa_head_dim", "swa_v_head_dim", "kv_lora_rank")
-        + ("qk_nope_head_dim", "qk_rope_head_dim", "qk_nope_head_dim + qk_rope_head_dim"),
-        MAX_HEAD_DIM,
-    ),
-}
 
 
 def _int(value: Any, field: str, minimum: int = 1) -> int:
@@ -120,20 +99,7 @@ def load_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     elif path.exists() and not path.is_file():
         raise ValueError(f"config {str(source)!r}: not a regular file")
     if path.is_file():
-        try:
-            text = path.read_bytes().decode("utf-8-sig")  # a UTF-8 byte-order mark is fine
-            data = json.loads(text)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): not a config.json") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON: {e}") from None
-        except RecursionError:
-            raise ValueError(f"{path}: invalid JSON: nested too deeply") from None
-        except OSError as e:
-            raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-        return data
+        return read_json_file(path)
     name = str(source)
     if "/" not in name and "\\" not in name and not name.endswith(".json"):
         from ..presets import list_presets, load_preset
@@ -259,9 +225,7 @@ def _sliding_flags(f: _Fields, n: int, window_set: bool) -> list[bool]:
     """Whether each layer is a sliding-window layer (before the window is known finite)."""
     layer_types = f.get("layer_types")
     if layer_types is not None:
-        if not isinstance(layer_types, list | tuple) or len(layer_types) != n:
-            raise ValueError(f"layer_types must list {n} entries (num_hidden_layers), got {layer_types!r}")
-        flags = [t == "sliding_attention" for t in layer_types]
+        flags = [t == "sliding_attention" for t in check_layer_types(layer_types, n)]
         if any(flags) and not window_set:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         return flags
@@ -334,14 +298,29 @@ def _yarn_mscale_sq(f: _Fields, paddlefleet: bool = False) -> float:
     """
     factor, mscale_all_dim = f.get("rotary_scaling_factor"), f.get("mscale_all_dim")
     if paddlefleet and factor is not None and mscale_all_dim is not None:
-        return (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2 if factor > 1.0 else 1.0
-    rope = f.get("rope_scaling") or f.get("rope_parameters")
-    if not isinstance(rope, Mapping) or (rope.get("type") or rope.get("rope_type")) != "yarn":
+        names = "rotary_scaling_factor and mscale_all_dim"
+    else:
+        rope_field = "rope_scaling" if f.get("rope_scaling") else "rope_parameters"
+        rope = f.get(rope_field)
+        if not isinstance(rope, Mapping) or (rope.get("type") or rope.get("rope_type")) != "yarn":
+            return 1.0
+        mscale_all_dim, factor = rope.get("mscale_all_dim"), rope.get("factor", 1.0)
+        if not mscale_all_dim:
+            return 1.0
+        names = f"{rope_field}.factor and {rope_field}.mscale_all_dim"
+    # the fields themselves are finite and in range (fields.check_numeric_fields); their product may not be
+    if factor <= 1.0:
         return 1.0
-    mscale_all_dim, factor = rope.get("mscale_all_dim"), rope.get("factor", 1.0)
-    if not mscale_all_dim or factor <= 1.0:
-        return 1.0
-    return (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+    try:
+        mscale_sq = (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+    except OverflowError:
+        mscale_sq = math.inf
+    if not 0 < mscale_sq < math.inf:
+        raise ValueError(
+            f"{names} ({factor!r}, {mscale_all_dim!r}) give a yarn softmax correction of "
+            f"{mscale_sq!r}: not a finite positive number"
+        )
+    return mscale_sq
 
 
 def _shard(
@@ -388,9 +367,12 @@ def plan_from_config(
         source, config = str(config), load_config(config)
     else:
         source = "<dict>" if isinstance(config, Mapping) else f"<{type(config).__name__}>"
+    check_caps(config)  # counts bounded before any per-layer list is made
     config, wrapped = text_model(config)  # a multimodal wrapper plans its text model
     if wrapped:
         source = f"{source} ({wrapped})"
+        check_caps(config)
+    check_numeric_fields(config)
     f = _Fields(config)
     f.overrides = hf_overrides(config, f.origin, convention)  # the model type's own defaults and rules
 
@@ -437,6 +419,8 @@ def plan_from_config(
     if window_left is not None and window_left > MAX_INT:
         raise ValueError(f"sliding_window gives window_left={window_left}, more than {MAX_INT}")
     if pf:
+        if f.get("layer_types") is not None:  # not read by PaddleFleet, but an unknown entry is a typo
+            check_layer_types(f.get("layer_types"), None)
         flags = _paddlefleet_flags(f, total, window_set, mla is not None)
     else:
         flags = _sliding_flags(f, n, window_set)

@@ -376,7 +376,7 @@ def hf_overrides(config: Any, origin: str, convention: str | None = None) -> dic
         flags = rule.slides(view, n, window) if rule.slides is not None else [False] * n
         layer_types = ["sliding_attention" if s else "full_attention" for s in flags]
     else:
-        layer_types = _check_layer_types(layer_types, n)
+        layer_types = check_layer_types(layer_types, n)
         if window is None:  # a sliding layer without a window attends to every key
             layer_types = ["full_attention" if t == "sliding_attention" else t for t in layer_types]
     if rule.last_layer_full and layer_types:
@@ -388,13 +388,17 @@ def hf_overrides(config: Any, origin: str, convention: str | None = None) -> dic
     return out
 
 
-def _check_layer_types(layer_types: Any, n: int) -> list[str]:
-    if not isinstance(layer_types, list | tuple) or len(layer_types) != n:
-        raise ValueError(f"layer_types must list {n} entries (num_hidden_layers), got {layer_types!r}")
-    bad = sorted({str(t) for t in layer_types if t not in _LAYER_TYPES_OK})
+def check_layer_types(layer_types: Any, n: int | None) -> list[str]:
+    """``layer_types`` as a list after checking its entries (each one of ``_LAYER_TYPES_OK``, an
+    unknown one refused, never planned as full attention) and, unless ``n`` is None, its length."""
+    if not isinstance(layer_types, list | tuple) or (n is not None and len(layer_types) != n):
+        want = "a list" if n is None else f"{n} entries (num_hidden_layers)"
+        shown = repr(layer_types) if len(repr(layer_types)) <= 200 else f"{repr(layer_types)[:200]}..."
+        raise ValueError(f"layer_types must list {want}, got {shown}")
+    bad = sorted({repr(t) for t in layer_types if not (isinstance(t, str) and t in _LAYER_TYPES_OK)})
     if bad:
         raise ValueError(
-            f"layer_types has {', '.join(repr(b) for b in bad)}: not an attention the plan can express "
+            f"layer_types has {', '.join(bad)[:300]}: not an attention the plan can express "
             f"(it knows {', '.join(_LAYER_TYPES_OK)})"
         )
     return list(layer_types)
@@ -405,7 +409,7 @@ def _unknown(r: _Reader, model_type: str) -> dict[str, Any]:
     ``layer_types`` + ``sliding_window``) are planned; any other window field is refused."""
     layer_types = r.get("layer_types")
     if layer_types is not None:
-        _check_layer_types(layer_types, r.get("num_hidden_layers", len(layer_types)))
+        check_layer_types(layer_types, r.get("num_hidden_layers", len(layer_types)))
     guessed = [
         name
         for name in WINDOW_FIELDS
@@ -444,4 +448,4 @@ def text_model(config: Any) -> tuple[Any, str | None]:
     return text, f"text_config of {arch or wrapper_type or 'a multimodal config'}"
 
 
-__all__ = ["RULES", "UNSUPPORTED_FIELDS", "hf_overrides", "text_model"]
+__all__ = ["RULES", "UNSUPPORTED_FIELDS", "check_layer_types", "hf_overrides", "text_model"]
