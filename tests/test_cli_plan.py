@@ -43,8 +43,8 @@ def test_gpt_oss_json_subprocess():
     r = fdfleet("plan", "gpt-oss-20b", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert set(d) == {"source", "convention", "layers", "kv_cache"}
-    assert d["source"] == "gpt-oss-20b" and d["convention"] == "hf"
+    assert set(d) == {"source", "convention", "layers", "kv_cache", "warnings"}
+    assert d["source"] == "gpt-oss-20b" and d["convention"] == "hf" and d["warnings"] == []
     assert len(d["layers"]) == 24
     for x in d["layers"]:
         assert set(x) == LAYER_KEYS
@@ -88,7 +88,7 @@ def test_tp2_halves_heads_and_slices_sinks(capsys):
         assert two["kv_cache"]["bytes_per_token"] * 2 == one["kv_cache"]["bytes_per_token"]
     assert main(["plan", "gpt-oss-20b", "--tp", "2", "--tp-rank", "1"]) == 0
     out = capsys.readouterr().out
-    assert "q heads (sinks)" in out and "32-64" in out  # rank 1 holds sinks of heads 32..63
+    assert "q heads (sinks)" in out and "32-63" in out  # rank 1 holds sinks of heads 32..63 (inclusive)
 
 
 def test_budget_options(capsys):

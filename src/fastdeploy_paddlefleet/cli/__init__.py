@@ -10,24 +10,38 @@ errors included); an unexpected exception (a bug) prints one line and exits
 70. Before any command runs, every ``FDFLEET_*`` switch is
 parsed (``envs.check_all``), so a bad value is refused by every command, not
 only by the one that reads it. A missing optional dependency names the extra
-that brings it. A closed stdout (``fdfleet plan ... | head``) ends quietly.
+that brings it.
+
+The process edges, each one line on stderr: Ctrl-C exits 130
+(``fdfleet: interrupted``); a stdout that is closed before the command starts
+(``fdfleet plan tiny >&-``) exits 2; a reader that closes the pipe early
+(``fdfleet plan tiny | head -0``) exits 141 (128 + SIGPIPE, what a shell
+reports for a process killed by the signal); a write to stdout that fails
+otherwise (a full disk: ``ENOSPC``) exits 74 (``EX_IOERR``), naming stdout and
+the error. ``fdfleet --version`` (``--json`` too) prints the package version.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import json
 import logging
 import math
 import os
 import sys
 import warnings
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
+
+from .. import __version__
 
 SUBCOMMANDS = ("plan", "verify")
 #: exit code of an unexpected exception (a bug); bad input exits 2, a failed verify 1
 INTERNAL_ERROR = 70
+#: Ctrl-C (128 + SIGINT), a reader that closed the pipe (128 + SIGPIPE), a failed write (sysexits EX_IOERR)
+INTERRUPTED, BROKEN_PIPE, IO_ERROR = 130, 141, 74
 
 #: top-level module of an optional dependency -> the extra of this package that installs it
 EXTRAS: dict[str, str] = {
@@ -43,6 +57,65 @@ logger = logging.getLogger(__name__)
 
 class CliError(Exception):
     """A user-facing error: printed as one line on stderr, exit code 2."""
+
+
+def about(flag: str | None, value: str | None, error: Exception) -> CliError:
+    """``error`` as a one-line :class:`CliError` that names the ``flag`` and its ``value`` (a file,
+    a preset: ``--config x.json``, or a positional ``SOURCE`` with ``flag`` None) it is about;
+    a value the message already names is not repeated."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    named = value is not None and value in message
+    where = " ".join(part for part in (flag, None if named else value) if part)
+    return CliError(f"{where}: {message}" if where else message)
+
+
+class StdoutError(Exception):
+    """Writing to stdout failed for another reason than a closed pipe (a full disk: ``ENOSPC``)."""
+
+    def __init__(self, error: OSError):
+        code = errno.errorcode.get(error.errno or 0, "?")
+        super().__init__(
+            f"cannot write to stdout: {error.strerror or error} [{code}]; the output is incomplete"
+        )
+
+
+class _Stdout:
+    """``sys.stdout`` for the duration of a command: a failed write or flush becomes a
+    :class:`StdoutError` naming stdout (a closed pipe stays ``BrokenPipeError``)."""
+
+    def __init__(self, raw: Any):
+        self._raw = raw
+
+    def _guard(self, op: Callable[[], Any]) -> Any:
+        try:
+            return op()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(e) from e
+
+    def write(self, text: str) -> int:
+        return self._guard(lambda: self._raw.write(text))
+
+    def flush(self) -> None:
+        self._guard(self._raw.flush)
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(self._raw, name)
+
+
+def _stdout_closed() -> bool:
+    """Whether file descriptor 1 was closed before we started (``>&-``): Python then sets
+    ``sys.stdout`` to None."""
+    if sys.stdout is None:
+        return True
+    try:
+        os.fstat(sys.stdout.fileno())
+    except OSError as e:  # io.UnsupportedOperation (captured output, no descriptor) is an OSError too
+        return e.errno == errno.EBADF
+    except ValueError:  # a closed file object
+        return True
+    return False
 
 
 def missing_extra(error: ModuleNotFoundError, what: str) -> CliError | None:
@@ -109,10 +182,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="fdfleet", description="Serve PaddleFleet models in FastDeploy: inspect plans, verify parity."
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    parser.add_argument("--version", action="store_true", help="print the package version and exit")
+    parser.add_argument(
+        "--json", dest="version_json", action="store_true", help="with --version: print one JSON object"
+    )
+    # not required: `fdfleet --version` has no command (main names a missing one)
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
     for name in SUBCOMMANDS:
         importlib.import_module(f"{__name__}.{name}").add_parser(sub)
     return parser
+
+
+def version_info() -> dict[str, str]:
+    """What ``fdfleet --version`` prints: the distribution name and this package's version."""
+    return {"name": "fastdeploy-paddlefleet", "version": __version__}
+
+
+def _print_version(as_json: bool) -> int:
+    info = version_info()
+    print(json.dumps(info) if as_json else f"fdfleet ({info['name']}) {info['version']}")
+    return 0
 
 
 def _quiet_stdout() -> None:
@@ -129,21 +218,42 @@ def main(argv: list[str] | None = None) -> int:
 
     # paddle warns at import about a compiler cache that only extension builds use
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    if _stdout_closed():
+        print(
+            "fdfleet: error: stdout is closed (file descriptor 1): nothing can be printed; "
+            "redirect it instead (> FILE or > /dev/null)",
+            file=sys.stderr,
+        )
+        return 2
     args = None
+    raw_stdout = sys.stdout
+    sys.stdout = _Stdout(raw_stdout)
     try:
         logging.basicConfig(level=log_level(), format="%(levelname)s %(name)s: %(message)s")
         parser = build_parser()
         args = parser.parse_args(argv)
-        check_all()  # a bad FDFLEET_* value is refused by every command
-        code = int(args.func(args) or 0)
+        if args.version:
+            code = _print_version(args.version_json)
+        elif args.command is None:
+            parser.error("the following arguments are required: command (plan or verify), or --version")
+        else:
+            check_all()  # a bad FDFLEET_* value is refused by every command
+            code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
-    except BrokenPipeError:  # `fdfleet plan ... | head`: the reader has what it wanted
+    except BrokenPipeError:  # `fdfleet plan ... | head -0`: the reader went away before the end
         _quiet_stdout()
-        return 0
+        print(
+            "fdfleet: stdout was closed by its reader (broken pipe); the output is cut short", file=sys.stderr
+        )
+        return BROKEN_PIPE
+    except StdoutError as e:  # a full disk
+        _quiet_stdout()  # what is still buffered would fail again at exit
+        print(f"fdfleet: error: {e}", file=sys.stderr)
+        return IO_ERROR
     except KeyboardInterrupt:
         print("fdfleet: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except ModuleNotFoundError as e:
         err = missing_extra(e, f"fdfleet {getattr(args, 'command', '')}".rstrip())
         if err is None:  # a module of this package: a bug
@@ -156,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:  # a bug, not a bad input
         return _internal_error(e)
+    finally:
+        sys.stdout = raw_stdout
 
 
 def _internal_error(e: BaseException) -> int:

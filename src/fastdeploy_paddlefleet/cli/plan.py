@@ -2,6 +2,13 @@
 
 SOURCE is a ``config.json`` path, a model directory, or a preset name
 (``fdfleet plan tiny``). Imports nothing heavy.
+
+Ranges in the tables include both ends (heads ``0-3`` are heads 0, 1, 2 and
+3; layers ``0-22/2`` are every 2nd layer from 0 to 22); ``--json`` keeps the
+plan's own half-open ``[start, stop)`` lists. Below the tables, one
+``WARNING:`` line per thing serving will refuse or cannot do (a checkpoint's
+``quantization_config``; a rank that cannot hold one request, with the
+``--tp`` that would).
 """
 
 from __future__ import annotations
@@ -12,10 +19,16 @@ import json
 from typing import Any
 
 from ..kvcache.layout import KVBudget, format_bytes, kv_budget
-from ..plan import AttentionPlan, LayerAttention, plan_from_config
+from ..plan import AttentionPlan, LayerAttention, load_config, plan_from_config
 from ..presets import list_presets
 from ..serving.cache_views import uniform_budget
-from . import float_arg, int_arg
+from ..serving.checks import check_quantization
+from . import about, float_arg, int_arg
+
+#: tensor-parallel sizes tried for the ``--tp`` hint when one rank cannot hold a request
+TP_HINTS: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
+#: printed under every table: the range notation of all of them
+RANGE_NOTE = "(ranges a-b include both ends: heads 0-3 = 4 heads; a-b/s: every s-th layer from a to b)"
 
 LAYER_KEYS = (
     "index",
@@ -76,13 +89,57 @@ def layer_dict(layer: LayerAttention) -> dict[str, Any]:
     return d
 
 
-def plan_json(source: str, plan: AttentionPlan, budget: KVBudget) -> dict[str, Any]:
+def plan_json(
+    source: str, plan: AttentionPlan, budget: KVBudget, warnings: list[str] | None = None
+) -> dict[str, Any]:
     return {
         "source": source,
         "convention": plan.convention,
         "layers": [layer_dict(layer) for layer in plan],
         "kv_cache": {**budget.to_dict(), "fastdeploy_uniform": uniform_budget(plan, budget)},
+        "warnings": list(warnings or ()),
     }
+
+
+def serving_refusals(raw: dict[str, Any]) -> list[str]:
+    """What serving refuses at load time for this config (``serving.checks``' own messages):
+    today a checkpoint's ``quantization_config``."""
+    archs = raw.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else "the model"
+    fd_config = {"model_config": {"quantization_config": raw.get("quantization_config")}}
+    try:
+        check_quantization(fd_config, arch)
+    except ValueError as e:
+        return [f"serving will refuse this checkpoint: {e}"]
+    return []
+
+
+def _fits(source: Any, tp: int, args: argparse.Namespace) -> tuple[int, int] | None:
+    """``(max requests per-layer sizing, max requests in FastDeploy's one shape)`` at ``tp``;
+    None when the heads do not split ``tp`` ways."""
+    try:
+        plan = plan_from_config(source, tp_size=tp, tp_rank=0)
+    except ValueError:
+        return None
+    budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, args.context)
+    return budget.max_requests, uniform_budget(plan, budget)["max_requests_uniform"]
+
+
+def capacity_warnings(raw: dict[str, Any], plan: AttentionPlan, budget: KVBudget, args: Any) -> list[str]:
+    """A warning with a ``--tp`` hint when one rank cannot hold one ``--context`` request in
+    FastDeploy's cache shape (what serving allocates), e.g. DeepSeek-V3 at TP 1 in 40 GiB."""
+    uniform = uniform_budget(plan, budget)["max_requests_uniform"]
+    if uniform >= 1:
+        return []
+    what = (
+        f"one rank cannot hold one request of {args.context} tokens in {args.memory_gib:g} GiB "
+        f"(max requests 0 in FastDeploy's one cache shape at --tp {plan.tp_size})"
+    )
+    for tp in (t for t in TP_HINTS if t > plan.tp_size):
+        fits = _fits(raw, tp, args)
+        if fits is not None and fits[1] >= 1:
+            return [f"{what}; --tp {tp} holds {fits[1]} per rank: try --tp {tp}"]
+    return [f"{what}, nor at any --tp up to {TP_HINTS[-1]}: give more --memory-gib or a shorter --context"]
 
 
 def format_indices(indices: list[int]) -> str:
@@ -100,8 +157,14 @@ def format_indices(indices: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def span(start: int, stop: int) -> str:
+    """The half-open ``[start, stop)`` in the tables' inclusive notation: ``(0, 4)`` -> ``0-3``,
+    ``(2, 3)`` -> ``2``."""
+    return str(start) if stop - start == 1 else f"{start}-{stop - 1}"
+
+
 def _row(layer: LayerAttention, tp: bool, cap: bool = False) -> tuple[str, ...]:
-    slide = "-" if layer.sliding_kv_heads is None else "{}-{}".format(*layer.sliding_kv_heads)
+    slide = "-" if layer.sliding_kv_heads is None else span(*layer.sliding_kv_heads)
     mla = "-"
     if layer.mla is not None:
         m = layer.mla
@@ -119,7 +182,7 @@ def _row(layer: LayerAttention, tp: bool, cap: bool = False) -> tuple[str, ...]:
     if cap:
         row += ("-" if layer.logits_soft_cap is None else f"{layer.logits_soft_cap:g}",)
     if tp:
-        row += ("{}-{}".format(*layer.q_head_range), "{}-{}".format(*layer.kv_head_range))
+        row += (span(*layer.q_head_range), span(*layer.kv_head_range))
     return row
 
 
@@ -138,8 +201,7 @@ def format_table(plan: AttentionPlan) -> str:
     rows = [header] + [(format_indices(idx),) + row for row, idx in groups.items()]
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    if any("/" in r[0] for r in rows[1:]):
-        lines.append("(a-b/s: every s-th layer from a to b)")
+    lines.append(RANGE_NOTE)
     return "\n".join(lines)
 
 
@@ -191,10 +253,18 @@ def format_uniform(u: dict[str, Any], b: KVBudget) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_from_config(args.source, tp_size=args.tp, tp_rank=args.tp_rank)
-    budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, args.context)
+    try:
+        raw = load_config(args.source)
+        plan = plan_from_config(args.source, tp_size=args.tp, tp_rank=args.tp_rank)
+    except (ValueError, TypeError) as e:  # named by SOURCE, plus the field the message names
+        raise about(None, args.source, e) from e
+    try:
+        budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, args.context)
+    except ValueError as e:
+        raise about("--dtype" if "dtype" in str(e) else None, None, e) from e
+    warnings = serving_refusals(raw) + capacity_warnings(raw, plan, budget, args)
     if args.json:
-        print(json.dumps(plan_json(plan.source, plan, budget)))
+        print(json.dumps(plan_json(plan.source, plan, budget, warnings)))
         return 0
     head = f"{plan.source}: {len(plan)} layers, window convention {plan.convention}"
     if plan.tp_size > 1:
@@ -204,4 +274,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_budget(budget))
     print(format_uniform(uniform_budget(plan, budget), budget))
+    for line in warnings:
+        print(f"WARNING: {line}")
     return 0

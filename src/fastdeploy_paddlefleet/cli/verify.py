@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Any
 
-from . import CliError, float_arg, int_arg, missing_extra
+from . import CliError, about, float_arg, int_arg, missing_extra
 
 PADDLEFORMERS_CASES = "fastdeploy_paddlefleet.runner.paddleformers_case"
 
@@ -137,15 +137,22 @@ def _minifleet_config(args: Any) -> Any:
                 "(minifleet presets: tiny, tiny-mla; use `fdfleet plan` for the others)"
             )
         return name
+    from ..plan import plan_from_config
     from ..plan.config import load_config
+    from ..plan.fields import check_caps, check_numeric_fields
 
-    raw = load_raw_config(load_config(args.config))  # load_config names the file in its errors
-    model_type = raw.get("model_type", "minifleet")
-    if model_type == "minifleet":
-        from ..plan import plan_from_config
-
-        plan_from_config(raw)  # impossible sizes refused by name before a model is built
-        return raw
+    try:
+        raw = load_raw_config(load_config(args.config))
+        model_type = raw.get("model_type", "minifleet")
+        if model_type == "minifleet":
+            # impossible sizes and invalid fields (rope_theta, layernorm_epsilon, ...) refused by
+            # name before a model is built, not reported later as a parity failure
+            plan_from_config(raw)
+            return raw
+        check_caps(raw)
+        check_numeric_fields(raw)
+    except (ValueError, TypeError) as e:
+        raise about("--config", args.config, e) from e
     if not _paddlefleet_installed():
         raise CliError(
             f"--config {args.config!r} is a PaddleFleet model config (model_type {model_type!r}); "
