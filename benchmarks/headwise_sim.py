@@ -272,7 +272,7 @@ def simulate(
         while i < len(running) and budget_left > 0:
             r = running[i]
             n = min(r.target - r.ctx, budget_left) if r.ctx < r.target else 1
-            while not mgr.append(r.rid, n):
+            while not mgr.append(r.rid, n, computed=mgr.num_tokens(r.rid)):
                 victim = running.pop()
                 mgr.preempt(victim.rid)
                 victim.ctx, victim.target = 0, victim.prompt + victim.gen
@@ -321,7 +321,7 @@ def simulate(
                     break
                 if r.rid not in mgr:
                     mgr.admit(r.rid)
-                if not mgr.append(r.rid, n):
+                if not mgr.append(r.rid, n, computed=mgr.num_tokens(r.rid)):
                     raise RuntimeError(f"admission check passed but append failed for request {r.rid}")
                 free = [f - nd for f, nd in zip(free, need, strict=True)]
                 reserve = [res + ex for res, ex in zip(reserve, extra, strict=True)]
@@ -342,7 +342,7 @@ def simulate(
         steps += 1
         max_conc = max(max_conc, len(running))
         for r, _ in sched:  # the step ran: release what no later query sees
-            mgr.recycle(r.rid)
+            mgr.release(r.rid, mgr.num_tokens(r.rid))
         emitted = 0
         done_ids = set()
         for r, _ in sched:
@@ -417,9 +417,9 @@ def capacity(model: Model, mode: str, blocks: list[int], block_size: int, length
         left = prompt + out - 1
         while left:
             n = min(left, chunk)
-            if not mgr.append(k, n):
+            if not mgr.append(k, n, computed=mgr.num_tokens(k)):
                 return k
-            mgr.recycle(k)
+            mgr.release(k, mgr.num_tokens(k))
             left -= n
         k += 1
 

@@ -97,7 +97,7 @@ def run(backend_name: str, mode: str, num_blocks: int, nan_released: bool, seed:
             if rid not in mgr:
                 mgr.admit(rid)
             dec.append(mgr.num_tokens(rid))
-            result = mgr.append(rid, n)
+            result = mgr.append(rid, n, computed=dec[-1])
             assert result.ok, (step, rid, result)
         this = [n for _, n in batch]
         t = sum(this)
@@ -133,7 +133,7 @@ def run(backend_name: str, mode: str, num_blocks: int, nan_released: bool, seed:
         refs.append(np.concatenate(ref))
         before = owned()
         for rid in ids:
-            mgr.recycle(rid)
+            mgr.release(rid, mgr.num_tokens(rid))
         if nan_released:
             poison(before - owned())
     return outs, refs, mgr

@@ -204,12 +204,14 @@ def run_schedule(seed: int) -> dict[str, int]:
     next_id = 0
 
     def do_append(q: int, k: int) -> None:
-        n_new, c_new = book.n[q] + k, book.n[q]  # appending means q's previous step has run
+        # computed bound: all held tokens (q's previous step ran) or less (a lagging worker)
+        c_new = book.n[q] if rng.random() < 0.5 else rng.randint(book.c[q], book.n[q])
+        n_new = book.n[q] + k
         expect = book.expected_missing(q, n_new, c_new)
-        dry = mgr.can_append(q, k)
+        dry = mgr.can_append(q, k, computed=c_new)
         assert dry.ok == (not expect) and dry.missing == expect, (dry, expect)
         before = snapshot(mgr) if expect else None
-        res = mgr.append(q, k)
+        res = mgr.append(q, k, computed=c_new)
         assert res.ok == (not expect) and res.missing == expect, (res, expect, seed)
         if res.ok:
             seen["ok"] += 1
@@ -245,12 +247,13 @@ def run_schedule(seed: int) -> dict[str, int]:
             do_append(q, rng.randint(1, 4) * (max(book.total) + 1) * bs)  # more than any pool holds
         elif op < 0.71:
             before = snapshot(mgr)
-            mgr.can_append(q, rng.randint(0, 20))
+            mgr.can_append(q, rng.randint(0, 20), computed=book.n[q])
             assert snapshot(mgr) == before
-        elif op < 0.86:  # the step of q ran: release what left the windows (else skipped)
-            released = mgr.recycle(q)
+        elif op < 0.86:  # some of q's steps ran: release what left the windows (else skipped)
+            c_new = rng.randint(book.c[q], book.n[q])
+            released = mgr.release(q, c_new)
             old = sum(len(b) for heads in book.rec[q] for b in heads)
-            book.c[q] = book.n[q]
+            book.c[q] = c_new
             book.observe(mgr, q)
             assert released == old - sum(len(b) for heads in book.rec[q] for b in heads)
             seen["recycled"] += 1
@@ -307,20 +310,26 @@ def test_issue_13_repro_full_head_grows_before_sliding_head_releases():
     plan = AttentionPlan((layer_of(0, 2, 1, 2),))
     mgr = HeadwiseKVManager(plan, num_blocks=4, block_size=1)
     mgr.admit("a")
-    assert mgr.append("a", 4)
+    assert mgr.append("a", 4, computed=mgr.num_tokens("a"))
     assert mgr.free_pages == 0
-    assert mgr.can_append("a", 1).ok
-    assert mgr.append("a", 1).ok
+    assert mgr.can_append("a", 1, computed=mgr.num_tokens("a")).ok
+    assert mgr.append("a", 1, computed=mgr.num_tokens("a")).ok
     assert mgr.head_pages("a", 0, 1)[:2] == [-1, -1]  # the query at 4 sees keys 2..4
     assert len(set(mgr.head_pages("a", 0, 0)) | {p for p in mgr.head_pages("a", 0, 1) if p >= 0}) == 8
     assert mgr.free_pages == 0
     # next step: head 1 gives block 2 back but both heads need a page: one short; both calls
     # refuse alike and nothing changes (head 1 keeps block 2 although it could release it)
-    res = mgr.can_append("a", 1)
+    res = mgr.can_append("a", 1, computed=mgr.num_tokens("a"))
     before = (mgr.free_pages, mgr.head_pages("a", 0, 0), mgr.head_pages("a", 0, 1))
-    assert not res.ok and res.missing == {0: 1} and mgr.append("a", 1).missing == {0: 1}
+    assert (
+        not res.ok
+        and res.missing == {0: 1}
+        and mgr.append("a", 1, computed=mgr.num_tokens("a")).missing == {0: 1}
+    )
     assert (mgr.free_pages, mgr.head_pages("a", 0, 0), mgr.head_pages("a", 0, 1)) == before
-    assert mgr.recycle("a") == 1 and mgr.free_pages == 1  # after the step: block 2 of head 1
+    assert (
+        mgr.release("a", mgr.num_tokens("a")) == 1 and mgr.free_pages == 1
+    )  # after the step: block 2 of head 1
 
 
 def test_release_in_a_later_group_pays_for_growth_nowhere_else():
@@ -328,13 +337,17 @@ def test_release_in_a_later_group_pays_for_growth_nowhere_else():
     plan = AttentionPlan((layer_of(0, 1, None, None), layer_of(1, 2, 1, 1)))
     mgr = HeadwiseKVManager(plan, [8, 3], block_size=1)  # group 1: 6 pages
     mgr.admit("a")
-    assert mgr.append("a", 2)  # group 1: 2 heads x 2 blocks, 2 pages free
+    assert mgr.append("a", 2, computed=mgr.num_tokens("a"))  # group 1: 2 heads x 2 blocks, 2 pages free
     before = snapshot(mgr)
     # group 0 could grow; group 1: head 1 frees 1 block at c = 2, the heads need 4: one short
-    res = mgr.append("a", 2)
-    assert not res.ok and res.missing == {1: 1} and mgr.can_append("a", 2).missing == {1: 1}
+    res = mgr.append("a", 2, computed=mgr.num_tokens("a"))
+    assert (
+        not res.ok
+        and res.missing == {1: 1}
+        and mgr.can_append("a", 2, computed=mgr.num_tokens("a")).missing == {1: 1}
+    )
     assert snapshot(mgr) == before
-    assert mgr.append("a", 1)  # fits: head 1 gives block 0 back first
+    assert mgr.append("a", 1, computed=mgr.num_tokens("a"))  # fits: head 1 gives block 0 back first
 
 
 def test_huge_pool_constructs_without_allocating():
@@ -342,7 +355,7 @@ def test_huge_pool_constructs_without_allocating():
     mgr = HeadwiseKVManager(plan, 10**9, 4)  # lazy pool: nothing allocated up front
     assert mgr.total_pages == mgr.free_pages == 10**9
     mgr.admit("a")
-    assert mgr.append("a", 10) and mgr.head_pages("a", 0, 0) == [0, 1, 2]
+    assert mgr.append("a", 10, computed=mgr.num_tokens("a")) and mgr.head_pages("a", 0, 0) == [0, 1, 2]
     with pytest.raises(ValueError, match=r"num_blocks\[0\]=1073741824"):
         HeadwiseKVManager(make_plan(), 2**30, 4)  # 2**31 pages of a 2-head group overflow int32 ids
     assert MAX_PAGES == 2**31 - 1
@@ -370,14 +383,16 @@ def test_released_pages_serve_other_requests():
     )
     mgr = HeadwiseKVManager(plan, num_blocks=4, block_size=4)  # 8 pages
     mgr.admit("a")
-    assert mgr.append("a", 16)  # 4 blocks x 2 heads = all 8 pages
+    assert mgr.append("a", 16, computed=mgr.num_tokens("a"))  # 4 blocks x 2 heads = all 8 pages
     assert mgr.free_pages == 0
     mgr.admit("b")
-    assert mgr.append("b", 4).missing == {0: 2}
+    assert mgr.append("b", 4, computed=mgr.num_tokens("b")).missing == {0: 2}
     a_head1 = mgr.head_pages("a", 0, 1)
-    assert mgr.recycle("a") == 3  # head 1 of "a" keeps only block 3: the next query (16) sees 13..16
+    assert (
+        mgr.release("a", mgr.num_tokens("a")) == 3
+    )  # head 1 of "a" keeps only block 3: the next query (16) sees 13..16
     assert mgr.head_pages("a", 0, 1) == [-1, -1, -1, a_head1[3]]
-    assert mgr.append("b", 4)
+    assert mgr.append("b", 4, computed=mgr.num_tokens("b"))
     pages_b = set(mgr.head_pages("b", 0, 0) + mgr.head_pages("b", 0, 1))
     assert len(pages_b) == 2 and pages_b <= set(a_head1[:3])  # the pages head 1 of "a" gave back
     assert mgr.request_pages("b") == {0: 2} and mgr.request_pages("a") == {0: 5}
@@ -391,13 +406,13 @@ def test_bad_arguments():
         HeadwiseKVManager(plan, 4, 4, mode="fancy")
     mgr = HeadwiseKVManager(plan, 4, 4)
     with pytest.raises(ValueError, match="req_id"):
-        mgr.append("x", 1)
+        mgr.append("x", 1, computed=mgr.num_tokens("x"))
     mgr.admit("x")
     with pytest.raises(ValueError, match="req_id"):
         mgr.admit("x")
     with pytest.raises(ValueError, match="n_tokens"):
-        mgr.append("x", -1)
-    mgr.append("x", 9)
+        mgr.append("x", -1, computed=mgr.num_tokens("x"))
+    mgr.append("x", 9, computed=mgr.num_tokens("x"))
     with pytest.raises(ValueError, match="max_pages"):
         mgr.tables(["x"], max_pages=2)
     assert mgr.tables(["x"], max_pages=8)[2].shape == (4, 8)

@@ -91,7 +91,7 @@ def test_huge_pool_is_lazy_not_allocated():
     mgr = HeadwiseKVManager(plan, 10**9, 4)
     assert mgr.total_pages == mgr.free_pages == 2 * 10**9
     mgr.admit("a")
-    assert mgr.append("a", 9) and mgr.free_pages == 2 * 10**9 - 6
+    assert mgr.append("a", 9, computed=mgr.num_tokens("a")) and mgr.free_pages == 2 * 10**9 - 6
     mgr.finish("a")
     assert mgr.free_pages == mgr.total_pages
     assert MAX_PAGES == 2**31 - 1
@@ -102,7 +102,7 @@ def test_numpy_integers_are_counts():
     np = pytest.importorskip("numpy")
     mgr = manager(num_blocks=np.int64(4), block_size=np.int32(2))
     mgr.admit("a")
-    assert mgr.append("a", np.int64(3)).ok and mgr.num_tokens("a") == 3
+    assert mgr.append("a", np.int64(3), computed=np.int64(0)).ok and mgr.num_tokens("a") == 3
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -125,14 +125,16 @@ def test_bad_request_ids(req, exc, match):
 
 def test_unknown_and_repeated_ids():
     mgr = manager()
-    for call in (mgr.append, mgr.can_append):
+    for call in (mgr.append, mgr.can_append, mgr.reserve, mgr.can_reserve):
         with pytest.raises(ValueError, match="req_id='x' is not admitted"):
-            call("x", 1)
-    for call in (mgr.recycle, mgr.finish, mgr.preempt, mgr.num_tokens, mgr.request_pages):
+            call("x", 1, 0)
+    with pytest.raises(ValueError, match="req_id='x' is not admitted"):
+        mgr.release("x", 0)
+    for call in (mgr.finish, mgr.preempt, mgr.num_tokens, mgr.request_pages):
         with pytest.raises(ValueError, match="req_id='x' is not admitted"):
             call("x")
     with pytest.raises(TypeError, match="hashable"):
-        mgr.append([1], 1)
+        mgr.append([1], 1, 0)
     assert [1] not in mgr
     mgr.admit("x")
     with pytest.raises(ValueError, match="already admitted"):
@@ -158,11 +160,36 @@ def test_unknown_and_repeated_ids():
 def test_bad_token_counts_change_nothing(n, exc, match):
     mgr = manager()
     mgr.admit("a")
-    assert mgr.append("a", 3)
+    assert mgr.append("a", 3, computed=mgr.num_tokens("a"))
     before = state(mgr)
     for call in (mgr.append, mgr.can_append):
         with pytest.raises(exc, match=match):
-            call("a", n)
+            call("a", n, 3)
+    assert state(mgr) == before
+
+
+@pytest.mark.parametrize(
+    ("target", "computed", "exc", "match"),
+    [
+        (8, 9, ValueError, r"computed=9: expected an int in \[0, 8\]"),  # computed past the slots
+        (2, 6, ValueError, r"computed=6: expected an int in \[0, 5\]"),  # slots never shrink: 5 held
+        (8, -1, ValueError, "computed=-1"),
+        (8, 2.0, TypeError, "computed=2.0"),
+        (8, None, TypeError, "computed=None"),
+        (-1, 0, ValueError, "target_tokens=-1"),
+        (True, 0, TypeError, "target_tokens=True"),
+    ],
+)
+def test_bad_computed_bounds_change_nothing(target, computed, exc, match):
+    mgr = manager()
+    mgr.admit("a")
+    assert mgr.reserve("a", 5, 0)
+    before = state(mgr)
+    for call in (mgr.reserve, mgr.can_reserve):
+        with pytest.raises(exc, match=match):
+            call("a", target, computed)
+    with pytest.raises(ValueError, match=r"computed=6: expected an int in \[0, 5\]"):
+        mgr.release("a", 6)
     assert state(mgr) == before
 
 
@@ -170,20 +197,22 @@ def test_token_total_bounded_by_int32():
     plan = AttentionPlan((layer(0, 1, 0, 0),))  # one sliding head, window 0: holds ~1 block
     mgr = HeadwiseKVManager(plan, 4096, 2**20)
     mgr.admit("a")
-    assert mgr.append("a", MAX_TOKENS - 5)  # a long request in huge blocks
+    assert mgr.append("a", MAX_TOKENS - 5, computed=mgr.num_tokens("a"))  # a long request in huge blocks
     with pytest.raises(ValueError, match="more than MAX_TOKENS"):
-        mgr.append("a", 10)
+        mgr.append("a", 10, computed=mgr.num_tokens("a"))
     assert mgr.num_tokens("a") == MAX_TOKENS - 5
 
 
 def test_oversized_append_is_refused_quickly_and_changes_nothing():
     mgr = manager()
     mgr.admit("a")
-    assert mgr.append("a", 5)
+    assert mgr.append("a", 5, computed=mgr.num_tokens("a"))
     before = state(mgr)
-    res = mgr.append("a", 10**9)  # far more than the pool: arithmetic, no allocation
+    res = mgr.append(
+        "a", 10**9, computed=mgr.num_tokens("a")
+    )  # far more than the pool: arithmetic, no allocation
     assert not res.ok and res.status == "insufficient" and res.missing_pages > 0
-    assert mgr.can_append("a", 10**9).missing == res.missing
+    assert mgr.can_append("a", 10**9, computed=mgr.num_tokens("a")).missing == res.missing
     assert state(mgr) == before
 
 
@@ -192,9 +221,9 @@ def test_issue_repro_refused_or_done_never_raises():
     plan = AttentionPlan((layer(0, 2, 1, 2),))
     mgr = HeadwiseKVManager(plan, num_blocks=4, block_size=1)
     mgr.admit("a")
-    assert mgr.append("a", 4)
-    assert mgr.can_append("a", 1).ok
-    assert mgr.append("a", 1).ok  # raised IndexError: pop from empty list
+    assert mgr.append("a", 4, computed=mgr.num_tokens("a"))
+    assert mgr.can_append("a", 1, computed=mgr.num_tokens("a")).ok
+    assert mgr.append("a", 1, computed=mgr.num_tokens("a")).ok  # raised IndexError: pop from empty list
 
 
 def test_multi_group_refusal_is_atomic():
@@ -202,9 +231,9 @@ def test_multi_group_refusal_is_atomic():
     plan = AttentionPlan((layer(0, 1, None, None), layer(1, 2, 1, 1)))
     mgr = HeadwiseKVManager(plan, [100, 2], 1)
     mgr.admit("a")
-    assert mgr.append("a", 2)
+    assert mgr.append("a", 2, computed=mgr.num_tokens("a"))
     before = state(mgr)
-    assert not mgr.append("a", 5)
+    assert not mgr.append("a", 5, computed=mgr.num_tokens("a"))
     assert state(mgr) == before
 
 
@@ -224,7 +253,7 @@ def test_multi_group_refusal_is_atomic():
 def test_bad_table_widths(kw, exc, match):
     mgr = manager()
     mgr.admit("a")
-    mgr.append("a", 5)
+    mgr.append("a", 5, computed=mgr.num_tokens("a"))
     with pytest.raises(exc, match=match):
         mgr.tables(["a"], **kw)
 

@@ -32,25 +32,26 @@ part of this package, ``docs/kvcache.md`` has the details):
 
 * pools: size each group's caches with :func:`size_pools` (or one ``num_blocks`` for all) and
   allocate layer ``l``'s cache with its group's ``num_blocks``.
-* a waiting request is admitted with :meth:`HeadwiseKVManager.admit` and its first prefill
-  chunk reserved with :meth:`append` where V1 allocates blocks for the chunk; ``insufficient``
-  means "keep it waiting" (nothing was allocated). :meth:`held_pages` prices the pages a
-  request will still need, for admission reservations.
-* each step, every running request calls ``append(req_id, n)`` for its next ``n`` tokens (1 for
-  decode, the chunk for prefill) BEFORE the step runs; ``insufficient`` -> preempt the newest
-  running request (:meth:`preempt`, it re-queues with zero tokens) and retry.
-* after the step ran (where V1 processes the step's output), :meth:`recycle` releases
-  out-of-window pages; the next ``append`` would do it too.
+* a waiting request is admitted with :meth:`admit`; where V1 allocates blocks (a prefill
+  chunk, or decode blocks allocated ahead) call :meth:`reserve` with the token target and the
+  computed bound; ``insufficient`` means "keep it waiting" (nothing was allocated).
+  :meth:`held_pages` prices the pages a request will still need, for admission reservations.
+* the computed bound is explicit: tokens before the earliest query that may still run. Under
+  FastDeploy that is ``num_computed_tokens`` before the step's chunk (a chunk is counted as
+  computed when scheduled, and the worker lags the engine), never the allocated target, which
+  runs up to 2 blocks + 12 tokens ahead.
+* :meth:`release` releases out-of-window pages without allocating (the next ``reserve`` does
+  it too); :meth:`preempt` frees everything and re-queues with zero tokens.
 * :meth:`finish` frees everything when the request ends or is aborted.
 * :meth:`tables` gives ``{layer index: int32 [bsz * Hkv, max_pages]}`` in batch-slot order
   (``None`` for an empty slot); the worker copies it into ``ForwardMeta.block_tables_headwise``
   (a mapping layer -> table, see ``BatchMeta.headwise_table``); :meth:`block_tables` gives the
   ordinary ``[bsz, max_blocks]`` tables of whole-block groups.
 
-Contract: one ``append`` per request per step, and the previous step of that request has run
-when ``append`` is called (no overlap scheduling of the same request). ``append`` is atomic and
-self-sufficient: it releases what the windows allow (every group) before it allocates, so it
-needs no prior :meth:`recycle`, and ``can_append`` gives its answer on every state.
+Contract: ``reserve`` / ``append`` / ``release`` are atomic and self-sufficient: each releases
+what the windows allow up to its ``computed`` bound (every group) before it allocates, and the
+dry runs (``can_reserve``, ``can_append``) give their answer on every state. A synchronous driver
+whose previous step has run passes ``computed = num_tokens(req_id)``.
 
 Bounds: a group holds at most ``MAX_PAGES`` (``2**31 - 1``, int32 page ids) pages and a request
 at most ``MAX_TOKENS`` tokens (int32 sequence lengths); larger sizes are refused at construction
@@ -321,28 +322,49 @@ class HeadwiseKVManager:
         """Tokens with cache slots (including the ones reserved for the running step)."""
         return self._req(req_id).num_tokens
 
-    def append(self, req_id: Any, n_tokens: int) -> AllocResult:
-        """Reserve pages for the next ``n_tokens`` tokens of every head of every group.
+    def reserve(self, req_id: Any, target_tokens: int, computed: int) -> AllocResult:
+        """Give every lane of every group slots for ``target_tokens`` tokens, after releasing the
+        pages no query at position ``computed`` or later can see.
 
-        Marks the tokens appended before as computed (their step has run) and first releases
-        out-of-window pages, which the new tokens may reuse. On ``insufficient`` nothing
-        changes (no release, no allocation).
+        ``computed``: tokens before the earliest query that may still run (FastDeploy: the
+        request's ``num_computed_tokens`` BEFORE this step's chunk, since a scheduled chunk counts
+        as computed while it has not run, and the worker may lag); at most the tokens held after
+        the call. A target below the tokens already held allocates nothing (slots never shrink).
+        On ``insufficient`` nothing changes (no release, no allocation).
         """
         r = self._req(req_id)
-        new_n = r.num_tokens + self._n_tokens(r, n_tokens)
+        new_n = max(r.num_tokens, _count("target_tokens", target_tokens))
+        c = _count("computed", computed, 0, new_n)
         bs = self.block_size
-        computed = r.num_tokens
         have = -(-r.num_tokens // bs)
         need = -(-new_n // bs)
-        if need == have and computed < r.next_release:  # fast path: nothing to free or allocate
-            r.num_tokens, r.computed = new_n, computed
+        if need == have and c < r.next_release:  # fast path: nothing to free or allocate
+            r.num_tokens, r.computed = new_n, max(r.computed, c)
             return _OK
-        missing = self._missing(r, computed, need)
+        missing = self._missing(r, c, need)
         if missing:
             return AllocResult(False, missing)
-        self._apply(r, computed, need)
+        self._apply(r, c, need)
         r.num_tokens = new_n
         return _OK
+
+    def can_reserve(self, req_id: Any, target_tokens: int, computed: int) -> AllocResult:
+        """Dry run of :meth:`reserve`: would it succeed now? Changes nothing."""
+        r = self._req(req_id)
+        new_n = max(r.num_tokens, _count("target_tokens", target_tokens))
+        c = _count("computed", computed, 0, new_n)
+        missing = self._missing(r, c, -(-new_n // self.block_size))
+        return AllocResult(not missing, missing)
+
+    def append(self, req_id: Any, n_tokens: int, computed: int) -> AllocResult:
+        """:meth:`reserve` for ``n_tokens`` more tokens than the request holds."""
+        r = self._req(req_id)
+        return self.reserve(req_id, r.num_tokens + self._n_tokens(r, n_tokens), computed)
+
+    def can_append(self, req_id: Any, n_tokens: int, computed: int) -> AllocResult:
+        """Dry run of :meth:`append`."""
+        r = self._req(req_id)
+        return self.can_reserve(req_id, r.num_tokens + self._n_tokens(r, n_tokens), computed)
 
     def _n_tokens(self, r: _Request, n_tokens: Any) -> int:
         n = _count("n_tokens", n_tokens)
@@ -353,25 +375,21 @@ class HeadwiseKVManager:
             )
         return n
 
-    reserve = append
-
-    def can_append(self, req_id: Any, n_tokens: int) -> AllocResult:
-        """Dry run of :meth:`append`: would it succeed now? Changes nothing."""
+    def release(self, req_id: Any, computed: int) -> int:
+        """Release the pages no query at position ``computed`` or later can see (``computed`` as
+        in :meth:`reserve`, at most the tokens held). Returns the number of pages released."""
         r = self._req(req_id)
-        need = -(-(r.num_tokens + self._n_tokens(r, n_tokens)) // self.block_size)
-        missing = self._missing(r, r.num_tokens, need)
-        return AllocResult(not missing, missing)
-
-    def recycle(self, req_id: Any) -> int:
-        """Call after the step that computed the appended tokens: release pages no current or
-        future query can see. Returns the number of pages released."""
-        r = self._req(req_id)
-        if r.num_tokens < r.next_release:  # fast path: no block left every window yet
-            r.computed = r.num_tokens
+        c = _count("computed", computed, 0, r.num_tokens)
+        if c < r.next_release:  # fast path: no block left every window yet
+            r.computed = max(r.computed, c)
             return 0
         before = self.free_pages
-        self._apply(r, r.num_tokens, None)
+        self._apply(r, c, None)
         return self.free_pages - before
+
+    def computed(self, req_id: Any) -> int:
+        """The largest ``computed`` bound given for the request so far."""
+        return self._req(req_id).computed
 
     def finish(self, req_id: Any) -> None:
         """Free every page of the request and forget it."""
@@ -425,7 +443,7 @@ class HeadwiseKVManager:
                     ids = lane.ids
                     while len(ids) < need:
                         ids.append(pool.take())
-        r.computed = computed
+        r.computed = max(r.computed, computed)
         r.next_release = nxt
 
     def _free_all(self, r: _Request) -> None:
@@ -582,6 +600,46 @@ class HeadwiseKVManager:
         return out
 
 
+def pool_demand(
+    groups: Sequence[LayerGroup],
+    block_size: int,
+    context_len: int,
+    max_batched_tokens: int = 0,
+    lookahead_tokens: int = 0,
+) -> tuple[list[float], list[float]]:
+    """Blocks per group ``(per_request, transient)``: what one request at ``context_len`` tokens
+    holds, and what a step's prefill chunks (``max_batched_tokens`` in all) hold on top.
+
+    A full lane holds ``ceil((context_len + lookahead_tokens) / bs)`` blocks (FastDeploy's
+    decode look-ahead is not capped at ``max_model_len``); a releasing lane at most
+    ``ceil((W + lookahead_tokens) / bs) + 2`` (window plus the partial blocks at both ends, plus
+    what a scheduler allocates ahead of the computed tokens: FastDeploy's decode look-ahead is up
+    to 2 blocks + 12 tokens), and ``ceil(max_batched_tokens / bs)`` more while a chunk runs. A
+    head-wise group counts each lane as ``1 / num_kv_heads`` of a block.
+    """
+    groups = list(groups)
+    if not groups or not all(isinstance(g, LayerGroup) for g in groups):
+        raise TypeError(f"groups={groups!r}: expected a non-empty list of LayerGroup (groups_from_plan)")
+    block_size = _count("block_size", block_size, 1)
+    context_len = _count("context_len", context_len, 1)
+    max_batched_tokens = _count("max_batched_tokens", max_batched_tokens)
+    lookahead_tokens = _count("lookahead_tokens", lookahead_tokens)
+    per_req, trans = [], []
+    full_blocks = -(-(context_len + lookahead_tokens) // block_size)
+    for g in groups:
+        share = g.unit / g.num_kv_heads  # blocks' worth per lane
+        pr = tr = 0.0
+        for w in g.lanes:
+            if w is None:
+                pr += full_blocks * share
+            else:
+                pr += min(full_blocks, -(-(w + lookahead_tokens) // block_size) + 2) * share
+                tr += -(-max_batched_tokens // block_size) * share
+        per_req.append(pr)
+        trans.append(tr)
+    return per_req, trans
+
+
 def size_pools(
     groups: Sequence[LayerGroup],
     budget_bytes: int,
@@ -589,25 +647,20 @@ def size_pools(
     block_size: int,
     context_len: int,
     max_batched_tokens: int = 0,
+    lookahead_tokens: int = 0,
 ) -> list[int]:
     """Split ``budget_bytes`` of KV memory into blocks per group (static sizing).
 
     ``block_bytes[g]``: bytes of one block over all of group ``g``'s layers (K and V, all heads).
-    Each request at ``context_len`` tokens holds ``ceil(context_len / bs)`` blocks on a full lane
-    and at most ``ceil(W / bs) + 2`` on a releasing lane (window plus the partial blocks at both
-    ends); a step's prefill chunks (``max_batched_tokens`` in all) transiently need more on
-    releasing lanes. The split makes every group run out at the same concurrency ``N``:
-    ``blocks_g = N * per_request_g + transient_g``. Without releasing lanes it is FastDeploy's
-    uniform ``num_blocks``.
+    Per-request and transient blocks per group come from :func:`pool_demand`. The split makes
+    every group run out at the same concurrency ``N``: ``blocks_g = N * per_request_g +
+    transient_g``. Without releasing lanes it is FastDeploy's uniform ``num_blocks``.
+    (``kvcache/pools.py`` ``split_kv_pools`` is the serving-side split built on this.)
     """
     import math
 
     groups = list(groups)
-    if not groups or not all(isinstance(g, LayerGroup) for g in groups):
-        raise TypeError(f"groups={groups!r}: expected a non-empty list of LayerGroup (groups_from_plan)")
-    block_size = _count("block_size", block_size, 1)
-    context_len = _count("context_len", context_len, 1)
-    max_batched_tokens = _count("max_batched_tokens", max_batched_tokens)
+    per_req, trans = pool_demand(groups, block_size, context_len, max_batched_tokens, lookahead_tokens)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | float):
         raise TypeError(f"budget_bytes={budget_bytes!r}: expected a number of bytes")
     if not math.isfinite(budget_bytes) or budget_bytes <= 0:
@@ -618,30 +671,21 @@ def size_pools(
         if g.index not in block_bytes:
             raise ValueError(f"block_bytes has no entry for group {g.index} (keys {sorted(block_bytes)})")
         _count(f"block_bytes[{g.index}]", block_bytes[g.index], 1, 2**62)
-    per_req, trans = [], []
-    full_blocks = -(-context_len // block_size)
-    for g in groups:
-        share = g.unit / g.num_kv_heads  # blocks' worth per lane
-        pr = tr = 0.0
-        for w in g.lanes:
-            if w is None:
-                pr += full_blocks * share
-            else:
-                pr += min(full_blocks, -(-w // block_size) + 2) * share
-                tr += -(-max_batched_tokens // block_size) * share
-        per_req.append(pr)
-        trans.append(tr)
     fixed = sum(block_bytes[g.index] * t for g, t in zip(groups, trans, strict=True))
     per_n = sum(block_bytes[g.index] * p for g, p in zip(groups, per_req, strict=True))
     if budget_bytes <= fixed or per_n <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r}: too small for the transient prefill pages")
     n = (budget_bytes - fixed) / per_n
     blocks = [int(n * p + t) for p, t in zip(per_req, trans, strict=True)]
+    check_pool_pages(groups, blocks, f"budget_bytes={budget_bytes!r}")
+    return blocks
+
+
+def check_pool_pages(groups: Sequence[LayerGroup], blocks: Sequence[int], why: str) -> None:
+    """Refuse a group whose pool would hold more than ``MAX_PAGES`` pages (int32 page ids)."""
     for g, nb in zip(groups, blocks, strict=True):
         if nb * g.num_kv_heads > MAX_PAGES:
             raise ValueError(
-                f"budget_bytes={budget_bytes!r} gives group {g.index} {nb} blocks x {g.num_kv_heads} "
-                "kv heads, "
+                f"{why} gives group {g.index} {nb} blocks x {g.num_kv_heads} kv heads, "
                 f"more than MAX_PAGES={MAX_PAGES} pages (int32 page ids); use a larger block_size"
             )
-    return blocks

@@ -119,7 +119,8 @@ class HeadwiseKVState:
             if rid not in mgr:
                 mgr.admit(rid)
             dec.append(mgr.num_tokens(rid))
-            result = mgr.append(rid, n)
+            # synchronous runner: the request's previous step has run, so all it holds is computed
+            result = mgr.append(rid, n, computed=dec[-1])
             if not result:
                 raise ValueError(
                     f"head-wise KV pool exhausted: request {rid!r} needs {result.missing_pages} more "
@@ -146,7 +147,7 @@ class HeadwiseKVState:
         future query of ``request_ids`` can see. Returns the pages released."""
         before = self._owned()
         for rid in request_ids:
-            self.manager.recycle(rid)
+            self.manager.release(rid, self.manager.num_tokens(rid))
         released = self._poison(before, self._owned())
         self.pages_released += released
         return released
