@@ -16,6 +16,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from typing import Any
 
@@ -94,11 +95,28 @@ def _backend(name: str | None) -> Any:
         else:
             name = backend_name()
     try:
-        return get_backend(name)
+        backend = get_backend(name)
     except ModuleNotFoundError as e:
         raise (missing_extra(e, f"attention backend {name!r}") or e) from e
     except ImportError as e:
         raise CliError(f"attention backend {name!r} is not available: {e}") from e
+    if getattr(backend, "name", None) == "triton" and _triton_interpreter():
+        from ..kernels import _framework
+
+        if _framework.torch is None:
+            # Triton's CPU interpreter copies every tensor argument through torch's storage API
+            # (untyped_storage / set_): paddle tensors cannot run there, only on a GPU
+            raise CliError(
+                f"--backend {name} under the Triton CPU interpreter (TRITON_INTERPRET=1) needs torch, which "
+                "is not installed: install this package's 'torch' extra (pip install -e '.[torch]'); "
+                "on a GPU the kernels take paddle tensors without torch"
+            )
+    return backend
+
+
+def _triton_interpreter() -> bool:
+    """Whether ``TRITON_INTERPRET`` turns on Triton's CPU interpreter (Triton's own truthy spellings)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")
 
 
 def _paddleformers_case(args: Any, backend: Any) -> Any:
