@@ -6,6 +6,7 @@ a launcher may set a variable after the package was imported.
 * ``FDFLEET_BACKEND``: ``auto`` (default) | ``reference`` | ``triton``
 * ``FDFLEET_HEADWISE_KV``: boolean, default ``False``
 * ``FDFLEET_PREFILL_KERNEL``: ``auto`` (default) | ``hopper`` | ``portable``
+* ``FDFLEET_KV_RECYCLE``: ``auto`` (default) | ``off``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
   ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
@@ -123,5 +124,14 @@ def prefill_kernel() -> str:
     return _choice("FDFLEET_PREFILL_KERNEL", PREFILL_KERNELS, "auto")
 
 
+KV_RECYCLE_MODES: tuple[str, ...] = ("auto", "off")
+
+
+def kv_recycle() -> str:
+    """``FDFLEET_KV_RECYCLE``: ``auto`` (default: window recycling inside FastDeploy's scheduler and
+    runner wherever the plan has sliding windows or heads) or ``off`` (every layer keeps every block)."""
+    return _choice("FDFLEET_KV_RECYCLE", KV_RECYCLE_MODES, "auto")
+
+
 #: every switch's getter (check_all runs them all)
-_GETTERS = (backend_name, headwise_kv, log_level, model_impl_is_paddlefleet, prefill_kernel)
+_GETTERS = (backend_name, headwise_kv, kv_recycle, log_level, model_impl_is_paddlefleet, prefill_kernel)
