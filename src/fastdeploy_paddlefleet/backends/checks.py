@@ -24,6 +24,21 @@ from .base import BatchMeta
 
 #: dtypes q/k/v and the cache may have (the part of ``str(dtype)`` after the last dot)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: dtypes the integer metadata may have (the kernels read int32: wider ones are range-checked first)
+INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+#: the integer ``BatchMeta`` fields the kernels read as int32
+META_INT_FIELDS = (
+    "seq_lens_encoder",
+    "seq_lens_decoder",
+    "seq_lens_this_time",
+    "cu_seqlens_q",
+    "batch_id_per_token",
+    "block_tables",
+    "block_tables_headwise",
+)
+#: the cache axes a zero stride would alias (``[num_blocks, Hkv, block_size, D]``)
+CACHE_AXES = ("blocks", "kv heads", "slots", "channels")
 
 
 def to_numpy(x: Any) -> Any:
@@ -43,16 +58,76 @@ def to_numpy(x: Any) -> Any:
 def _host(meta: BatchMeta, name: str, x: Any) -> Any:
     """``to_numpy(x)`` as int64, memoized on ``meta`` per field and tensor object (layers share it).
 
-    ``TypeError`` for metadata that is not integer (a float table would be truncated: 2.7 -> 2)."""
+    ``TypeError`` for metadata that is not integer (a float table would be truncated: 2.7 -> 2),
+    ``ValueError`` for values the kernels' int32 would wrap (a page id 2**32 read as 0)."""
     cache = meta.__dict__.setdefault("_host_arrays", {})
     hit = cache.get(name)
     if hit is None or hit[0] is not x:  # keyed on the object: a replaced field is copied again
+        field = "meta." + name.split("@")[0].replace("page_table", "block_tables_headwise")
+        check_int_dtype(field, x)
         a = to_numpy(x)
-        if a.dtype.kind not in "iu":
-            field = name.split("@")[0].replace("page_table", "block_tables_headwise")
-            raise TypeError(f"meta.{field} must hold integers (int32), got dtype {a.dtype}")
+        check_int32_range(field, a)
         hit = cache[name] = (x, a.astype("int64", copy=False))
     return hit[1]
+
+
+def _int_dtype_name(x: Any) -> str:
+    """The dtype name of a tensor, numpy array or (nested) list of metadata."""
+    import numpy as np
+
+    return dtype_name(x.dtype) if hasattr(x, "dtype") else str(np.asarray(x).dtype)
+
+
+def check_int_dtype(name: str, x: Any) -> None:
+    """Integer metadata only (O(1), no sync): a float ``block_tables`` or ``seq_lens_*`` would be
+    truncated by the cast to int32 (2.7 -> 2), a bool read as 0 / 1. ``TypeError`` naming ``name``."""
+    got = _int_dtype_name(x)
+    if got not in INT_DTYPES:
+        raise TypeError(f"{name} must hold integers (int32), got dtype {got}")
+
+
+def check_int32_range(name: str, a: Any) -> None:
+    """Every value of the host array ``a`` fits int32, the kernels' index type: a wider value is
+    refused, never wrapped (2**32 would become page 0). ``ValueError`` naming the entry and value."""
+    import numpy as np
+
+    a = np.asarray(a)
+    if (a.dtype.kind == "i" and a.dtype.itemsize <= 4) or a.size == 0:
+        return
+    bad = (a < INT32_MIN) | (a > INT32_MAX)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = f"[{', '.join(map(str, idx))}]" if idx else ""
+        raise ValueError(
+            f"{name}{where} = {int(a[idx])} is outside int32 [{INT32_MIN}, {INT32_MAX}]: the kernels index "
+            "with int32 (refused, not wrapped)"
+        )
+
+
+def is_on_host(x: Any) -> bool:
+    """Whether reading ``x``'s values needs no device sync (numpy, lists, CPU tensors)."""
+    if not hasattr(x, "dtype") or type(x).__module__.split(".")[0] == "numpy":
+        return True
+    device = getattr(x, "device", None)
+    if getattr(device, "type", None) == "cpu":  # torch
+        return True
+    place = getattr(x, "place", None)  # paddle
+    return bool(place is not None and (place.is_cpu_place() or place.is_cuda_pinned_place()))
+
+
+def check_int32_narrowing(name: str, x: Any) -> None:
+    """Whether ``x`` may be narrowed to int32 without a wrap, at no sync: int32 (or narrower) passes;
+    a wider dtype is range-checked where the host holds the values and refused on a device (its
+    values cannot be read without a sync: pass int32). ``TypeError`` / ``ValueError`` naming ``name``."""
+    got = _int_dtype_name(x)
+    if got in ("int8", "int16", "int32", "uint8", "uint16"):
+        return
+    if not is_on_host(x):
+        raise TypeError(
+            f"{name} is {got} on {getattr(x, 'place', getattr(x, 'device', '?'))}: the kernels read int32 "
+            "and served mode cannot range-check device values without a sync; pass int32"
+        )
+    check_int32_range(name, to_numpy(x))
 
 
 def dtype_name(dtype: Any) -> str:
@@ -187,9 +262,61 @@ def _check_writes(name: str, table: Any, rows: Any, pos: Any, bs: int, unit: str
         )
 
 
+def _row_name(row: int, hkv: int | None) -> str:
+    """``request b`` for a per-request table, ``request b kv head h`` for a head-wise row."""
+    return f"request {row}" if hkv is None else f"request {row // hkv} kv head {row % hkv} (row {row})"
+
+
+def _check_logical_aliasing(name: str, table: Any, used: Any, unit: str, hkv: int | None) -> None:
+    """No two logical blocks of one row (one request, or one request's kv head) that a step reads or
+    writes on one physical block / page: the newer keys would overwrite the older ones."""
+    import numpy as np
+
+    r, c = np.nonzero(used)
+    if r.size < 2:
+        return
+    vals = table[r, c]
+    order = np.lexsort((c, vals, r))
+    rr, vv, cc = r[order], vals[order], c[order]
+    dup = (rr[1:] == rr[:-1]) & (vv[1:] == vv[:-1])
+    if dup.any():
+        i = int(np.argmax(dup))
+        raise ValueError(
+            f"{name}: {unit} {int(vv[i])} appears twice in row {int(rr[i])} ({_row_name(int(rr[i]), hkv)}): "
+            f"logical blocks {int(cc[i])} and {int(cc[i + 1])} on one {unit}"
+        )
+
+
+def _check_written_owned(name: str, table: Any, used: Any, written: Any, unit: str, hkv: int | None) -> None:
+    """A block / page written this step belongs to the one row writing it: it is in no other row's
+    range this step (prefix sharing shares only full, read-only blocks). ``used`` / ``written``:
+    ``[rows, cols]`` masks of the entries each row reads or writes / writes."""
+    import numpy as np
+
+    wr, wc = np.nonzero(written)
+    if wr.size == 0:
+        return
+    wp = table[wr, wc]
+    pages, first = np.unique(wp, return_index=True)
+    owner = wr[first]
+    ur, uc = np.nonzero(used)
+    up = table[ur, uc]
+    at = np.minimum(np.searchsorted(pages, up), pages.size - 1)
+    foreign = (pages[at] == up) & (owner[at] != ur)
+    if foreign.any():
+        i = int(np.argmax(foreign))
+        w, u = int(owner[at[i]]), int(ur[i])
+        writes = bool(written[u, uc[i]])
+        raise ValueError(
+            f"{name}: {unit} {int(up[i])} is written this step by {_row_name(w, hkv)} and "
+            f"{'also written' if writes else 'read'} by {_row_name(u, hkv)} (logical block {int(uc[i])}): "
+            f"a {unit} being written belongs to one request"
+        )
+
+
 def _check_page_heads(name: str, table: Any, used: Any, hkv: int) -> None:
-    """A page holds one kv head's keys: the pages a step reads or writes may repeat only across
-    requests for the same kv head (shared prefixes), never across heads or inside one row."""
+    """A page holds one kv head's keys: the pages a step reads or writes may repeat across rows only for
+    the same kv head (shared prefixes), never across heads."""
     import numpy as np
 
     r, c = np.nonzero(used)
@@ -198,17 +325,52 @@ def _check_page_heads(name: str, table: Any, used: Any, hkv: int) -> None:
     pages, heads = table[r, c], r % hkv
     order = np.lexsort((r, pages))
     p, h, rr = pages[order], heads[order], r[order]
-    clash = (p[1:] == p[:-1]) & ((h[1:] != h[:-1]) | (rr[1:] == rr[:-1]))
+    clash = (p[1:] == p[:-1]) & (h[1:] != h[:-1])
     if clash.any():
         i = int(np.argmax(clash))
-        if rr[i] == rr[i + 1]:
-            raise ValueError(
-                f"{name}: page {int(p[i])} appears twice in row {int(rr[i])} (kv head {int(h[i])}): "
-                "two logical blocks on one page"
-            )
         raise ValueError(
             f"{name}: page {int(p[i])} is mapped to row {int(rr[i])} (kv head {int(h[i])}) and row "
             f"{int(rr[i + 1])} (kv head {int(h[i + 1])}); a page holds one head's keys"
+        )
+
+
+def _strides(x: Any) -> tuple[int, ...]:
+    """Element strides of a paddle / torch tensor."""
+    st = x.stride() if callable(getattr(x, "stride", None)) else x.strides
+    return tuple(int(s) for s in st)
+
+
+def check_cache_strides(name: str, cache: Any) -> None:
+    """No zero stride on an axis of ``cache [num_blocks, Hkv, block_size, D]`` with more than one entry
+    (O(1)): a broadcast view would map every block / head / slot onto one memory row, so a write to one
+    would silently overwrite the others. ``ValueError`` naming the cache, axis and strides."""
+    strides = _strides(cache)
+    for axis, (size, st) in enumerate(zip(_shape(cache), strides, strict=True)):
+        if st == 0 and size > 1:
+            raise ValueError(
+                f"{name} has stride 0 on axis {axis} ({CACHE_AXES[axis]}; strides {list(strides)}, shape "
+                f"{list(_shape(cache))}): its {size} {CACHE_AXES[axis]} would share one memory row"
+            )
+
+
+def _data_ptr(x: Any) -> int | None:
+    try:
+        return int(x.data_ptr())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def check_distinct_caches(key_cache: Any, value_cache: Any) -> None:
+    """K and V caches are distinct tensors (O(1): identity and data pointer): one tensor passed as both
+    would have every value write overwrite the keys. ``ValueError`` naming both."""
+    same = key_cache is value_cache
+    if not same:
+        pk, pv = _data_ptr(key_cache), _data_ptr(value_cache)
+        same = pk is not None and pk == pv and pk != 0
+    if same:
+        raise ValueError(
+            "kv_cache[0] (key cache) and kv_cache[1] (value cache) are the same tensor (or start at the "
+            "same memory): K and V caches must be distinct tensors"
         )
 
 
@@ -234,6 +396,9 @@ def _check_operands(q: Any, k: Any, v: Any, layer: LayerAttention, meta: BatchMe
         raise TypeError(
             f"key and value caches must share one dtype, got {kv_cache[0].dtype} and {kv_cache[1].dtype}"
         )
+    check_distinct_caches(kv_cache[0], kv_cache[1])
+    check_cache_strides("kv_cache[0] (key cache)", kv_cache[0])
+    check_cache_strides("kv_cache[1] (value cache)", kv_cache[1])
     return t, nb, bs
 
 
@@ -347,7 +512,9 @@ def _check_no_aliasing(
     active: Any,
     bs: int,
 ) -> None:
-    """Write collisions and heads sharing a page (memoized per step and table: layers share it)."""
+    """Aliasing of one step's table (memoized per step and table: layers share it): write collisions,
+    two logical blocks of a row on one block / page, a block / page written by one row and used by
+    another, heads sharing a page."""
     import numpy as np
 
     hkv = layer.num_kv_heads
@@ -357,15 +524,21 @@ def _check_no_aliasing(
     if key in done:
         return
     pos = dec[bid] + (np.arange(bid.shape[0]) - cu[bid])  # absolute position of each packed token
+    cols = np.arange(table.shape[1])[None, :]
     if page_table is None:
-        _check_writes("meta.block_tables", tables, bid[:, None], pos, bs, "block")
+        name, unit, row_hkv = "meta.block_tables", "block", None
+        rows, act, first, lo_r, hi_r = bid[:, None], active, dec // bs, lo.min(axis=1), hi[:, 0]
     else:
-        name = f"block_tables_headwise (layer {layer.index})"
+        name, unit, row_hkv = f"block_tables_headwise (layer {layer.index})", "page", hkv
         rows = bid[:, None] * hkv + np.arange(hkv)[None, :]
-        _check_writes(name, page_table, rows, pos, bs, "page")
-        cols = np.arange(page_table.shape[1])[None, :]
-        lo_r, hi_r = lo.reshape(-1)[:, None], hi.reshape(-1)[:, None]
-        used = np.repeat(active, hkv)[:, None] & (cols >= lo_r) & (cols <= hi_r)
+        act, first = np.repeat(active, hkv), np.repeat(dec // bs, hkv)
+        lo_r, hi_r = lo.reshape(-1), hi.reshape(-1)
+    _check_writes(name, table, rows, pos, bs, unit)
+    used = act[:, None] & (cols >= lo_r[:, None]) & (cols <= hi_r[:, None])
+    written = used & (cols >= first[:, None])
+    _check_logical_aliasing(name, table, used, unit, row_hkv)
+    _check_written_owned(name, table, used, written, unit, row_hkv)
+    if page_table is not None:
         _check_page_heads(name, page_table, used, hkv)
     done.add(key)
 
@@ -380,8 +553,10 @@ def validate_shapes(
     sinks: Any = None,
 ) -> None:
     """The checks of :func:`validate_inputs` that need no host copy (shapes, dtypes, ranks, the
-    metadata's lengths): safe inside a CUDA graph capture and on FastDeploy's hot path, where the
-    metadata's values stay on the device. Raises ``ValueError`` / ``TypeError`` like it."""
+    metadata's lengths and integer dtypes, caches distinct and without zero strides): safe inside a
+    CUDA graph capture and on FastDeploy's hot path, where the metadata's values stay on the device
+    (int64 metadata is range-checked only where the host holds it, refused on a device). Raises
+    ``ValueError`` / ``TypeError`` like it."""
     t = _check_operands(q, k, v, layer, meta, kv_cache)[0]
     hq = layer.num_q_heads
     bsz = _shape(meta.seq_lens_this_time)[0] if meta.seq_lens_this_time is not None else None
@@ -395,6 +570,12 @@ def validate_shapes(
     if meta.block_tables is None or len(_shape(meta.block_tables)) != 2:
         got = None if meta.block_tables is None else list(_shape(meta.block_tables))
         raise ValueError(f"meta.block_tables must have shape [bsz={bsz}, max_blocks], got {got}")
+    page_table = meta.headwise_table(layer.index)
+    for name in META_INT_FIELDS:
+        x = page_table if name == "block_tables_headwise" else getattr(meta, name)
+        if x is not None:
+            check_int_dtype(f"meta.{name}", x)
+            check_int32_narrowing(f"meta.{name}", x)
     if layer.sink == "learnable" and (sinks is None or _shape(sinks) != (hq,)):
         got = None if sinks is None else list(_shape(sinks))
         raise ValueError(f"sinks must have shape [{hq}] for layer {layer.index}, got {got}")

@@ -4,25 +4,55 @@ FastDeploy fills one ``ForwardMeta`` per step (names: ``seq_lens_encoder``, ``se
 ``seq_lens_this_time``, ``cu_seqlens_q``, ``batch_id_per_token``, ``block_tables``, ``caches``,
 ``exist_prefill``); this module translates it without any host synchronisation, so the step it
 feeds can be captured in a CUDA graph.
+
+Checks at this edge cost O(1) per field and never read device values: integer dtypes only (a float
+``block_tables`` would be truncated), int64 values range-checked where the host holds them (lists,
+numpy, CPU tensors) and refused on a device (narrowing would wrap 2**32 to 0), every cache tensor
+distinct. Checks on the values (aliasing, ranges) belong to the backend's checked mode
+(``backends/checks.py``); in served mode the kernels bounds-check every table entry and record the
+first bad one in a device error flag (``PaddleFleetForCausalLM`` reads it, ``docs/fastdeploy.md``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import paddle
 
 from ..backends import BatchMeta
+from ..backends.checks import check_int32_narrowing, check_int_dtype
 from ..plan.layer import AttentionPlan
 from ._fields import field as _get
 
 
-def _int32_flat(value: Any, name: str) -> paddle.Tensor:
+def _int32(value: Any, name: str) -> paddle.Tensor:
+    """``forward_meta.<name>`` as a paddle int32 tensor, refused rather than narrowed wrongly: a float
+    or bool dtype (``TypeError``; the cast would truncate 2.7 to 2), values outside int32 where the host
+    holds them (``ValueError``; 2**32 would wrap to 0), a wider dtype on a device (``TypeError``: its
+    values cannot be checked without a sync). Sync-free: dtype, place and host values only."""
     if value is None:
         raise ValueError(f"forward_meta.{name} is required, got None")
-    t = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
-    return t.reshape([-1]).astype("int32")
+    check_int_dtype(f"forward_meta.{name}", value)
+    check_int32_narrowing(f"forward_meta.{name}", value)
+    t = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(np.asarray(value))
+    return t if t.dtype == paddle.int32 else t.astype("int32")
+
+
+def _int32_flat(value: Any, name: str) -> paddle.Tensor:
+    return _int32(value, name).reshape([-1])
+
+
+def _headwise_tables(value: Any) -> Any:
+    """``forward_meta.block_tables_headwise`` (one table or ``layer index -> table``) with each table
+    checked and narrowed like ``block_tables``; ``None`` passes."""
+    name = "block_tables_headwise"
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return {layer: _int32(t, f"{name}[{layer!r}]") for layer, t in value.items()}
+    return _int32(value, name)
 
 
 def pair_caches(caches: Sequence[Any] | None, num_layers: int) -> list[tuple[Any, Any]]:
@@ -40,7 +70,23 @@ def pair_caches(caches: Sequence[Any] | None, num_layers: int) -> list[tuple[Any
         raise ValueError(
             f"forward_meta.caches holds {len(pairs)} key/value pairs, the plan has {num_layers} layers"
         )
+    _check_distinct_tensors(pairs)
     return pairs
+
+
+def _check_distinct_tensors(pairs: list[tuple[Any, Any]]) -> None:
+    """Every cache tensor of the step appears once (O(layers), identity only): one tensor as both K and
+    V, or shared by two layers, would have one write overwrite the other's keys."""
+    seen: dict[int, str] = {}
+    for layer, pair in enumerate(pairs):
+        for kind, t in zip(("key", "value"), pair, strict=True):
+            where = f"layer {layer} {kind}"
+            first = seen.setdefault(id(t), where)
+            if first != where:
+                raise ValueError(
+                    f"forward_meta.caches: the {where} cache is the same tensor as the {first} cache; "
+                    "every layer's K and V caches must be distinct tensors"
+                )
 
 
 def layer_caches(caches: Sequence[Any] | None, plan: AttentionPlan) -> list[tuple[Any, Any]]:
@@ -102,7 +148,7 @@ def batch_meta_from_forward_meta(
     tables = _get(forward_meta, "block_tables")
     if tables is None:
         raise ValueError("forward_meta.block_tables is required, got None")
-    tables = (tables if isinstance(tables, paddle.Tensor) else paddle.to_tensor(tables)).astype("int32")
+    tables = _int32(tables, "block_tables")
     if block_size is None:
         block_size = _get(forward_meta, "block_size")
     if block_size is None:
@@ -124,7 +170,7 @@ def batch_meta_from_forward_meta(
         batch_id_per_token=batch_id,
         block_tables=tables,
         block_size=int(block_size),
-        block_tables_headwise=_get(forward_meta, "block_tables_headwise"),
+        block_tables_headwise=_headwise_tables(_get(forward_meta, "block_tables_headwise")),
         max_seq_len_this_time=max_q,
         max_context_len=None,
     )

@@ -52,6 +52,7 @@ import paddle
 
 from ..adapter.context import StepContext, StepContextHolder
 from ..backends import AttentionBackend, BatchMeta
+from ..backends.deferred_errors import DeferredErrorCheck
 from ..plan.layer import AttentionPlan
 from ._fields import field as _get
 from .build import build_from_fd_config, resolve_backend
@@ -212,6 +213,8 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         self.block_size = None if block_size is None else int(block_size)
         self.backend = resolve_backend(backend)
         self.holder = StepContextHolder()
+        #: the kernels' device error flags, read one step late (no sync in the serving loop)
+        self._kernel_errors = DeferredErrorCheck(self.backend)
         self.patch_report = patch_core_attention(model, plan, self.backend, holder=self.holder)
         from ..envs import headwise_kv
 
@@ -279,8 +282,11 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         if num_tokens == 0 or bool(_get(forward_meta, "is_zero_size")):
             return self._idle_forward()
         if self._graph_step is not None:  # FastDeploy's graph optimization: CUDA graphs for decode steps
-            return self._graph_step(ids_remove_padding=ids, forward_meta=forward_meta)
-        return self._step(ids, forward_meta)
+            hidden = self._graph_step(ids_remove_padding=ids, forward_meta=forward_meta)
+        else:
+            hidden = self._step(ids, forward_meta)
+        self._kernel_errors.snapshot()  # outside the captured region; read at the next compute_logits
+        return hidden
 
     def _step(self, ids: paddle.Tensor, forward_meta: Any) -> paddle.Tensor:
         """One step over ``ids [T]``: no host synchronisation (FastDeploy may capture it in a CUDA graph)."""
@@ -339,7 +345,12 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
 
     @paddle.no_grad()
     def compute_logits(self, hidden_states: paddle.Tensor, forward_meta: Any = None) -> paddle.Tensor:
-        """LM head: ``hidden_states [T, hidden]`` -> logits ``[T, vocab]`` float32."""
+        """LM head: ``hidden_states [T, hidden]`` -> logits ``[T, vocab]`` float32.
+
+        First reports a bad block-table entry the kernels recorded in the previous step's forward (whose
+        output FastDeploy has synchronised since): ``ValueError`` naming request, logical block and
+        value; no sync otherwise (``backends/deferred_errors.py``)."""
+        self._kernel_errors.check()
         if hidden_states.ndim != 2:
             raise ValueError(f"hidden_states must be [T, hidden], got shape {list(hidden_states.shape)}")
         tokens = int(hidden_states.shape[0])
