@@ -1,0 +1,315 @@
+"""``PaddleFleetModelRunner``: FastDeploy's ``GPUModelRunner`` with per-layer caches and page tables.
+
+Built lazily (:func:`runner_class`) as a subclass of FastDeploy's own
+``fastdeploy.worker.gpu_model_runner.GPUModelRunner``. When the model is not the plugin's
+(``model_config.architectures[0] != "PaddleFleetForCausalLM"``) every overridden method calls
+FastDeploy's own at once: the runner IS FastDeploy's. For the plugin's model:
+
+* ``cal_theortical_kvcache``: the price of one block from the real per-layer shapes
+  (:func:`sizing.block_bytes`, the cache dtype's bytes), so FastDeploy's
+  ``num_gpu_blocks = available // price`` is right;
+* ``initialize_kv_cache``: each layer's K ``[blocks_l, Hkv_l, bs, qk_l]`` and V ``[blocks_l, Hkv_l,
+  bs, v_l]`` (no uniform inflation), passed flat ``[k0, v0, k1, v1, ...]`` as FastDeploy does;
+  with window recycling ``blocks_l`` is the pool of the layer's group from ``split_kv_pools`` over
+  the budget ``num_gpu_blocks * price``;
+* with recycling, per-group page tables (``page_tables.DevicePageTables``, fixed addresses) are
+  updated in ``insert_tasks_v1`` from the ``KVDelta`` each task carries, and
+  ``initialize_forward_meta`` hands them to the model as ``forward_meta.block_tables_headwise``
+  (``{layer: [bsz * Hkv, max_blocks]}``, read by ``serving/forward_meta.py`` into ``BatchMeta``).
+
+Where FastDeploy already prices every layer by its own shape (a runner newer than c1b7c083d that
+derives per-layer kv heads itself) and no recycling is asked for, the runner defers to FastDeploy's
+sizing (:meth:`FleetKV.defers`). Refused by name for the plugin's model: caches created by another
+process (``splitwise_role`` other than ``mixed``, ``kvcache_storage_backend``) and CPU swap
+(``num_cpu_blocks > 0``), whose managers assume FastDeploy's single shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .._fields import field as _get
+from ..registration import ARCHITECTURE
+
+logger = logging.getLogger(__name__)
+
+#: FastDeploy's ``RequestType`` values that free a batch slot
+_FREED_SLOT_TYPES = ("PREEMPTED", "ABORT")
+
+_RUNNER_CLASS: Any = None
+
+
+def is_paddlefleet_model(fd_config: Any) -> bool:
+    """Whether ``fd_config`` serves the plugin's model (its routing puts our class first)."""
+    archs = _get(_get(fd_config, "model_config"), "architectures")
+    archs = [archs] if isinstance(archs, str) else list(archs or [])
+    return bool(archs) and archs[0] == ARCHITECTURE
+
+
+def _recycle_wanted() -> bool:
+    """``FDFLEET_KV_RECYCLE`` (``auto``: on where the plan has windows; ``off``)."""
+    from ...envs import kv_recycle
+
+    return kv_recycle() != "off"
+
+
+class FleetKV:
+    """The plugin's cache state inside one runner: plan, layout, sizes and page tables."""
+
+    def __init__(self, runner: Any) -> None:
+        from ...patch import cache_plan
+        from ..kv_recycling.protocol import layout_from_plans, merge_tp_plans
+        from .sizing import check_layout_matches
+
+        fd_config = runner.fd_config
+        model = runner.model
+        self.layers = list(cache_plan(model.plan, model.backend))  # V padded where the backend needs it
+        mc = _get(fd_config, "model_config")
+        cc = _get(fd_config, "cache_config")
+        self.dtype = str(_get(mc, "dtype") or "bfloat16")
+        self.block_size = int(_get(cc, "block_size"))
+        self.layout = None
+        self.merged_plan = None
+        self.tables = None
+        #: blocks per group of the caches allocated now (None before a non-profile allocation)
+        self.group_blocks: list[int] | None = None
+        self.split = None
+        if _recycle_wanted():
+            plans = _rank_plans(fd_config)
+            layout = layout_from_plans(plans, self.block_size)
+            if layout.slides:
+                check_layout_matches(self.layers, layout)
+                self.layout = layout
+                self.merged_plan = merge_tp_plans(plans)
+        if self.layout is not None:
+            from .page_tables import DevicePageTables
+
+            share = runner.share_inputs
+            max_num_seqs = int(share["block_tables"].shape[0])
+            max_blocks = int(share["block_tables"].shape[1])
+            self.tables = DevicePageTables(self.layout, max_num_seqs, max_blocks)
+            logger.info(
+                "paddlefleet runner: window recycling on, layout %s, %d groups, page tables "
+                "[%d slots, %d blocks]",
+                self.layout.layout_id,
+                len(self.layout.groups),
+                max_num_seqs,
+                max_blocks,
+            )
+
+    def price(self) -> int:
+        """Bytes of one block over every layer, in the cache dtype."""
+        from .sizing import block_bytes
+
+        return block_bytes(self.layers, self.block_size, self.dtype)
+
+    def defers(self, fastdeploy_price: int) -> bool:
+        """No recycling and FastDeploy's own price already equals the per-layer sum (at FastDeploy's
+        2 bytes per element): FastDeploy sizes every layer by its shape itself, or all layers are
+        alike. FastDeploy's own sizing is kept then."""
+        from .sizing import block_bytes
+
+        per_layer = block_bytes(self.layers, self.block_size, "bf16")
+        return self.layout is None and int(fastdeploy_price) == per_layer
+
+    def pool_split(self, fd_config: Any, num_gpu_blocks: int) -> Any:
+        """``split_kv_pools`` over ``num_gpu_blocks * price`` bytes (the same call the engine makes)."""
+        from ...kvcache.pools import split_kv_pools
+
+        sc = _get(fd_config, "scheduler_config")
+        mc = _get(fd_config, "model_config")
+        return split_kv_pools(
+            self.merged_plan,
+            int(num_gpu_blocks) * self.price(),
+            self.block_size,
+            int(_get(mc, "max_model_len")),
+            int(_get(sc, "max_num_seqs")),
+            dtype=self.dtype,
+            mode=self.layout.mode,
+            max_num_batched_tokens=int(_get(sc, "max_num_batched_tokens") or 0),
+        )
+
+
+def _rank_plans(fd_config: Any) -> list[Any]:
+    """Every TP rank's plan of the model directory (a lane slides only if it slides on every rank)."""
+    from ...plan import plan_from_config
+
+    model_dir = _get(_get(fd_config, "model_config"), "model")
+    tp = int(_get(_get(fd_config, "parallel_config"), "tensor_parallel_size") or 1)
+    return [plan_from_config(str(model_dir), tp_size=tp, tp_rank=r) for r in range(tp)]
+
+
+def _check_cache_placement(fd_config: Any) -> None:
+    """Caches made by another process or swapped to the CPU assume FastDeploy's single shape."""
+    cc = _get(fd_config, "cache_config")
+    sc = _get(fd_config, "scheduler_config")
+    role = _get(sc, "splitwise_role") or "mixed"
+    if _get(cc, "kvcache_storage_backend") or role != "mixed":
+        raise ValueError(
+            f"splitwise_role={role!r}, kvcache_storage_backend={_get(cc, 'kvcache_storage_backend')!r}: "
+            "the paddlefleet runner sizes every layer's cache by its own shape, which FastDeploy's cache "
+            "messenger / storage processes cannot attach; serve --model-impl paddlefleet with "
+            "splitwise_role=mixed and no kvcache_storage_backend"
+        )
+    cpu_blocks = int(_get(cc, "num_cpu_blocks") or 0)
+    if cpu_blocks > 0:
+        raise ValueError(
+            f"cache_config.num_cpu_blocks={cpu_blocks} (swap_space): FastDeploy's cache transfer manager "
+            "swaps its single cache shape, not the paddlefleet runner's per-layer caches; serve without "
+            "swap space"
+        )
+
+
+def _make_runner_class() -> type:
+    from fastdeploy.worker import gpu_model_runner as fd_runner
+
+    Base = fd_runner.GPUModelRunner
+
+    class PaddleFleetModelRunner(Base):
+        """FastDeploy's ``GPUModelRunner``; per-layer caches and page tables for PaddleFleet models."""
+
+        def __init__(self, fd_config: Any, *args: Any, **kwargs: Any) -> None:
+            self.fleet: FleetKV | None = None
+            self._fleet_model = is_paddlefleet_model(fd_config)
+            super().__init__(fd_config, *args, **kwargs)
+
+        # -- model ------------------------------------------------------------------------------
+        def load_model(self) -> None:
+            super().load_model()
+            if not self._fleet_model:
+                return
+            if self.spec_method is not None:
+                logger.warning(
+                    "paddlefleet runner: speculative decoding (%s) keeps FastDeploy's single cache shape "
+                    "and no window recycling",
+                    self.spec_method,
+                )
+                return
+            if self.enable_cache_manager_v1:
+                logger.warning(
+                    "paddlefleet runner: ENABLE_V1_KVCACHE_MANAGER allocates FastDeploy's single cache shape "
+                    "itself; per-layer caches and window recycling are off"
+                )
+                return
+            self.fleet = FleetKV(self)
+
+        def _fleet_sizes(self) -> bool:
+            """Whether this runner, not FastDeploy, sizes the caches."""
+            return self.fleet is not None and not self.fleet.defers(Base.cal_theortical_kvcache(self))
+
+        # -- sizing -----------------------------------------------------------------------------
+        def cal_theortical_kvcache(self) -> int:
+            if not self._fleet_sizes():
+                return super().cal_theortical_kvcache()
+            return self.fleet.price()
+
+        def initialize_kv_cache(self, profile: bool = False) -> None:
+            if not self._fleet_sizes():
+                return super().initialize_kv_cache(profile=profile)
+            self._initialize_fleet_kv_cache(profile)
+
+        def _initialize_fleet_kv_cache(self, profile: bool) -> None:
+            import paddle
+
+            from .sizing import worker_caches
+
+            fleet = self.fleet
+            _check_cache_placement(self.fd_config)
+            group_blocks = None
+            if fleet.layout is not None and not profile:
+                fleet.split = fleet.pool_split(self.fd_config, self.num_gpu_blocks)
+                group_blocks = {g.index: g.num_blocks for g in fleet.split.groups}
+            caches = worker_caches(
+                fleet.layers,
+                fleet.block_size,
+                fleet.dtype,
+                int(self.num_gpu_blocks),
+                group_blocks,
+                fleet.layout.layer_group() if fleet.layout is not None else None,
+            )
+            local_rank = self.local_rank % self.parallel_config.tensor_parallel_size
+            cache_list = []
+            for c in caches.layers:
+                for role, shape in (("key", c.key_shape), ("value", c.value_shape)):
+                    name = f"{role}_caches_{c.index}_rank{local_rank}.device{self.device_id}"
+                    tensor = paddle.full(shape=list(shape), fill_value=0, dtype=fleet.dtype)
+                    fd_runner.set_data_ipc(tensor, name)
+                    self.cache_kvs_map[name] = tensor
+                    cache_list.append(tensor)
+            self.share_inputs["caches"] = cache_list
+            if group_blocks is not None:
+                fleet.group_blocks = [group_blocks[g] for g in sorted(group_blocks)]
+            logger.info(
+                "paddlefleet runner: %s kv cache, %d layers sized one by one (%.3f GiB)%s",
+                "profile" if profile else "serving",
+                len(caches.layers),
+                caches.nbytes / (1 << 30),
+                "" if group_blocks is None else f", blocks per group {fleet.group_blocks}",
+            )
+            if not profile:
+                self.cache_ready_signal.value[local_rank] = 1
+            if paddle.is_compiled_with_cuda():
+                paddle.device.cuda.empty_cache()
+
+        # -- page tables ------------------------------------------------------------------------
+        def _serving_tables(self) -> Any:
+            fleet = self.fleet
+            if fleet is None or fleet.tables is None or fleet.group_blocks is None:
+                return None
+            return fleet.tables
+
+        def insert_tasks_v1(self, req_dicts: Any, num_running_requests: int | None = None) -> Any:
+            tables = self._serving_tables()
+            if tables is not None:
+                self._apply_task_deltas(tables, req_dicts)
+            return super().insert_tasks_v1(req_dicts, num_running_requests)
+
+        def _apply_task_deltas(self, tables: Any, req_dicts: Any) -> None:
+            from ..kv_recycling.protocol import TASK_ATTR, task_delta
+
+            for i in range(len(req_dicts)):
+                request = req_dicts[i]
+                slot = self.share_inputs.get_index_by_batch_id(request.idx)
+                kind = getattr(request.task_type, "name", str(request.task_type))
+                if kind in _FREED_SLOT_TYPES:
+                    tables.clear_slot(slot, str(request.request_id))
+                    continue
+                delta = task_delta(request)
+                if delta is None:
+                    raise ValueError(
+                        f"task {request.request_id!r} ({kind}) carries no {TASK_ATTR}: the engine's window "
+                        "recycling hook is not running (FD_PLUGINS=paddlefleet and the same "
+                        "FDFLEET_KV_RECYCLE are needed in the engine process too)"
+                    )
+                tables.apply(slot, delta)
+
+        def _dummy_prefill_inputs(
+            self, input_length_list: Any, max_dec_len_list: Any, block_num: Any
+        ) -> None:
+            super()._dummy_prefill_inputs(input_length_list, max_dec_len_list, block_num)
+            tables = self._serving_tables()
+            if tables is not None:  # capture / warm-up after the pools exist: valid pages, never -1
+                for slot in range(len(input_length_list)):
+                    tables.fill_dummy(slot, block_num, self.fleet.group_blocks)
+
+        def initialize_forward_meta(self, is_dummy_or_profile_run: bool = False) -> None:
+            super().initialize_forward_meta(is_dummy_or_profile_run=is_dummy_or_profile_run)
+            tables = self._serving_tables()
+            if tables is not None:
+                bsz = int(self.share_inputs["seq_lens_this_time"].shape[0])
+                self.forward_meta.block_tables_headwise = tables.forward_tables(bsz)
+
+    PaddleFleetModelRunner.__module__ = __name__
+    return PaddleFleetModelRunner
+
+
+def runner_class() -> type:
+    """The runner class (built once, on first use, from FastDeploy's ``GPUModelRunner``)."""
+    global _RUNNER_CLASS
+    if _RUNNER_CLASS is None:
+        _RUNNER_CLASS = _make_runner_class()
+    return _RUNNER_CLASS
+
+
+__all__ = ["ARCHITECTURE", "FleetKV", "is_paddlefleet_model", "runner_class"]
