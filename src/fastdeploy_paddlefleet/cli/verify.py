@@ -2,8 +2,10 @@
 
 The model is minifleet (``--preset``, default ``tiny``, or a minifleet
 ``--config``), a PaddleFleet model built through PaddleFormers from a
-``--config`` of another ``model_type`` (random init; needs ``paddlefleet``), or
-a small PaddleFormers model (``--paddleformers ARCH``).
+``--config`` of another ``model_type`` (random init; needs ``paddlefleet``),
+a small PaddleFormers model (``--paddleformers ARCH``), or a checkpoint
+directory on its real weights (``--model DIR``: a minifleet model directory or
+a PaddleFormers checkpoint, ``runner.checkpoint_case``).
 ``--headwise-kv`` (default: ``FDFLEET_HEADWISE_KV``) allocates the KV cache in
 head-wise pages with sliding-window recycling; released pages are NaN-filled.
 Exit code 0 when every compared logit is within ``--tolerance`` and greedy
@@ -33,6 +35,14 @@ def add_parser(subparsers: Any) -> None:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help="minifleet preset name (default tiny; also tiny-mla)")
+    src.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="a checkpoint directory (config.json + *.safetensors): a minifleet model directory "
+        "(python -m fastdeploy_paddlefleet.serving.modeldir) or a PaddleFormers checkpoint "
+        "(gpt_oss, gemma3_text, deepseek_v3, llama; save_pretrained), verified on its real weights",
+    )
     src.add_argument(
         "--config",
         default=None,
@@ -129,6 +139,18 @@ def _paddleformers_case(args: Any, backend: Any) -> Any:
         raise (missing_extra(e, "--paddleformers") or e) from e
 
 
+def _checkpoint_case(model_dir: str, backend: Any, seed: int) -> Any:
+    """``--model DIR``: the checkpoint's own eager forward against the patched model, real weights."""
+    try:
+        from ..runner.checkpoint_case import build_checkpoint_case
+
+        return build_checkpoint_case(model_dir, backend, seed)
+    except ModuleNotFoundError as e:
+        raise (missing_extra(e, "--model") or e) from e
+    except (ValueError, TypeError) as e:
+        raise about("--model", model_dir, e) from e
+
+
 def _headwise_kv(flag: bool | None) -> bool:
     if flag is not None:
         return flag
@@ -216,9 +238,12 @@ def run(args: Any) -> int:
     headwise_kv = _headwise_kv(getattr(args, "headwise_kv", None))
     backend = _backend(args.backend)
     if args.paddleformers:
-        if args.preset:
-            raise CliError("--paddleformers and --preset cannot be combined")
+        for flag, value in (("--preset", args.preset), ("--model", getattr(args, "model", None))):
+            if value:
+                raise CliError(f"--paddleformers and {flag} cannot be combined")
         case = _paddleformers_case(args, backend)
+    elif getattr(args, "model", None) is not None:
+        case = _checkpoint_case(args.model, backend, args.seed)
     else:
         config = _minifleet_config(args)
         if isinstance(config, tuple):

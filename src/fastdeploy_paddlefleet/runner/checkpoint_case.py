@@ -1,0 +1,167 @@
+"""Verify cases on a checkpoint directory: ``fdfleet verify --model DIR``.
+
+The check a user runs before serving: the model in ``DIR`` (``config.json`` plus
+``*.safetensors``) is built twice on the checkpoint's real weights, one copy left
+with its own eager attention and one patched onto the paged path, and
+``runner.verify.run_verify`` compares them as for the embedded model. Two kinds
+of directory:
+
+* a minifleet model directory (``model_type: minifleet``), as
+  ``python -m fastdeploy_paddlefleet.serving.modeldir`` writes it: the weights
+  are the model's own names, loaded with ``serving.weights.assign_weights``
+  into two models built from different seeds (so a weight the checkpoint lacks
+  would show up as a difference; it is refused before that);
+* a PaddleFormers checkpoint of an architecture in
+  ``paddleformers_case.ARCHITECTURES`` (what ``save_pretrained`` writes): the
+  native model is PaddleFormers' own ``from_pretrained`` (its name and layout
+  conversions), the patched one gets its state dict.
+
+Every error names the directory (and the file or field): a missing directory,
+no ``config.json``, no ``*.safetensors``, weights the model has and the
+checkpoint lacks, a ``model_type`` it cannot build.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from ..backends.base import AttentionBackend
+from .verify import VerifyCase
+
+MINIFLEET = "minifleet"
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The ``*.safetensors`` files of ``model_dir``, after checking that it is a directory with a
+    ``config.json``; ``ValueError`` naming the directory otherwise."""
+    d = Path(model_dir)
+    if not d.exists():
+        raise ValueError(f"model directory {str(model_dir)!r}: no such directory")
+    if not d.is_dir():
+        raise ValueError(f"model directory {str(model_dir)!r}: not a directory (give the folder itself)")
+    if not (d / "config.json").is_file():
+        raise ValueError(f"model directory {str(model_dir)!r}: no config.json in it")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"model directory {str(model_dir)!r}: no *.safetensors weights in it "
+            "(write one with save_pretrained or python -m fastdeploy_paddlefleet.serving.modeldir)"
+        )
+    return files
+
+
+def tensor_names(files: list[Path]) -> set[str]:
+    """Every tensor name in ``files`` (headers only; no tensor is read)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="np") as f:
+                names.update(f.keys())
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise ValueError(f"{path}: not a readable safetensors file: {e}") from None
+    return names
+
+
+def _require(names: set[str], wanted: set[str], model_dir: str | Path, strip: str = "") -> None:
+    """Refuse a checkpoint that lacks weights the model has (``strip``: an optional name prefix)."""
+    missing = sorted(n for n in wanted if n not in names and f"{strip}{n}" not in names)
+    if missing:
+        raise ValueError(
+            f"model directory {str(model_dir)!r}: the checkpoint lacks {len(missing)} of the model's "
+            f"{len(wanted)} weights, e.g. {missing[:3]}: not a checkpoint of this config"
+        )
+
+
+def _minifleet_case(model_dir: Path, raw: dict[str, Any], files: list[Path], backend: Any, seed: int) -> Any:
+    from safetensors.numpy import load_file
+
+    from ..minifleet import build_minifleet, make_config
+    from ..plan import plan_from_config
+    from ..serving.weights import assign_weights
+    from .fleet_case import fleet_case
+
+    cfg = make_config(raw)
+    # different seeds: only the checkpoint's weights can make the two agree
+    native, paged = build_minifleet(cfg, seed=seed), build_minifleet(cfg, seed=seed + 1)
+    _require(tensor_names(files), set(native.state_dict()), model_dir, strip="model.")
+    for path in files:
+        tensors = load_file(str(path))
+        for model in (native, paged):
+            assign_weights(model, tensors)
+    extras = {"host": "minifleet", "model_dir": str(model_dir), "weights": [p.name for p in files]}
+    return fleet_case(f"checkpoint:{model_dir.name}", native, paged, plan_from_config(cfg), backend, extras)
+
+
+def _paddleformers_case(model_dir: Path, arch: str, files: list[Path], backend: Any, seed: int) -> Any:
+    import paddle
+    from paddleformers.transformers import AutoModelForCausalLM
+
+    from ..plan import plan_from_config
+    from .paddleformers_case import (
+        WORKAROUNDS,
+        ensure_paddlefleet_ops,
+        fix_gpt_oss_moe,
+        load_arch_config,
+        make_case,
+    )
+
+    config = load_arch_config(arch, model_dir)
+    if arch == "deepseek_v3":
+        ensure_paddlefleet_ops()
+    paddle.seed(seed + 1)
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    # PaddleFormers saves its own parameter names (layouts may differ: it converts them on load)
+    _require(tensor_names(files), set(twin.state_dict()), model_dir)
+    native = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), config=copy.deepcopy(config), dtype="float32"
+    )
+    missing, unexpected = twin.set_state_dict(native.state_dict())
+    if missing or unexpected:
+        raise ValueError(
+            f"model directory {str(model_dir)!r}: the loaded model and a fresh {arch} differ "
+            f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})"
+        )
+    for model in (native, twin):
+        model.eval()
+        if arch == "gpt_oss":
+            fix_gpt_oss_moe(model)
+    extras = {
+        "host": "paddleformers",
+        "arch": arch,
+        "model_dir": str(model_dir),
+        "weights": [p.name for p in files],
+        "workarounds": WORKAROUNDS.get(arch, []),
+    }
+    return make_case(f"checkpoint:{model_dir.name}", native, twin, plan_from_config(config), backend, extras)
+
+
+def build_checkpoint_case(
+    model_dir: str | Path, backend: str | AttentionBackend = "reference", seed: int = 0
+) -> VerifyCase:
+    """A ``VerifyCase`` on the checkpoint in ``model_dir`` (module doc): its real weights, its own
+    eager forward against the patched paged path. ``seed`` seeds only what the checkpoint does
+    not hold (the patched copy's initial weights, then overwritten)."""
+    from ..plan import load_config, plan_from_config
+    from .paddleformers_case import ARCHITECTURES
+
+    files = checkpoint_files(model_dir)
+    d = Path(model_dir)
+    raw = load_config(d)  # size-capped read; errors name the file
+    plan_from_config(raw)  # invalid fields (and a model_type that is not a string) named before a build
+    model_type = raw.get("model_type")
+    if model_type == MINIFLEET:
+        return _minifleet_case(d, raw, files, backend, seed)
+    if model_type in ARCHITECTURES:
+        return _paddleformers_case(d, model_type, files, backend, seed)
+    raise ValueError(
+        f"model directory {str(model_dir)!r}: model_type {model_type!r} cannot be built here: --model "
+        f"verifies minifleet model directories (python -m fastdeploy_paddlefleet.serving.modeldir) and "
+        f"PaddleFormers checkpoints of {', '.join(ARCHITECTURES)}"
+    )
+
+
+__all__ = ["build_checkpoint_case", "checkpoint_files", "tensor_names"]
