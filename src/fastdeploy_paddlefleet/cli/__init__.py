@@ -45,11 +45,16 @@ INTERRUPTED, BROKEN_PIPE, IO_ERROR = 130, 141, 74
 
 #: top-level module of an optional dependency -> the extra of this package that installs it
 EXTRAS: dict[str, str] = {
-    "paddle": "verify",
+    "paddle": "cpu",
     "tqdm": "verify",
+    "safetensors": "verify",
     "paddleformers": "paddleformers",
     "triton": "kernels",
     "torch": "torch",
+}
+#: what to say beside the extra (paddle: beside FastDeploy it comes with paddlepaddle-gpu, never the extra)
+EXTRA_NOTES: dict[str, str] = {
+    "paddle": "; beside FastDeploy install paddlepaddle-gpu from Paddle's index instead, never the CPU build",
 }
 
 logger = logging.getLogger(__name__)
@@ -127,7 +132,7 @@ def missing_extra(error: ModuleNotFoundError, what: str) -> CliError | None:
         return None
     return CliError(
         f"{what} needs {root!r}, which is not installed: install this package's {extra!r} extra "
-        f"(from a source checkout: pip install -e '.[{extra}]')"
+        f"(from a source checkout: pip install -e '.[{extra}]'){EXTRA_NOTES.get(root, '')}"
     )
 
 
