@@ -87,6 +87,26 @@ def _pages(
 
 
 @triton.jit
+def _scan_table(
+    Err, tbl_row, n_blk, n_pages, req, kvh, lo, hi,
+    BS: tl.constexpr, HEADWISE: tl.constexpr, KERNEL: tl.constexpr, SCAN: tl.constexpr = 64,
+):  # fmt: skip
+    """Record in ``Err`` the first table entry of keys ``[lo, hi)`` that may not be dereferenced
+    (``kernels/errors.py``). Kept out of the key loop, which only masks such entries: recording
+    there cost the prefill kernel ~8 % (registers, code in every phase; benchmarks/NOTES.md)."""
+    offs = tl.arange(0, SCAN)
+    for c in range(lo // BS, (hi + BS - 1) // BS, SCAN):
+        blk = c + offs
+        need = blk * BS < hi
+        raw = tl.load(tbl_row + blk, mask=need & (blk < n_blk), other=-1)
+        if HEADWISE:
+            head = blk * 0 + kvh
+        else:
+            head = blk * 0 - 1
+        check_entries(Err, raw, blk, n_blk, need, n_pages, req, head, blk, KERNEL, True)
+
+
+@triton.jit
 def _tile(
     acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, slot, ok, pos, lo_key, kv_len, window, qk_scale,
     stride_kp, stride_kr, stride_vp, stride_vr,
@@ -319,22 +339,24 @@ def _prefill_kernel(
         a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR, KERNEL_PREFILL,
+        SOFTCAP, False, KERNEL_PREFILL,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         ul, uh, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR, KERNEL_PREFILL,
+        SOFTCAP, False, KERNEL_PREFILL,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR, KERNEL_PREFILL,
+        SOFTCAP, False, KERNEL_PREFILL,
     )  # fmt: skip
+    if HAS_ERR:  # after the key loop (its table loads hit the cache): the keys these rows see
+        _scan_table(Err, tbl_row, n_blk, n_pages, b, kvh, lo_key, p_last + 1, BS, HEADWISE, KERNEL_PREFILL)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
@@ -395,22 +417,26 @@ def _decode_kernel(
         start, ul, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, HAS_ERR, KERNEL_DECODE,
+        SOFTCAP, False, KERNEL_DECODE,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         ul, uh, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, HAS_ERR, KERNEL_DECODE,
+        SOFTCAP, False, KERNEL_DECODE,
     )  # fmt: skip
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         uh, stop, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, HAS_ERR, KERNEL_DECODE,
+        SOFTCAP, False, KERNEL_DECODE,
     )  # fmt: skip
+    if HAS_ERR:  # after the key loop (its table loads hit the cache): this split's visible keys
+        _scan_table(
+            Err, tbl_row, n_blk, n_pages, b, kvh, tl.maximum(start, lo_key), stop, BS, HEADWISE, KERNEL_DECODE
+        )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dv_ok = offs_dv[None, :] < DV
     if NUM_SPLITS == 1:
