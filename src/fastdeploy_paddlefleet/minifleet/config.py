@@ -70,14 +70,15 @@ def make_config(config: dict | str | os.PathLike | MiniFleetConfig) -> MiniFleet
     if isinstance(config, MiniFleetConfig):
         return config
     raw = {k: v for k, v in load_raw_config(config).items() if not k.startswith("_")}
+    # before the aliases are resolved, so that the message names the field as written
+    check_caps(raw)  # before any per-layer list is built
+    check_numeric_fields(raw)  # NaN / negative / zero epsilons, RoPE bases, sizes: named by field
     for alias, name in _ALIASES.items():
         if raw.get(name) is None and raw.get(alias) is not None:
             raw[name] = raw[alias]
     for name in _REQUIRED:
         if raw.get(name) is None:
             raise ValueError(f"config field {name!r} is required (got None)")
-    check_caps(raw)  # before any per-layer list is built
-    check_numeric_fields(raw)  # NaN / negative / zero epsilons, RoPE bases, sizes: named by field
     c = dict(raw)
     heads = int(c["num_attention_heads"])
     c.setdefault("num_key_value_heads", None)
