@@ -482,6 +482,11 @@ class HeadwiseKVManager:
             for g, lanes in zip(self.groups, r.lanes, strict=True)
         }
 
+    def lane_ids(self, req_id: Any) -> list[list[list[int]]]:
+        """Copies of ``req_id``'s unit ids ``[group][lane][logical block]`` (``-1``: released);
+        a unit is a block of the group's cache (whole-block groups) or a page (head-wise)."""
+        return [[list(lane.ids) for lane in lanes] for lanes in self._req(req_id).lanes]
+
     def held_pages(self, num_tokens: int, computed: int | None = None) -> dict[int, int]:
         """Pages per group one request holds with ``num_tokens`` cached once every query before
         ``computed`` (default ``num_tokens``) has run: the release rule in closed form, for

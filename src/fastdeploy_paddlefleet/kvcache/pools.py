@@ -191,10 +191,45 @@ def split_kv_pools(
     )
 
 
+def split_fastdeploy_blocks(
+    plan: AttentionPlan,
+    num_gpu_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int = 0,
+    *,
+    dtype: Any = "bf16",
+    mode: RecycleMode = "headwise",
+) -> PoolSplit:
+    """:func:`split_kv_pools` of the bytes FastDeploy's ``num_gpu_blocks`` stand for.
+
+    FastDeploy counts ``num_gpu_blocks`` (``cache_config.total_block_num``) blocks of every layer
+    at once; with per-layer shapes one such block costs ``PoolSplit.fastdeploy_block_bytes``, so
+    the budget is ``num_gpu_blocks * fastdeploy_block_bytes``. The engine's scheduler hook and the
+    worker call this with the same FastDeploy settings and get the same blocks per group.
+    """
+    nbytes = dtype_bytes(dtype)
+    bs = _int("block_size", block_size, 1)
+    per_block = bs * sum(la.num_kv_heads * (la.qk_head_dim + la.v_head_dim) * nbytes for la in plan)
+    blocks = _int("num_gpu_blocks", num_gpu_blocks, 1)
+    return split_kv_pools(
+        plan,
+        blocks * per_block,
+        bs,
+        max_model_len,
+        max_num_seqs,
+        dtype=dtype,
+        mode=mode,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+
+
 __all__ = [
     "FASTDEPLOY_LOOKAHEAD_BLOCKS",
     "FASTDEPLOY_LOOKAHEAD_SLOTS",
     "GroupPool",
     "PoolSplit",
+    "split_fastdeploy_blocks",
     "split_kv_pools",
 ]

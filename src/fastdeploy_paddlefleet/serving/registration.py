@@ -403,6 +403,11 @@ def register_model_impl(*, early: bool = False) -> bool:
             actions += _wrap_model_config(model_config)
     if actions:
         logger.info("paddlefleet plugin (%s): %s", "early" if early else "model register", "; ".join(actions))
+    # window recycling in FastDeploy's scheduler: patches ResourceManagerV1 once it is imported
+    # (it stays inert unless --model-impl paddlefleet serves a plan with windows)
+    from .kv_recycling.scheduler import install_when_imported
+
+    install_when_imported()
     return found
 
 

@@ -1,0 +1,518 @@
+"""Window recycling inside FastDeploy's own scheduler (engine side).
+
+FastDeploy's ``ResourceManagerV1.schedule()`` keeps running unchanged; :func:`install` patches the
+few places where it touches KV blocks so they go to a :class:`HeadwiseKVManager` instead of
+``PrefixCacheManager``'s single free list, for a PaddleFleet model whose plan has sliding
+layers or heads:
+
+* ``ResourceManagerV1.__init__``: :func:`decide` reads the FastDeploy config; when recycling
+  applies, the instance gets a :class:`KVRecycler` (attribute :data:`RECYCLER_ATTR`) and its
+  ``cache_manager.can_allocate_gpu_blocks`` answers from the manager's pools. Every other model
+  keeps FastDeploy's behaviour exactly (the patched methods call the originals).
+* ``_allocate_gpu_blocks(request, n)``: ``reserve(request, (len(block_tables) + n) * block_size,
+  computed=request.num_computed_tokens)``. At that call FastDeploy has already set a decoding
+  request's ``num_computed_tokens`` to ``num_total_tokens - 1`` and has not yet added a prefill
+  chunk to it, so the bound is the first query that may still run: scheduled chunks count as
+  computed only from the next step on, and the look-ahead (2 blocks + 12 slots) is never counted.
+* ``_free_blocks(request)``: the whole request (finish, abort, preemption all pass here).
+* ``schedule()``: after FastDeploy's schedule, each prefill / decode task gets the request's
+  :class:`KVDelta` (``protocol.TASK_ATTR``); a decoding request that FastDeploy sent no task for
+  but whose oldest pages left every window releases them and gets a decode task carrying the
+  delta (FastDeploy sends decode tasks only when it allocates, every 2 blocks).
+* ``reset_cache_config``: the pools are re-split for the profiled block count.
+
+The free count FastDeploy sees (``can_allocate_gpu_blocks(n)``) only says yes when the pools
+hold, for every group, ``n`` units per full lane and ``min(n, cap)`` per sliding lane, where
+``cap`` bounds what one allocation of a sliding lane can take (window + one step's tokens +
+look-ahead): FastDeploy allocates at most ``n`` blocks after asking about ``n``, so an allocation
+it was promised always succeeds (checked: :class:`KVRecycler` raises rather than over-commit).
+
+Interactions (:func:`decide`): prefix caching is switched off for this model with one WARNING
+(matching cached blocks would need window-aware matching); recompute preemption, chunked
+prefill and tensor parallelism (lanes merged over ranks) are handled; PD disaggregation
+(``splitwise_role`` other than ``mixed``), CPU swap / KV storage, speculative decoding / MTP,
+``FD_PD_REORDER``, FastDeploy's cache manager v1 and extend tables are refused by name
+(``FDFLEET_KV_RECYCLE=off`` serves them without recycling).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...envs import kv_recycle
+from ...kvcache.headwise import HeadwiseKVManager
+from ...kvcache.pools import (
+    FASTDEPLOY_LOOKAHEAD_BLOCKS,
+    FASTDEPLOY_LOOKAHEAD_SLOTS,
+    PoolSplit,
+    split_fastdeploy_blocks,
+)
+from ...plan.layer import AttentionPlan
+from .._fields import field
+from .protocol import TASK_ATTR, KVDelta, RecyclingLayout, layout_from_plans, merge_tp_plans
+
+logger = logging.getLogger(__name__)
+
+#: the ResourceManagerV1 attribute holding its KVRecycler (None: FastDeploy's own accounting)
+RECYCLER_ATTR = "_fdfleet_kv_recycler"
+_PATCHED = "_fdfleet_kv_recycling_patched"
+_MODULE = "fastdeploy.engine.sched.resource_manager_v1"
+
+
+@dataclass(frozen=True)
+class RecyclingSetup:
+    """What :func:`decide` found: the plan every TP rank agrees on and FastDeploy's settings."""
+
+    plan: AttentionPlan
+    layout: RecyclingLayout
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    dtype: str
+
+
+def _int(obj: Any, name: str, default: int) -> int:
+    value = field(obj, name)
+    return default if value is None else int(value)
+
+
+def _refusals(fd_config: Any, environ: Mapping[str, str]) -> list[str]:
+    """Settings window recycling cannot serve, each named with its value and why."""
+    cache = field(fd_config, "cache_config")
+    sched = field(fd_config, "scheduler_config")
+    spec = field(fd_config, "speculative_config")
+    out = []
+    role = field(sched, "splitwise_role") or "mixed"
+    if role != "mixed":
+        out.append(
+            f"splitwise_role={role!r}: PD disaggregation hands block tables between instances, "
+            "per-lane tables are not transferred"
+        )
+    cpu = field(cache, "num_cpu_blocks") or 0
+    if cpu or field(cache, "swap_space"):
+        out.append(
+            f"CPU swap (swap_space={field(cache, 'swap_space')!r}, num_cpu_blocks={cpu}): swapped "
+            "blocks follow FastDeploy's one table, not the lanes"
+        )
+    if field(cache, "kvcache_storage_backend"):
+        out.append(
+            f"kvcache_storage_backend={field(cache, 'kvcache_storage_backend')!r}: stored blocks "
+            "follow FastDeploy's one table"
+        )
+    if field(spec, "method") is not None:
+        out.append(
+            f"speculative_config.method={field(spec, 'method')!r} (MTP / speculative decoding): draft "
+            "tokens and MTP layers' caches are not planned by the lanes"
+        )
+    for name in ("FD_PD_REORDER", "ENABLE_V1_KVCACHE_MANAGER"):
+        value = str(environ.get(name, 0)).strip()
+        if value not in ("", "0"):
+            why = (
+                "the worker reorders batch rows, per-group tables would not follow"
+                if name == "FD_PD_REORDER"
+                else "FastDeploy's cache manager v1 is not routed through the hook"
+            )
+            out.append(f"{name}={value!r}: {why}")
+    if str(environ.get("ENABLE_V1_KVCACHE_SCHEDULER", 1)).strip() == "0":
+        out.append("ENABLE_V1_KVCACHE_SCHEDULER=0: the hook lives in ResourceManagerV1")
+    return out
+
+
+_FD_SWITCHES = ("FD_PD_REORDER", "ENABLE_V1_KVCACHE_MANAGER", "ENABLE_V1_KVCACHE_SCHEDULER")
+
+
+def fastdeploy_switches() -> dict[str, Any]:
+    """FastDeploy's own switches as FastDeploy sees them: ``fastdeploy.envs`` (which FastDeploy
+    overrides at run time, e.g. V1 scheduling off on unsupported platforms), else the environment."""
+    try:
+        import fastdeploy.envs as fd_envs
+    except Exception:  # noqa: BLE001 - no FastDeploy: the raw environment
+        fd_envs = None
+    out = {}
+    for name in _FD_SWITCHES:
+        value = getattr(fd_envs, name, None) if fd_envs is not None else None
+        out[name] = os.environ.get(name) if value is None else value
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def wants_paddlefleet(fd_config: Any) -> bool:
+    """Whether ``--model-impl paddlefleet`` serves this config (the plugin's own routing rule)."""
+    from ..registration import _wants_paddlefleet
+
+    return _wants_paddlefleet(field(fd_config, "model_config"))
+
+
+def decide(fd_config: Any, environ: Mapping[str, Any] | None = None) -> RecyclingSetup | None:
+    """Whether window recycling runs for ``fd_config``, and with what (``None``: FastDeploy's own
+    accounting). ``ValueError`` naming each setting it cannot serve; switches prefix caching off
+    (one WARNING) where it applies. The worker calls this too, so both sides agree.
+    ``environ``: FastDeploy's switches (default :func:`fastdeploy_switches`)."""
+    if not wants_paddlefleet(fd_config):
+        return None
+    if kv_recycle() == "off":
+        logger.info("FDFLEET_KV_RECYCLE=off: every layer keeps every block (FastDeploy's accounting)")
+        return None
+    from ...plan import plan_from_config
+
+    mc = field(fd_config, "model_config")
+    cache = field(fd_config, "cache_config")
+    sched = field(fd_config, "scheduler_config")
+    model_dir = field(mc, "model")
+    if not model_dir:
+        raise ValueError(f"fd_config.model_config.model must name the model directory, got {model_dir!r}")
+    tp = _int(field(fd_config, "parallel_config"), "tensor_parallel_size", 1)
+    plans = [plan_from_config(str(model_dir), tp_size=tp, tp_rank=r) for r in range(tp)]
+    plan = merge_tp_plans(plans)
+    layout = layout_from_plans(plan, _int(cache, "block_size", 64))
+    if not layout.slides:
+        logger.info("window recycling: the plan of %s has no lane that slides on every rank", model_dir)
+        return None
+    refused = _refusals(fd_config, fastdeploy_switches() if environ is None else environ)
+    if refused:
+        raise ValueError(
+            "window recycling (FDFLEET_KV_RECYCLE=auto, the plan of "
+            f"{model_dir} has sliding windows) cannot serve: "
+            + "; ".join(refused)
+            + ". Set FDFLEET_KV_RECYCLE=off to serve this model without recycling"
+        )
+    if field(cache, "enable_prefix_caching"):
+        cache.enable_prefix_caching = False
+        logger.warning(
+            "paddlefleet window recycling: enable_prefix_caching switched off for this model "
+            "(cached prefix blocks are not window-aware; pass --no-enable-prefix-caching to silence this)"
+        )
+    return RecyclingSetup(
+        plan=plan,
+        layout=layout,
+        max_model_len=_int(mc, "max_model_len", 2048),
+        max_num_seqs=_int(sched, "max_num_seqs", 1) or 1,
+        max_num_batched_tokens=_int(sched, "max_num_batched_tokens", 0),
+        dtype=str(field(mc, "dtype") or "bf16"),
+    )
+
+
+def split_for(setup: RecyclingSetup, num_gpu_blocks: int, block_size: int) -> PoolSplit:
+    """The pools for ``num_gpu_blocks`` FastDeploy blocks (the worker calls the same)."""
+    return split_fastdeploy_blocks(
+        setup.plan,
+        num_gpu_blocks,
+        block_size,
+        setup.max_model_len,
+        setup.max_num_seqs,
+        setup.max_num_batched_tokens,
+        dtype=setup.dtype,
+        mode=setup.layout.mode,
+    )
+
+
+class KVRecycler:
+    """The head-wise manager behind one ``ResourceManagerV1`` and the deltas it owes the worker."""
+
+    def __init__(self, setup: RecyclingSetup, num_gpu_blocks: int, block_size: int) -> None:
+        self.setup = setup
+        self.layout = setup.layout
+        self.block_size = block_size
+        self.split = split_for(setup, num_gpu_blocks, block_size)
+        self.manager = HeadwiseKVManager(setup.plan, self.split.num_blocks, block_size, setup.layout.mode)
+        self._seq: dict[str, int] = {}
+        self._sent: dict[str, list[list[list[int]]]] = {}
+        self._pending: dict[str, tuple[bool, list[tuple[int, int, int, int]]]] = {}
+        # the most units one allocation can take on a sliding lane: window + one step + look-ahead
+        step = max(
+            setup.max_num_batched_tokens + block_size,
+            FASTDEPLOY_LOOKAHEAD_BLOCKS * block_size + FASTDEPLOY_LOOKAHEAD_SLOTS + 1,
+        )
+        self._cap = [
+            [None if w is None else -(-(w + step) // block_size) + 2 for w in g.lanes]
+            for g in self.layout.groups
+        ]
+        logger.info(
+            "paddlefleet window recycling: %d FastDeploy blocks -> pools %s (max %d requests of %d tokens, "
+            "FastDeploy's accounting %d)",
+            num_gpu_blocks,
+            self.split.num_blocks,
+            self.split.max_requests,
+            self.split.max_model_len,
+            self.split.fastdeploy_max_requests,
+        )
+
+    # ---- what FastDeploy asks ------------------------------------------------------------
+    def can_allocate(self, num_blocks: int, *args: Any, **kwargs: Any) -> bool:
+        """Could ANY request get ``num_blocks`` more blocks now (no release credit)?"""
+        n = max(0, int(num_blocks))
+        for g, caps in zip(self.layout.groups, self._cap, strict=True):
+            need = sum(n if cap is None else min(n, cap) for cap in caps)
+            if need * g.unit > self.manager.group_free_pages(g.index):
+                return False
+        return True
+
+    def free_blocks(self) -> int:
+        """Blocks every lane of every group can still grow by at once (FastDeploy's free count)."""
+        return min(
+            self.manager.group_free_pages(g.index) // (g.unit * len(g.lanes)) for g in self.layout.groups
+        )
+
+    def usage(self) -> float:
+        return self.manager.used_pages / max(1, self.manager.total_pages)
+
+    def allocate(self, request: Any, num_blocks: int) -> list[int]:
+        """FastDeploy's ``_allocate_gpu_blocks``: the ids to extend ``request.block_tables`` with
+        (group 0, lane 0 of the layout: block or page ids, ``-1`` once released)."""
+        rid = request.request_id
+        if getattr(request, "use_extend_tables", False):
+            raise ValueError(
+                f"request {rid!r} uses extend tables (use_extend_tables=True), which window "
+                "recycling does not support; set FDFLEET_KV_RECYCLE=off"
+            )
+        mgr = self.manager
+        if rid not in mgr:
+            mgr.admit(rid)
+            self._sent[rid] = [[[] for _ in g.lanes] for g in self.layout.groups]
+            self._pending[rid] = (True, [])
+        tables = request.block_tables
+        n = max(0, int(num_blocks))
+        target = (len(tables) + n) * self.block_size
+        computed = min(int(request.num_computed_tokens), max(target, mgr.num_tokens(rid)))
+        result = mgr.reserve(rid, target, computed)
+        if not result:
+            raise RuntimeError(
+                f"window recycling: request {rid!r} was promised {n} blocks but the pools lack "
+                f"{result.missing} pages (free {mgr.free_pages} of {mgr.total_pages}); this is a bug"
+            )
+        ids = self._collect(rid)[0][0]
+        for k in range(min(len(tables), len(ids))):  # released entries read -1 in FastDeploy's copy
+            if ids[k] < 0:
+                tables[k] = -1
+        return ids[len(tables) : len(tables) + n]
+
+    def free(self, request: Any) -> None:
+        """FastDeploy's ``_free_blocks``: the whole request (finish, abort, preemption)."""
+        rid = request.request_id
+        if rid in self.manager:
+            self.manager.finish(rid)
+        self._sent.pop(rid, None)
+        self._pending.pop(rid, None)
+        request.block_tables = []
+
+    def release_decoding(self, request: Any) -> bool:
+        """Release a decoding request's pages that left every window; True when some did."""
+        rid = request.request_id
+        if rid not in self.manager:
+            return False
+        computed = min(int(request.num_total_tokens) - 1, self.manager.num_tokens(rid))
+        if computed <= 0 or not self.manager.release(rid, computed):
+            return False
+        ids = self._collect(rid)[0][0]
+        tables = request.block_tables
+        for k in range(min(len(tables), len(ids))):
+            if ids[k] < 0:
+                tables[k] = -1
+        return True
+
+    # ---- deltas ---------------------------------------------------------------------------
+    def _collect(self, rid: str) -> list[list[list[int]]]:
+        """Diff the request's lanes against what was last recorded; queue the changes."""
+        now = self.manager.lane_ids(rid)
+        old = self._sent[rid]
+        reset, changes = self._pending.get(rid, (False, []))
+        for gi, (lanes_now, lanes_old) in enumerate(zip(now, old, strict=True)):
+            for li, (ids, prev) in enumerate(zip(lanes_now, lanes_old, strict=True)):
+                for k, unit in enumerate(ids):
+                    if k >= len(prev) or prev[k] != unit:
+                        changes.append((gi, li, k, unit))
+        self._pending[rid] = (reset, changes)
+        self._sent[rid] = now
+        return now
+
+    def take_delta(self, rid: str) -> KVDelta | None:
+        """The request's delta since the last one (None: nothing changed)."""
+        pending = self._pending.pop(rid, None)
+        if pending is None:
+            return None
+        reset, changes = pending
+        seq = self._seq.get(rid, 0) + 1
+        self._seq[rid] = seq
+        return KVDelta(
+            request_id=rid,
+            seq=seq,
+            reset=reset,
+            num_blocks=len(self._sent[rid][0][0]),
+            changes=tuple(changes),
+            layout_id=self.layout.layout_id,
+        )
+
+    def attach(self, rm: Any, batch_request: Any) -> None:
+        """Give each prefill / decode task its delta; add decode tasks for releases FastDeploy
+        did not send one for."""
+        tasks = list(getattr(batch_request, "requests", []) or [])
+        sent = set()
+        for task in tasks:
+            if not hasattr(task, "block_tables"):  # preempt / abort tasks carry no tables
+                continue
+            setattr(task, TASK_ATTR, self.take_delta(task.request_id))
+            sent.add(task.request_id)
+        for request in list(rm.running):
+            rid = request.request_id
+            if rid in sent or not rm._is_decoding(request):
+                continue
+            if self.release_decoding(request):
+                task = rm._prepare_decode_task(request)
+                setattr(task, TASK_ATTR, self.take_delta(rid))
+                batch_request.add_request(task)
+
+
+def recycler_of(rm: Any) -> KVRecycler | None:
+    """The recycler of a ``ResourceManagerV1`` (None: FastDeploy's own accounting)."""
+    return getattr(rm, RECYCLER_ATTR, None)
+
+
+def _attach_recycler(rm: Any) -> None:
+    setup = decide(rm.config)
+    if setup is None:
+        setattr(rm, RECYCLER_ATTR, None)
+        return
+    cache = rm.config.cache_config
+    rm.enable_prefix_cache = False
+    rec = KVRecycler(setup, int(rm.cache_manager.num_gpu_blocks), int(cache.block_size))
+    setattr(rm, RECYCLER_ATTR, rec)
+    rm.cache_manager.can_allocate_gpu_blocks = rec.can_allocate
+
+
+def install() -> bool:
+    """Patch FastDeploy's ``ResourceManagerV1`` (idempotent). False when it cannot be imported."""
+    import importlib
+
+    try:
+        module = importlib.import_module(_MODULE)
+    except Exception as exc:  # noqa: BLE001 - FastDeploy missing or half-imported: nothing to patch
+        logger.debug("window recycling hook not installed: %s unavailable (%s)", _MODULE, exc)
+        return False
+    cls = getattr(module, "ResourceManagerV1", None)
+    if cls is None or getattr(cls, _PATCHED, False):
+        return cls is not None
+
+    init, allocate, free_blocks, schedule = (
+        cls.__init__,
+        cls._allocate_gpu_blocks,
+        cls._free_blocks,
+        cls.schedule,
+    )
+    reset, available, usage = cls.reset_cache_config, cls.available_block_num, cls.get_gpu_cache_usage_perc
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _attach_recycler(self)
+
+    @functools.wraps(allocate)
+    def _allocate_gpu_blocks(self: Any, request: Any, num_blocks: int) -> list[int]:
+        rec = recycler_of(self)
+        return allocate(self, request, num_blocks) if rec is None else rec.allocate(request, num_blocks)
+
+    @functools.wraps(free_blocks)
+    def _free_blocks(self: Any, request: Any) -> None:
+        rec = recycler_of(self)
+        if rec is None:
+            return free_blocks(self, request)
+        rec.free(request)
+        return None
+
+    @functools.wraps(schedule)
+    def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = schedule(self, *args, **kwargs)
+        rec = recycler_of(self)
+        if rec is not None:
+            batch = out[0] if isinstance(out, tuple) else out
+            with self.lock:
+                rec.attach(self, batch)
+        return out
+
+    @functools.wraps(reset)
+    def reset_cache_config(self: Any, cfg: Any) -> None:
+        reset(self, cfg)
+        rec = recycler_of(self)
+        if rec is not None:
+            if rec.manager.requests:
+                raise RuntimeError("reset_cache_config with requests holding KV blocks")
+            setattr(
+                self,
+                RECYCLER_ATTR,
+                KVRecycler(rec.setup, int(self.cache_manager.num_gpu_blocks), rec.block_size),
+            )
+            self.cache_manager.can_allocate_gpu_blocks = recycler_of(self).can_allocate
+
+    @functools.wraps(available)
+    def available_block_num(self: Any) -> int:
+        rec = recycler_of(self)
+        return available(self) if rec is None else rec.free_blocks()
+
+    @functools.wraps(usage)
+    def get_gpu_cache_usage_perc(self: Any) -> float:
+        rec = recycler_of(self)
+        return usage(self) if rec is None else rec.usage()
+
+    cls.__init__ = __init__
+    cls._allocate_gpu_blocks = _allocate_gpu_blocks
+    cls._free_blocks = _free_blocks
+    cls.schedule = schedule_
+    cls.reset_cache_config = reset_cache_config
+    cls.available_block_num = available_block_num
+    cls.get_gpu_cache_usage_perc = get_gpu_cache_usage_perc
+    setattr(cls, _PATCHED, True)
+    logger.info("paddlefleet window recycling hook installed on %s.ResourceManagerV1", _MODULE)
+    return True
+
+
+class _PatchAfterImport:
+    """``sys.meta_path`` finder: runs :func:`install` right after FastDeploy imports the module."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _MODULE:
+            return None
+        import importlib.util
+        import sys
+
+        sys.meta_path.remove(self)  # find the real spec, and patch once
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_install(module: Any) -> None:
+            exec_module(module)
+            sys.modules[name] = module  # install() imports it by name
+            install()
+
+        spec.loader.exec_module = exec_then_install
+        return spec
+
+
+def install_when_imported() -> bool:
+    """Install now if FastDeploy's scheduler module is loaded, else right after it is imported
+    (safe to call while ``import fastdeploy`` runs: imports nothing of FastDeploy's). Idempotent."""
+    import sys
+
+    if _MODULE in sys.modules:
+        return install()
+    if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())
+    return False
+
+
+__all__ = [
+    "RECYCLER_ATTR",
+    "KVRecycler",
+    "RecyclingSetup",
+    "decide",
+    "fastdeploy_switches",
+    "install",
+    "install_when_imported",
+    "recycler_of",
+    "split_for",
+    "wants_paddlefleet",
+]
