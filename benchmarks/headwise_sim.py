@@ -3,9 +3,11 @@
 An event-driven simulation of one H200 serving a stream of requests with continuous batching and
 chunked prefill. The KV cache is managed by the real ``HeadwiseKVManager``; only the GPU step is
 modelled. Run ``python benchmarks/headwise_sim.py`` (about a minute on a laptop CPU) or with
-``--quick`` (a few seconds with an 8 GiB cache, used by the tests; written to the temp directory
-unless ``--out`` says otherwise); ``--sweep`` adds ERNIE-shaped
-variants with other head-wise ratios / windows.
+``--quick`` / ``--smoke`` (a few seconds with an 8 GiB cache, used by the tests); ``--sweep`` adds
+ERNIE-shaped variants with other head-wise ratios / windows. Outputs (``benchmarks/_outputs.py``):
+without ``--out`` a fresh temporary directory; the committed ``results/headwise_sim.json`` is
+rewritten only when ``--out`` names it (never by a quick run); the JSON and the plot replace their
+files together, only once both are complete.
 
 Step-time model (per step, one roofline per phase; figures from
 ``shared/anchors/h200-torch-2026-11-29.jsonl``: device copy 4231 GB/s, bf16 matmul 776 TFLOP/s,
@@ -50,7 +52,6 @@ import json
 import logging
 import math
 import sys
-import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -63,6 +64,10 @@ from fastdeploy_paddlefleet.kvcache.headwise import HeadwiseKVManager, size_pool
 from fastdeploy_paddlefleet.kvcache.layout import layer_bytes_per_token
 from fastdeploy_paddlefleet.plan.config import plan_from_config
 from fastdeploy_paddlefleet.presets import load_preset
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # also when loaded by file path (the tests)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _outputs import output_path, plot_path, replacing  # noqa: E402
 
 logger = logging.getLogger("headwise_sim")
 
@@ -637,7 +642,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="few requests and an 8 GiB cache: a smoke test")
+    p.add_argument(
+        "--quick", "--smoke", action="store_true", help="few requests and an 8 GiB cache: a smoke test"
+    )
     p.add_argument("--sweep", action="store_true", help="also sweep ERNIE head-wise ratio / window")
     p.add_argument("--presets", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--block-size", type=int, default=64)
@@ -647,24 +654,30 @@ def main(argv: list[str] | None = None) -> int:
         "--out",
         type=Path,
         default=None,
-        help="JSON path (default: results/headwise_sim.json; with --quick a file in the temp "
-        "directory, so a smoke run never overwrites the committed results)",
+        help="JSON path (default: a new temporary directory; the committed results/headwise_sim.json "
+        "only when named here, never with --quick)",
     )
-    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
+    p.add_argument("--plot", type=Path, default=None, help="PNG / SVG / PDF path (default: --out with .png)")
     p.add_argument("--json", action="store_true", help="print the summary (target, sweep) as JSON")
     args = p.parse_args(argv)
-    if args.out is None:
-        args.out = (
-            Path(tempfile.gettempdir()) / "headwise_sim_quick.json"
-            if args.quick
-            else Path(__file__).parent / "results" / "headwise_sim.json"
+    try:
+        out = output_path(
+            args.out, name="headwise_sim.json", suffixes=(".json",), what="JSON", smoke=args.quick
         )
+        png = plot_path(args.plot, out, smoke=args.quick)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     results = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, args.plot or args.out.with_suffix(".png"))
-    logging.getLogger(__name__).info("wrote %s", args.out)
+    try:
+        with replacing(out) as tmp_json, replacing(png) as tmp_png:  # both files or neither
+            tmp_json.write_text(json.dumps(results, indent=1) + "\n")
+            plot(results, tmp_png)
+    except OSError as e:
+        print(f"error: writing {out} and {png} failed ({e}); both were left as they were", file=sys.stderr)
+        return 1
+    logging.getLogger(__name__).info("wrote %s and %s", out, png)
     if args.json:
         json.dump({k: results[k] for k in ("target", "sweep") if k in results}, sys.stdout, indent=1)
         print()

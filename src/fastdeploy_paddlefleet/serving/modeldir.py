@@ -12,6 +12,12 @@ FastDeploy's ``max_model_len``-related ``max_position_embeddings`` kept) and
 ``model.safetensors`` (the minifleet weights for ``seed``; names are the model's own,
 as ``PaddleFleetForCausalLM.set_state_dict`` takes them). Only minifleet presets
 (``tiny``, ``tiny-mla``) can be written: the others describe real models without weights.
+
+All or nothing: a target that exists and is not empty is refused unless ``--force``; the files are
+written into a temporary sibling directory (``.<name>.tmp-*``) and renamed into place only when
+complete (with ``--force`` the old directory is swapped out only then, and removed after), files
+``0644``. A failure (a full disk, Ctrl-C) leaves the target as it was, removes the temporary
+directory and names the path; Ctrl-C exits 130 with one line.
 """
 
 from __future__ import annotations
@@ -19,19 +25,75 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+
+
+def _target(path: str | os.PathLike, force: bool) -> Path:
+    """The checked target: a non-empty path that is no file and, unless ``force``, no non-empty
+    directory. ``ValueError`` naming it."""
+    if path is None or not str(os.fspath(path)).strip():
+        raise ValueError(f"the model directory path must name a directory, got {path!r}")
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{str(out)!r} exists and is not a directory; refusing to replace it")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        names = sorted(p.name for p in out.iterdir())
+        raise ValueError(
+            f"{str(out)!r} is not empty ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); "
+            "nothing was written: pass --force (force=True) to replace it"
+        )
+    return out
+
+
+def _write_files(tmp: Path, config: dict[str, Any], tensors: dict[str, Any]) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    for f in tmp.iterdir():
+        f.chmod(FILE_MODE)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the complete ``tmp`` to ``out``; an existing ``out`` is moved aside first, restored if the
+    rename fails, and removed after it succeeded."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        old.rmdir()
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old is not None:
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_model_dir(
-    preset: str | dict[str, Any], path: str | os.PathLike, *, dtype: str = "float32", seed: int = 0
+    preset: str | dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    force: bool = False,
 ) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` of a minifleet preset (name or dict) to ``path``."""
+    """Write ``config.json`` + ``model.safetensors`` of a minifleet preset (name or dict) to ``path``.
+
+    ``path`` may not exist or be empty; a non-empty directory is replaced only with ``force`` and only
+    once the new one is complete. Any failure leaves ``path`` as it was (``OSError`` naming it).
+    """
     import numpy as np
-    from safetensors.numpy import save_file
 
     from ..minifleet import build_minifleet
     from ..presets import load_preset
@@ -46,19 +108,52 @@ def write_model_dir(
             f"only minifleet presets can be written as a model directory, got model_type "
             f"{config.get('model_type')!r}"
         )
+    out = _target(path, force)
     config.pop("_comment", None)
     config.pop("torch_dtype", None)  # FastDeploy refuses a config with both
     config.update(dtype=dtype, seed=seed)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     model = build_minifleet(config, seed=seed, dtype="float32")
     tensors = {}
     for name, value in model.state_dict().items():
         array = value.numpy()
         tensors[name] = array.astype(np.float32) if dtype == "float32" else array  # bf16: loader casts
-    save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    made = _missing_parents(out)  # created here, removed again if the write fails
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        _remove_empty(made)
+        raise OSError(e.errno, f"cannot create the model directory {str(out)!r}: {e.strerror or e}") from e
+    try:
+        tmp.chmod(DIR_MODE)
+        _write_files(tmp, config, tensors)
+        _swap_in(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
+        if isinstance(e, OSError):
+            why = e.strerror or str(e)
+            raise OSError(e.errno, f"writing {str(out)!r} failed ({why}); the path was left as it was") from e
+        raise
     return out
+
+
+def _missing_parents(out: Path) -> list[Path]:
+    """``out``'s ancestors that do not exist yet, nearest first."""
+    missing = []
+    for parent in out.absolute().parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for d in dirs:  # nearest first: each is empty once its child is gone
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,16 +162,20 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a minifleet preset as a FastDeploy model directory (config.json + weights).",
     )
     parser.add_argument("preset", help="minifleet preset name (tiny, tiny-mla)")
-    parser.add_argument("path", help="directory to write")
+    parser.add_argument("path", help="directory to write (must not exist or be empty, unless --force)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="replace a non-empty directory (once complete)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     try:
-        out = write_model_dir(args.preset, args.path, dtype=args.dtype, seed=args.seed)
+        out = write_model_dir(args.preset, args.path, dtype=args.dtype, seed=args.seed, force=args.force)
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.path!r} was left as it was", file=sys.stderr)
+        return 130
     files = sorted(p.name for p in out.iterdir())
     if args.json:
         print(json.dumps({"path": str(out), "files": files, "dtype": args.dtype, "seed": args.seed}))

@@ -1,0 +1,275 @@
+"""All-or-nothing writes (issue 19, bullet 3): weights, model directories, benchmark outputs.
+
+Every case asserts a named error and that nothing that existed before changed: parameters are
+compared with copies taken before the call, files byte for byte, directories by listing (no
+temporary sibling or empty directory left behind).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib.util
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+paddle = pytest.importorskip("paddle")
+
+from fastdeploy_paddlefleet.minifleet import build_minifleet  # noqa: E402
+from fastdeploy_paddlefleet.plan import plan_from_config  # noqa: E402
+from fastdeploy_paddlefleet.serving import modeldir  # noqa: E402
+from fastdeploy_paddlefleet.serving.model import PaddleFleetForCausalLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def snapshot_tree(root: Path) -> dict[str, str]:
+    """``relative path -> sha256`` of every file under ``root`` (directories as ``'dir'``)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+
+def wrapper_():
+    model = build_minifleet("tiny", seed=1)
+    return PaddleFleetForCausalLM.from_model(model, plan_from_config(model.config), backend="reference")
+
+
+def params(wrapper) -> dict[str, np.ndarray]:
+    return {k: v.numpy().copy() for k, v in wrapper.model.state_dict().items()}
+
+
+def bumped(before: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every weight + 1: a valid checkpoint that differs from the model everywhere."""
+    return {k: v + 1 for k, v in before.items()}
+
+
+BAD_LAST = [
+    ("shape", lambda sd, name: np.zeros([3, 3], "float32"), ValueError, "has shape \\[3, 3\\]"),
+    ("unknown name", None, ValueError, "weight names are not in the model"),
+    ("int into float", lambda sd, name: sd[name].astype("int32"), TypeError, "dtype int32.*float32"),
+    ("strings", lambda sd, name: np.full(sd[name].shape, "a"), TypeError, "dtype <U1"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "exc", "match"), BAD_LAST, ids=[c[0] for c in BAD_LAST])
+def test_a_bad_last_tensor_leaves_every_parameter_unchanged(case, make, exc, match):
+    """The bad tensor comes last: the old loader had already overwritten every earlier parameter."""
+    wrapper = wrapper_()
+    before = params(wrapper)
+    sd = bumped(before)
+    last = list(sd)[-1]
+    if make is None:
+        sd["decoder.layers.0.nope.weight"] = np.zeros([1], "float32")
+    else:
+        sd[last] = make(sd, last)
+    with pytest.raises(exc, match=match) as info:
+        wrapper.set_state_dict(sd)
+    assert "no parameter was changed" in str(info.value)
+    after = params(wrapper)
+    for k, v in before.items():
+        np.testing.assert_array_equal(after[k], v, err_msg=f"{case}: {k} changed")
+
+
+def test_a_valid_checkpoint_still_loads_every_tensor():
+    wrapper = wrapper_()
+    sd = bumped(params(wrapper))
+    assert wrapper.set_state_dict({"model." + k: v for k, v in sd.items()}) == []
+    after = params(wrapper)
+    for k, v in sd.items():
+        np.testing.assert_array_equal(after[k], v)
+
+
+# ---- model directories -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def occupied(tmp_path):
+    """A directory holding a user's own config.json + model.safetensors (and a note)."""
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama", "mine": true}\n')
+    (d / "model.safetensors").write_bytes(os.urandom(4096))
+    (d / "notes.txt").write_text("keep me\n")
+    return d
+
+
+def siblings(d: Path) -> list[str]:
+    return sorted(p.name for p in d.parent.iterdir() if p.name != d.name)
+
+
+def test_non_empty_target_is_refused_without_force(occupied):
+    before, around = snapshot_tree(occupied), siblings(occupied)
+    with pytest.raises(ValueError, match=r"'.*mine' is not empty .*config.json.*--force"):
+        modeldir.write_model_dir("tiny", occupied)
+    assert modeldir.main(["tiny", str(occupied)]) == 2
+    assert snapshot_tree(occupied) == before and siblings(occupied) == around
+
+
+def test_empty_path_is_refused_and_the_working_directory_untouched(occupied, monkeypatch, capsys):
+    """``... modeldir tiny ''`` wrote config.json and model.safetensors into the working directory."""
+    monkeypatch.chdir(occupied)
+    before = snapshot_tree(occupied)
+    with pytest.raises(ValueError, match="must name a directory, got ''"):
+        modeldir.write_model_dir("tiny", "")
+    assert modeldir.main(["tiny", ""]) == 2
+    assert "got ''" in capsys.readouterr().err
+    assert modeldir.main(["tiny", "."]) == 2  # the working directory itself: not empty
+    assert snapshot_tree(occupied) == before
+
+
+def test_a_file_as_target_is_refused(tmp_path):
+    f = tmp_path / "model"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        modeldir.write_model_dir("tiny", f)
+    assert f.read_text() == "x"
+
+
+def _full_disk(written: list[str]):
+    def save_file(tensors, path, *a, **kw):
+        with open(path, "wb") as fh:  # half a file, then the disk is full
+            fh.write(b"\0" * 1000)
+        written.append(path)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return save_file
+
+
+def test_disk_full_with_force_leaves_the_old_directory_byte_identical(occupied, monkeypatch):
+    before, around = snapshot_tree(occupied), siblings(occupied)
+    written: list[str] = []
+    monkeypatch.setattr("safetensors.numpy.save_file", _full_disk(written))
+    with pytest.raises(OSError, match=r"writing '.*mine' failed \(No space left on device\)") as info:
+        modeldir.write_model_dir("tiny", occupied, force=True)
+    assert info.value.errno == errno.ENOSPC
+    assert written and not Path(written[0]).exists()  # the partial file was in a temporary sibling
+    assert snapshot_tree(occupied) == before and siblings(occupied) == around
+
+
+def test_disk_full_on_a_fresh_path_leaves_no_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("safetensors.numpy.save_file", _full_disk([]))
+    target = tmp_path / "new" / "deeper" / "tiny"
+    assert modeldir.main(["tiny", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert str(target) in err and "No space left on device" in err
+    assert list(tmp_path.iterdir()) == []  # neither the target nor the parents created for it
+
+
+def test_ctrl_c_exits_130_with_one_line_and_changes_nothing(occupied, monkeypatch, capsys):
+    before, around = snapshot_tree(occupied), siblings(occupied)
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("safetensors.numpy.save_file", interrupted)
+    assert modeldir.main(["tiny", str(occupied), "--force"]) == 130
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "interrupted" in err and "mine" in err
+    assert snapshot_tree(occupied) == before and siblings(occupied) == around
+
+
+@pytest.fixture
+def strict_umask():
+    """A umask of 077: files come out 0644 because the writer sets it, not because the umask allows it."""
+    old = os.umask(0o077)
+    yield
+    os.umask(old)
+
+
+def test_force_replaces_only_once_complete_and_files_are_0644(occupied, capsys, strict_umask):
+    around = siblings(occupied)
+    assert modeldir.main(["tiny", str(occupied), "--force", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["files"] == ["config.json", "model.safetensors"]  # the old notes.txt went with the old dir
+    assert json.loads((occupied / "config.json").read_text())["model_type"] == "minifleet"
+    for name in report["files"]:
+        assert stat.S_IMODE((occupied / name).stat().st_mode) == 0o644, name
+    assert siblings(occupied) == around  # no .tmp- or .old- directory left
+
+
+def test_a_fresh_directory_gets_0644_files(tmp_path, strict_umask):
+    out = modeldir.write_model_dir("tiny", tmp_path / "a" / "tiny", seed=2)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]
+    # an existing empty directory (e.g. from mkdtemp) is fine without --force
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert modeldir.main(["tiny", str(empty)]) == 0
+
+
+# ---- benchmark outputs (benchmarks/headwise_sim.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sim():
+    spec = importlib.util.spec_from_file_location("headwise_sim", ROOT / "benchmarks" / "headwise_sim.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["headwise_sim"] = mod  # dataclasses look the module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+COMMITTED = ROOT / "benchmarks" / "results"
+
+
+def test_out_with_the_wrong_extension_is_refused(sim, tmp_path, capsys):
+    """``--out results.png`` replaced a user's PNG with JSON."""
+    png = tmp_path / "results.png"
+    png.write_bytes(b"\x89PNG user's picture")
+    before = snapshot_tree(tmp_path)
+    assert sim.main(["--quick", "--out", str(png)]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert sim.main(["--quick", "--out", str(tmp_path / "x.json"), "--plot", str(tmp_path / "x.json")]) == 2
+    assert "--plot" in capsys.readouterr().err
+    assert snapshot_tree(tmp_path) == before
+
+
+def test_a_smoke_run_never_writes_the_committed_results(sim, capsys):
+    before = snapshot_tree(COMMITTED)
+    for flag in ("--quick", "--smoke"):
+        assert sim.main([flag, "--out", str(COMMITTED / "headwise_sim.json")]) == 2
+        assert "committed results" in capsys.readouterr().err
+        assert sim.main([flag, "--out", "x.json", "--plot", str(COMMITTED / "headwise_sim.png")]) == 2
+    assert snapshot_tree(COMMITTED) == before
+
+
+def test_without_out_a_run_writes_a_temporary_directory(sim, monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    before = snapshot_tree(COMMITTED)
+    caplog.set_level("INFO")
+    assert sim.main(["--quick"]) == 0
+    assert snapshot_tree(COMMITTED) == before
+    (made,) = tmp_path.iterdir()
+    assert sorted(p.name for p in made.iterdir()) == ["headwise_sim.json", "headwise_sim.png"]
+    assert json.loads((made / "headwise_sim.json").read_text())["quick"] is True
+    assert str(made / "headwise_sim.json") in caplog.text
+
+
+def test_a_failed_plot_leaves_both_previous_files(sim, monkeypatch, tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    out.write_text('{"old": true}\n')
+    png.write_bytes(b"old plot")
+    before = snapshot_tree(tmp_path)
+    monkeypatch.setattr(sim, "run", lambda args: {"runs": [], "quick": True})
+
+    def full_disk(results, path):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sim, "plot", full_disk)
+    assert sim.main(["--quick", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert str(out) in err and "No space left on device" in err and "left as they were" in err
+    assert snapshot_tree(tmp_path) == before  # no temporary sibling either
