@@ -1,0 +1,310 @@
+"""Window recycling inside FastDeploy's REAL runner: logits over many steps equal dense attention.
+
+In a fresh child process per preset (``_fastdeploy_host.run_scenario``, ``FD_PLUGINS=paddlefleet``,
+stand-ins of ``_model_runner_host``), FastDeploy's ``load_model_runner_plugins`` gives the plugin's
+runner, which FastDeploy's own code builds, loads the checkpoint into (its v1 loader), prices
+(``cal_theortical_kvcache``) and gives per-group caches (``initialize_kv_cache`` after
+``num_gpu_blocks = budget // price``). Then a trace of requests runs step by step:
+
+* pages are allocated by the plugin's head-wise manager (``kvcache/headwise.py``) sized by the same
+  pool split as the runner, with FastDeploy-like look-ahead (targets up to two blocks past the step),
+  releases bounded by the computed tokens, forced preemption when a pool runs dry, finished requests'
+  slots reused by new ones;
+* each step's table changes travel as ``KVDelta`` on real FastDeploy ``Request`` tasks that
+  round-trip through pickle into the runner's real ``insert_tasks_v1``;
+* every page the manager releases (window, finish, preemption) is filled with NaN in every layer of
+  its group before the next step, and every cache starts as NaN;
+* the step's ``ForwardMeta`` is built by the runner's real ``initialize_forward_meta`` (the plugin
+  attaches the page tables), and the model runs as FastDeploy calls it.
+
+The logits of every token (prompts longer than the windows, chunked prefill, decode) are compared
+with minifleet's dense eager forward of the whole sequence on the same weights (no cache): max
+abs difference <= 1e-4 and the same argmax everywhere. Presets: ``tiny`` (full, sliding with
+v 8 and head-wise layers), ``tiny-mimo`` (sliding layers with their own kv head count, qk 16 / v 8)
+and ``tiny-headwise`` (one full and three sliding kv heads per layer).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from _fastdeploy_host import host_or_skip, run_scenario
+from _model_runner_host import RUNNER_PRELUDE
+
+SCENARIO = r"""
+import json
+import pickle
+
+from safetensors.numpy import load_file
+
+import fastdeploy.worker.gpu_worker as gw
+from fastdeploy.engine.request import BatchRequest, Request, RequestType
+from fastdeploy.engine.sampling_params import SamplingParams
+
+from fastdeploy_paddlefleet.kvcache.headwise import HeadwiseKVManager
+from fastdeploy_paddlefleet.minifleet import build_minifleet
+from fastdeploy_paddlefleet.serving.kv_recycling.protocol import TASK_ATTR, KVDelta
+
+BLOCK, SLOTS, MAX_LEN, CHUNK, NUM_REQUESTS = 4, 4, 64, 8, 20
+rng = np.random.default_rng(SEED)
+
+cfg = make_config(
+    MODEL_DIR, model_impl="paddlefleet", max_model_len=MAX_LEN, block_size=BLOCK, max_num_seqs=SLOTS,
+    max_num_batched_tokens=MAX_LEN,
+)
+runner = make_runner(gw.ModelRunner, cfg)
+runner.load_model()
+fleet = runner.fleet
+assert fleet is not None and fleet.tables is not None, "window recycling is not on"
+price = runner.cal_theortical_kvcache()
+runner.num_gpu_blocks = BUDGET // price  # what worker_process does with the profiled memory
+runner.initialize_kv_cache()
+caches = runner.share_inputs["caches"]
+for t in caches:
+    t.set_value(paddle.full(t.shape, float("nan"), t.dtype))
+layout = fleet.layout
+plan = runner.model.plan
+mgr = HeadwiseKVManager(plan, fleet.split.num_blocks, BLOCK, mode=layout.mode)
+assert tuple(mgr.groups) == tuple(layout.groups), (mgr.groups, layout.groups)
+table_ptrs = [t.data_ptr() for t in fleet.tables.tables]
+
+group_layers = {g.index: list(g.layers) for g in layout.groups}
+eos = [2] * cfg.model_config.eos_tokens_lens
+params = SamplingParams(
+    top_p=1.0, top_k=0, min_p=0.0, temperature=1.0, repetition_penalty=1.0, frequency_penalty=0.0,
+    presence_penalty=0.0, max_tokens=MAX_LEN, min_tokens=1,
+)
+
+
+def poison(group, unit):
+    # a released unit: a whole block (one lane) or one page (head-wise lanes) of every layer of the group
+    g = layout.groups[group]
+    for li in group_layers[group]:
+        for t in caches[2 * li : 2 * li + 2]:
+            if g.unit == g.num_kv_heads:
+                t[unit] = float("nan")
+            else:
+                t[unit // g.num_kv_heads, unit % g.num_kv_heads] = float("nan")
+
+
+def lanes_of(rid):
+    out = []
+    for g in mgr.groups:
+        h = g.num_kv_heads
+        if g.unit == h:
+            out.append([[p // h if p >= 0 else -1 for p in mgr.head_pages(rid, g.index, 0)]])
+        else:
+            out.append([mgr.head_pages(rid, g.index, k) for k in range(h)])
+    return out
+
+
+def held_units(lanes):
+    return [(gi, u) for gi, group in enumerate(lanes) for lane in group for u in lane if u >= 0]
+
+
+# requests: prompt longer than every window, then decode tokens (teacher-forced, fixed in advance)
+reqs = []
+for i in range(NUM_REQUESTS):
+    prompt = int(rng.integers(14, 34))
+    decode = int(rng.integers(4, 14))
+    reqs.append({
+        "id": f"r{i}", "tokens": [int(t) for t in rng.integers(3, 256, prompt + decode)], "prompt": prompt,
+        "done": 0, "slot": None, "seq": 0, "sent": None, "incarnation": 0,
+    })
+waiting = list(reqs)
+slots = [None] * SLOTS
+served = {}  # (request id, position) -> logits row
+owners = {}  # (group, unit) -> last request that held it
+stats = {"steps": 0, "released": 0, "reused_by_other": 0, "preempted": 0, "finished": 0, "tasks": 0}
+worst = 0.0
+
+
+def send(tasks):
+    batch = BatchRequest()
+    for t in tasks:
+        batch.add_request(pickle.loads(pickle.dumps(t)))  # engine -> worker
+    stats["tasks"] += len(tasks)
+    runner.insert_tasks_v1(batch, SLOTS)
+
+
+def task(req, kind, start=0, end=0):
+    t = Request(
+        req["id"], prompt_token_ids=req["tokens"][: req["prompt"]], eos_token_ids=eos, sampling_params=params,
+        prefill_start_index=start, prefill_end_index=end,
+    )
+    t.idx, t.task_type, t.output_token_ids = req["slot"], kind, []
+    t.block_tables = list(range(-(-end // BLOCK)))
+    return t
+
+
+def preempt(victim):
+    mgr.preempt(victim["id"])
+    for gi, u in held_units(victim["sent"] or []):
+        poison(gi, u)
+    send([task(victim, RequestType.PREEMPTED)])
+    slots[victim["slot"]] = None
+    victim.update(done=0, slot=None, sent=None, incarnation=victim["incarnation"] + 1)
+    waiting.insert(0, victim)  # still admitted with zero tokens: it recomputes from the start
+    stats["preempted"] += 1
+
+
+while waiting or any(slots):
+    stats["steps"] += 1
+    for s in range(SLOTS):  # admit into free slots
+        if slots[s] is None and waiting:
+            req = waiting.pop(0)
+            req["slot"] = s
+            slots[s] = req
+            if req["id"] not in mgr:
+                mgr.admit(req["id"])
+    work = {}
+    for s in range(SLOTS):
+        req = slots[s]
+        if req is None:
+            continue
+        n = min(CHUNK, req["prompt"] - req["done"]) if req["done"] < req["prompt"] else 1
+        lookahead = int(rng.integers(0, 2 * BLOCK + 1))
+        while not mgr.reserve(req["id"], min(MAX_LEN, req["done"] + n + lookahead), req["done"]):
+            victims = [r for r in slots if r is not None and r is not req]
+            if not victims:
+                raise RuntimeError("a single request does not fit the pools")
+            victim = max(victims, key=lambda r: r["slot"])  # the last running one, as FastDeploy
+            work.pop(victim["slot"], None)
+            preempt(victim)
+        work[s] = n
+    tasks = []
+    for s, n in work.items():
+        req = slots[s]
+        lanes = lanes_of(req["id"])
+        old = req["sent"]
+        changes = []
+        for gi, group in enumerate(lanes):
+            for li, ids in enumerate(group):
+                prev = old[gi][li] if old is not None else []
+                for b in range(max(len(ids), len(prev))):
+                    new_u = ids[b] if b < len(ids) else -1
+                    old_u = prev[b] if b < len(prev) else -1
+                    if new_u != old_u:
+                        changes.append((gi, li, b, new_u))
+                        if old_u >= 0:
+                            poison(gi, old_u)
+                            stats["released"] += 1
+                        if new_u >= 0:
+                            if owners.get((gi, new_u)) not in (None, req["id"]):
+                                stats["reused_by_other"] += 1
+                            owners[(gi, new_u)] = req["id"]
+        prefill = req["done"] < req["prompt"]
+        if not (changes or prefill or old is None):
+            req["sent"] = lanes
+            continue
+        req["seq"] += 1
+        num_blocks = max((len(ids) for group in lanes for ids in group), default=0)
+        delta = KVDelta(req["id"], req["seq"], old is None, num_blocks, tuple(changes), layout.layout_id)
+        kind = RequestType.PREFILL if prefill else RequestType.DECODE
+        t = task(req, kind, req["done"], req["done"] + n)
+        setattr(t, TASK_ATTR, delta)
+        tasks.append(t)
+        req["sent"] = lanes
+    if tasks:
+        send(tasks)
+
+    # the step, as FastDeploy's runner feeds the model (its CUDA pre_process replaced by the same values)
+    this, enc, dec, ids, rows = [], [], [], [], []
+    for s in range(SLOTS):
+        req = slots[s]
+        n = work.get(s, 0)
+        this.append(n)
+        dec.append(req["done"] if req is not None and n else 0)
+        enc.append(n if req is not None and n and req["done"] < req["prompt"] else 0)
+        if n:
+            ids += req["tokens"][req["done"] : req["done"] + n]
+            rows += [(req["id"], req["done"] + k) for k in range(n)]
+    si = runner.share_inputs
+    si["seq_lens_this_time"] = paddle.to_tensor(np.array(this, "int32"))
+    si["seq_lens_encoder"] = paddle.to_tensor(np.array(enc, "int32")[:, None])
+    si["seq_lens_decoder"] = paddle.to_tensor(np.array(dec, "int32")[:, None])
+    si["cu_seqlens_q"] = paddle.to_tensor(np.concatenate([[0], np.cumsum(this)]).astype("int32"))
+    si["batch_id_per_token"] = paddle.to_tensor(np.repeat(np.arange(SLOTS), this).astype("int32"))
+    ids_t = paddle.to_tensor(np.array(ids, "int64"))
+    si["ids_remove_padding"] = ids_t
+    runner.exist_prefill_flag = any(e > 0 for e in enc)
+    runner.initialize_forward_meta()
+    fm = runner.forward_meta
+    assert set(fm.block_tables_headwise) == {layer.index for layer in plan}
+    hidden = runner.model({"ids_remove_padding": ids_t}, fm)
+    logits = runner.model.compute_logits(hidden, fm).numpy()
+    for row, key in enumerate(rows):
+        served[key] = logits[row]
+    for s, n in work.items():
+        req = slots[s]
+        req["done"] += n
+        if req["done"] == len(req["tokens"]):
+            for gi, u in held_units(req["sent"]):
+                poison(gi, u)
+            mgr.finish(req["id"])
+            slots[s] = None
+            stats["finished"] += 1
+
+raw = json.load(open(MODEL_DIR + "/config.json"))
+native = build_minifleet(raw, seed=0)
+weights = load_file(MODEL_DIR + "/model.safetensors")
+native.set_state_dict({k: paddle.to_tensor(v) for k, v in weights.items()})
+native.eval()
+same_argmax = total = 0
+for req in reqs:
+    with paddle.no_grad():
+        ref = native(paddle.to_tensor([req["tokens"]], dtype="int64"))[0].numpy()
+    for pos in range(len(req["tokens"])):
+        got = served[(req["id"], pos)]
+        worst = max(worst, float(np.abs(got - ref[pos]).max()))
+        same_argmax += int(got.argmax() == ref[pos].argmax())
+        total += 1
+report(
+    worst=worst, same_argmax=same_argmax, total=total, stats=stats, layout=layout.to_dict(),
+    group_blocks=fleet.group_blocks, num_gpu_blocks=runner.num_gpu_blocks, price=price,
+    tables_kept_addresses=[t.data_ptr() for t in fleet.tables.tables] == table_ptrs,
+    backend=runner.model.backend.name,
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
+
+    root = tmp_path_factory.mktemp("kvrecycle")
+    return {
+        name: str(write_model_dir(name, root / name, dtype="float32", seed=0))
+        for name in ("tiny", "tiny-mimo", "tiny-headwise")
+    }
+
+
+#: KV budget per preset (bytes, fp32): tight enough that pools run dry (preemption) where noted
+BUDGETS = {"tiny": (160 * 1024, True), "tiny-mimo": (80 * 1024, True), "tiny-headwise": (80 * 1024, False)}
+
+
+@pytest.mark.parametrize("preset", sorted(BUDGETS))
+def test_recycled_pages_give_dense_logits_through_fastdeploys_runner(model_dirs, preset):
+    pytest.importorskip("safetensors")
+    host = host_or_skip()
+    script = (
+        f"MODEL_DIR = {json.dumps(model_dirs[preset])}\nSEED = 7\nBUDGET = {BUDGETS[preset][0]}\n"
+        + textwrap.dedent(RUNNER_PRELUDE)
+        + textwrap.dedent(SCENARIO)
+    )
+    env = {"FD_PLUGINS": "paddlefleet", "FDFLEET_BACKEND": "reference", "FDFLEET_KV_RECYCLE": "auto"}
+    result = run_scenario(script, host=host, env=env, timeout=900).check()
+    d = result.data
+    print(preset, d["worst"], d["stats"], d["group_blocks"], d["num_gpu_blocks"])  # shown with -rP
+    assert d["backend"] == "reference"
+    assert d["stats"]["steps"] >= 64, d["stats"]
+    assert d["stats"]["released"] > 0 and d["stats"]["reused_by_other"] > 0, d["stats"]
+    assert d["stats"]["finished"] == 20, d["stats"]
+    assert (d["stats"]["preempted"] > 0) == BUDGETS[preset][1], d["stats"]
+    assert d["tables_kept_addresses"]
+    kinds = {g["kind"] for g in d["layout"]["groups"]}
+    assert ("headwise" in kinds) == (preset != "tiny-mimo"), kinds
+    assert d["total"] > 0 and d["same_argmax"] == d["total"], (d["same_argmax"], d["total"])
+    assert d["worst"] <= 1e-4, d["worst"]
