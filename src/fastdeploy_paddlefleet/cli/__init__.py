@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # paddle warns at import about a compiler cache that only extension builds use
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    # torch (the references, the interpreter) warns at import about a GPU-monitoring package
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
     if _stdout_closed():
         print(
             "fdfleet: error: stdout is closed (file descriptor 1): nothing can be printed; "
