@@ -12,9 +12,10 @@ of directory:
   into two models built from different seeds (so a weight the checkpoint lacks
   would show up as a difference; it is refused before that);
 * a PaddleFormers checkpoint of an architecture in
-  ``paddleformers_case.ARCHITECTURES`` (what ``save_pretrained`` writes): the
-  native model is PaddleFormers' own ``from_pretrained`` (its name and layout
-  conversions), the patched one gets its state dict.
+  ``paddleformers_case.ARCHITECTURES`` (what ``save_pretrained`` writes): both
+  copies are PaddleFormers' own ``from_pretrained`` (its name and layout
+  conversions), made under different seeds; a tensor the two disagree on was
+  not in the checkpoint and is refused by name.
 
 Every error names the directory (and the file or field): a missing directory,
 no ``config.json``, no ``*.safetensors``, weights the model has and the
@@ -96,6 +97,20 @@ def _minifleet_case(model_dir: Path, raw: dict[str, Any], files: list[Path], bac
     return fleet_case(f"checkpoint:{model_dir.name}", native, paged, plan_from_config(cfg), backend, extras)
 
 
+def _unloaded(a: Any, b: Any) -> list[str]:
+    """Names of the non-constant tensors that differ between two loads of one checkpoint made under
+    different seeds: what the checkpoint did not hold (left at its random initialisation)."""
+    import numpy as np
+
+    sa, sb = a.state_dict(), b.state_dict()
+    differ = []
+    for name, ta in sa.items():
+        x, y = ta.numpy(), sb[name].numpy()
+        if x.shape != y.shape or not np.array_equal(x, y, equal_nan=True):
+            differ.append(name)
+    return sorted(differ)
+
+
 def _paddleformers_case(model_dir: Path, arch: str, files: list[Path], backend: Any, seed: int) -> Any:
     import paddle
     from paddleformers.transformers import AutoModelForCausalLM
@@ -112,18 +127,23 @@ def _paddleformers_case(model_dir: Path, arch: str, files: list[Path], backend: 
     config = load_arch_config(arch, model_dir)
     if arch == "deepseek_v3":
         ensure_paddlefleet_ops()
-    paddle.seed(seed + 1)
-    twin = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    # PaddleFormers saves its own parameter names (layouts may differ: it converts them on load)
-    _require(tensor_names(files), set(twin.state_dict()), model_dir)
-    native = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), config=copy.deepcopy(config), dtype="float32"
-    )
-    missing, unexpected = twin.set_state_dict(native.state_dict())
-    if missing or unexpected:
+    tensor_names(files)  # a damaged file is named before PaddleFormers reads it
+    models = []
+    # PaddleFormers' own loader (its name and layout conversions), twice under different seeds: a
+    # tensor the two loads disagree on came from the random initialisation, not the checkpoint
+    for s in (seed, seed + 1):
+        paddle.seed(s)
+        models.append(
+            AutoModelForCausalLM.from_pretrained(
+                str(model_dir), config=copy.deepcopy(config), dtype="float32"
+            )
+        )
+    native, twin = models
+    unloaded = _unloaded(native, twin)
+    if unloaded:
         raise ValueError(
-            f"model directory {str(model_dir)!r}: the loaded model and a fresh {arch} differ "
-            f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})"
+            f"model directory {str(model_dir)!r}: the checkpoint lacks {len(unloaded)} of the model's "
+            f"weights (left at their random initialisation), e.g. {unloaded[:3]}"
         )
     for model in (native, twin):
         model.eval()
