@@ -319,6 +319,31 @@ def test_model_reports_a_bad_table_at_the_next_compute_logits():
     _run(wrapper, forward_meta(dec=(6, 7), this=(1, 1), tables=((0, 2), (1, 3))), caches)
 
 
+@triton_needed
+def test_deferred_check_reads_a_paddle_flag_one_step_late_and_reports_once():
+    """The torch-free deployment's flag is a paddle tensor: the same one-step-late read. The flag's
+    values are written here by hand (``kernels/errors.py`` layout), so the expected message comes from
+    them, not from the code under test."""
+    from fastdeploy_paddlefleet.backends.deferred_errors import DeferredErrorCheck
+    from fastdeploy_paddlefleet.backends.triton import TritonBackend
+
+    backend = TritonBackend(host_checks=False)
+    flag = backend.error_flag(paddle.zeros([1]))  # what a launch on paddle tensors without torch uses
+    assert isinstance(flag, paddle.Tensor)
+    check = DeferredErrorCheck(backend)
+    check.snapshot()  # step 1 clean
+    flag[:] = paddle.to_tensor([1, 2, 3, 999, -1, 3, 8, 0], dtype="int32")  # step 2's kernels record
+    check.snapshot()
+    check.check()  # step 2's compute_logits: only step 1's copy is known to have landed
+    check.snapshot()  # step 3
+    with pytest.raises(ValueError, match=r"decode attention kernel: request 2, logical block 3: entry 999"):
+        check.check()
+    assert flag.tolist() == [0] * 8  # cleared: serving goes on
+    for _ in range(3):
+        check.snapshot()
+        check.check()  # reported once
+
+
 # ---- a seeded generator of hostile metadata through the served path ------------------------------
 
 CORRUPTIONS = (
