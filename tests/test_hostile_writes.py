@@ -203,10 +203,15 @@ def test_a_fresh_directory_gets_0644_files(tmp_path, strict_umask):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]
-    # an existing empty directory (e.g. from mkdtemp) is fine without --force
+    # an existing empty directory (from mkdtemp, or the working directory) is filled in place: the
+    # directory itself stays (a shell sitting in it keeps a valid working directory)
     empty = tmp_path / "empty"
     empty.mkdir()
+    inode = empty.stat().st_ino
     assert modeldir.main(["tiny", str(empty)]) == 0
+    assert empty.stat().st_ino == inode
+    assert sorted(p.name for p in empty.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "empty"]  # no temporary sibling left
 
 
 # ---- benchmark outputs (benchmarks/headwise_sim.py) ------------------------------------------

@@ -41,7 +41,10 @@ def _target(path: str | os.PathLike, force: bool) -> Path:
     directory. ``ValueError`` naming it."""
     if path is None or not str(os.fspath(path)).strip():
         raise ValueError(f"the model directory path must name a directory, got {path!r}")
-    out = Path(path)
+    try:
+        out = Path(os.path.abspath(path))  # "." and "x/.." get a real name and parent
+    except OSError as e:  # a relative path in a working directory that was removed
+        raise ValueError(f"cannot resolve the model directory {str(path)!r}: {e}") from e
     if out.exists() and not out.is_dir():
         raise ValueError(f"{str(out)!r} exists and is not a directory; refusing to replace it")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -63,21 +66,38 @@ def _write_files(tmp: Path, config: dict[str, Any], tensors: dict[str, Any]) -> 
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
-    """Rename the complete ``tmp`` to ``out``; an existing ``out`` is moved aside first, restored if the
-    rename fails, and removed after it succeeded."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        old.rmdir()
-        out.rename(old)
+    """Put the complete ``tmp`` in place of ``out``.
+
+    * ``out`` absent: one rename;
+    * ``out`` an empty directory: its files are moved in (the directory itself, a shell's working
+      directory perhaps, stays); a failed move takes the moved ones out again;
+    * ``out`` not empty (``force``): moved aside, ``tmp`` renamed in, the old one removed after; a
+      failed rename moves it back.
+    """
+    if not out.exists():
+        tmp.rename(out)
+        return
+    if not any(out.iterdir()):
+        moved: list[Path] = []
+        try:
+            for f in sorted(tmp.iterdir()):
+                f.rename(out / f.name)
+                moved.append(out / f.name)
+        except BaseException:
+            for f in moved:
+                f.unlink(missing_ok=True)
+            raise
+        tmp.rmdir()
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old.rmdir()
+    out.rename(old)
     try:
         tmp.rename(out)
     except BaseException:
-        if old is not None:
-            old.rename(out)
+        old.rename(out)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_model_dir(
