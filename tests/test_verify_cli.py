@@ -200,3 +200,163 @@ def test_verify_triton_backend_under_interpreter(preset):
     report = json.loads(proc.stdout)
     assert report["backend"] == "triton" and report["passed"]
     assert report["max_abs_logit_diff"] <= 1e-4 and report["greedy_agreement"] == 1.0
+
+
+# ---- verify --model DIR: a checkpoint directory on its real weights ---------------------------------
+
+
+def _digests(root) -> dict[str, str]:
+    import hashlib
+    from pathlib import Path
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_verify_model_on_a_minifleet_model_dir(capsys, tmp_path):
+    """A directory written by serving.modeldir (seed 7) passes; both models hold the checkpoint's
+    tensors (read here with safetensors), which differ from the seed-0 weights verify would build;
+    nothing in the directory changes."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from fastdeploy_paddlefleet.minifleet import build_minifleet
+    from fastdeploy_paddlefleet.runner.checkpoint_case import build_checkpoint_case
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
+
+    d = write_model_dir("tiny", tmp_path / "tiny", dtype="float32", seed=7)
+    before = _digests(d)
+    code, report = verify_json(capsys, "--model", str(d), "--steps", "4")
+    assert code == 0 and report["passed"] is True and report["max_abs_logit_diff"] <= 1e-4
+    assert report["greedy_agreement"] == 1.0 and report["layers_patched"] == 5
+    assert _digests(d) == before
+    tensors = load_file(str(d / "model.safetensors"))
+    case = build_checkpoint_case(d, "reference", seed=0)
+    native = case.native_logits.model.state_dict()
+    seed0 = build_minifleet(json.loads((d / "config.json").read_text()), seed=0).state_dict()
+    assert set(tensors) == set(native)
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(native[name].numpy(), array)
+    assert any(not np.array_equal(seed0[n].numpy(), tensors[n]) for n in tensors)
+    code, out = main(["verify", "--model", str(d), "--steps", "1"]), capsys.readouterr().out
+    assert code == 0 and "PASSED" in out  # the table report too
+
+
+def _paddleformers_checkpoint(arch: str, path):
+    """A tiny random PaddleFormers model of ``arch`` written with its own save_pretrained."""
+    import paddle
+    from paddleformers.transformers import AutoModelForCausalLM
+
+    from fastdeploy_paddlefleet.runner.paddleformers_case import ensure_paddlefleet_ops, tiny_config
+
+    if arch == "deepseek_v3":
+        ensure_paddlefleet_ops()
+    paddle.seed(5)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))
+    model.eval()
+    model.save_pretrained(str(path))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt_oss"])
+def test_verify_model_on_a_paddleformers_checkpoint(capsys, tmp_path, arch):
+    """save_pretrained's directory passes verify --model; the native side is the checkpoint's model:
+    its logits equal those of the model that wrote it (gpt_oss: its eval-mode MoE routing bug is
+    fixed in both twins, so the writer's own logits differ by design and are not compared)."""
+    pytest.importorskip("paddleformers")
+    import paddle
+
+    from fastdeploy_paddlefleet.runner.checkpoint_case import build_checkpoint_case
+
+    d = tmp_path / arch
+    writer = _paddleformers_checkpoint(arch, d)
+    before = _digests(d)
+    code, report = verify_json(capsys, "--model", str(d), "--steps", "4")
+    assert code == 0 and report["passed"] is True and report["max_abs_logit_diff"] <= 1e-4, report
+    assert _digests(d) == before
+    if arch != "gpt_oss":
+        case = build_checkpoint_case(d, "reference")
+        ids = paddle.to_tensor([[1, 5, 9, 3, 7, 2, 4, 4, 8, 9, 10, 11]], dtype="int64")
+        with paddle.no_grad():
+            want = writer(input_ids=ids, use_cache=False, return_dict=True).logits
+        assert float((case.native_logits(ids) - want).abs().max()) < 1e-5
+
+
+def _bad_model_dirs(tmp_path) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """name -> (directory, fragments the one-line error must hold)."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
+
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    out["missing"] = (str(tmp_path / "nope"), ("no such directory",))
+    good = write_model_dir("tiny", tmp_path / "good", dtype="float32")
+    out["a file"] = (str(good / "config.json"), ("not a directory",))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out["no config.json"] = (str(empty), ("no config.json",))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((good / "config.json").read_text())
+    out["no weights"] = (str(no_weights), ("no *.safetensors",))
+    lacking = write_model_dir("tiny", tmp_path / "lacking", dtype="float32")
+    tensors = load_file(str(lacking / "model.safetensors"))
+    dropped = sorted(tensors)[0]
+    del tensors[dropped]
+    save_file(tensors, str(lacking / "model.safetensors"))
+    out["lacks a weight"] = (str(lacking), ("lacks 1", dropped))
+    damaged = write_model_dir("tiny", tmp_path / "damaged", dtype="float32")
+    (damaged / "model.safetensors").write_bytes(b"\x00garbage" * 8)
+    out["damaged weights"] = (str(damaged), ("model.safetensors", "not a readable safetensors"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(
+        json.dumps({**json.loads((good / "config.json").read_text()), "model_type": "qwen3"})
+    )
+    save_file({"x": np.zeros(2, np.float32)}, str(other / "model.safetensors"))
+    out["other model_type"] = (str(other), ("model_type 'qwen3'",))
+    bad_field = write_model_dir("tiny", tmp_path / "bad_field", dtype="float32")
+    cfg = json.loads((bad_field / "config.json").read_text())
+    (bad_field / "config.json").write_text(json.dumps({**cfg, "rope_theta": -1.0}))
+    out["bad field"] = (str(bad_field), ("rope_theta",))
+    return out
+
+
+BAD_MODEL_DIRS = [
+    "missing",
+    "a file",
+    "no config.json",
+    "no weights",
+    "lacks a weight",
+    "damaged weights",
+    "other model_type",
+    "bad field",
+]
+
+
+@pytest.mark.parametrize("name", BAD_MODEL_DIRS)
+def test_verify_model_bad_dirs_are_named(capsys, tmp_path, name):
+    path, fragments = _bad_model_dirs(tmp_path)[name]
+    before = _digests(tmp_path)
+    code = main(["verify", "--model", path, "--steps", "1"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("fdfleet: error: --model") and path in lines[0], lines[0]
+    for frag in fragments:
+        assert frag in lines[0], lines[0]
+    assert "PASSED" not in out and "FAILED" not in out
+    assert _digests(tmp_path) == before
+
+
+def test_verify_model_excludes_the_other_sources(capsys, tmp_path):
+    for other in (["--preset", "tiny"], ["--config", "x.json"]):
+        with pytest.raises(SystemExit):
+            main(["verify", "--model", str(tmp_path), *other])
+        assert "--model" in capsys.readouterr().err
+    assert main(["verify", "--model", str(tmp_path), "--paddleformers", "llama"]) == 2
+    assert "--paddleformers and --model" in capsys.readouterr().err

@@ -24,7 +24,11 @@ checkpoint lacks, a ``model_type`` it cannot build.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +101,18 @@ def _minifleet_case(model_dir: Path, raw: dict[str, Any], files: list[Path], bac
     return fleet_case(f"checkpoint:{model_dir.name}", native, paged, plan_from_config(cfg), backend, extras)
 
 
+@contextlib.contextmanager
+def read_only_view(model_dir: Path) -> Iterator[Path]:
+    """A temporary directory of symbolic links to ``model_dir``'s ``*.json`` and ``*.safetensors``
+    (nothing a loader generates: writing through a link would change the user's file)."""
+    with tempfile.TemporaryDirectory(prefix="fdfleet-checkpoint-") as tmp:
+        view = Path(tmp)
+        for path in sorted(model_dir.iterdir()):
+            if path.is_file() and path.suffix in (".json", ".safetensors"):
+                os.symlink(path.resolve(), view / path.name)
+        yield view
+
+
 def _unloaded(a: Any, b: Any) -> list[str]:
     """Names of the non-constant tensors that differ between two loads of one checkpoint made under
     different seeds: what the checkpoint did not hold (left at its random initialisation)."""
@@ -130,14 +146,14 @@ def _paddleformers_case(model_dir: Path, arch: str, files: list[Path], backend: 
     tensor_names(files)  # a damaged file is named before PaddleFormers reads it
     models = []
     # PaddleFormers' own loader (its name and layout conversions), twice under different seeds: a
-    # tensor the two loads disagree on came from the random initialisation, not the checkpoint
-    for s in (seed, seed + 1):
-        paddle.seed(s)
-        models.append(
-            AutoModelForCausalLM.from_pretrained(
-                str(model_dir), config=copy.deepcopy(config), dtype="float32"
-            )
-        )
+    # tensor the two loads disagree on came from the random initialisation, not the checkpoint.
+    # It writes a flex-ckpt metadata file next to the weights it loads: it reads a private view
+    # (links to the user's files), so that the checkpoint directory is never written to.
+    with read_only_view(model_dir) as view:
+        for s in (seed, seed + 1):
+            paddle.seed(s)
+            cfg = copy.deepcopy(config)
+            models.append(AutoModelForCausalLM.from_pretrained(str(view), config=cfg, dtype="float32"))
     native, twin = models
     unloaded = _unloaded(native, twin)
     if unloaded:
