@@ -15,7 +15,8 @@ as ``PaddleFleetForCausalLM.set_state_dict`` takes them). Only minifleet presets
 
 All or nothing: a target that exists and is not empty is refused unless ``--force``; the files are
 written into a temporary sibling directory (``.<name>.tmp-*``) and renamed into place only when
-complete (with ``--force`` the old directory is swapped out only then, and removed after), files
+complete (an existing empty directory gets the files moved in and stays; with ``--force`` the old
+directory is swapped out only then, and removed after), files
 ``0644``. A failure (a full disk, Ctrl-C) leaves the target as it was, removes the temporary
 directory and names the path; Ctrl-C exits 130 with one line.
 """
