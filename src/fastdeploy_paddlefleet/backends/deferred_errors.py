@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 def _flags(backend: Any) -> list[Any]:
-    # the flags TritonBackend.error_flag created (one monitor per framework and device)
-    monitors = getattr(backend, "_monitors", None) or {}
-    return [mon.flag for mon in monitors.values()]
+    """The backend's device error flags (``TritonBackend.error_flags``); none for other backends."""
+    flags = getattr(backend, "error_flags", None)
+    return list(flags()) if callable(flags) else []
 
 
 def _capturing() -> bool:

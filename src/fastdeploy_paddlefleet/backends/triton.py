@@ -1,7 +1,7 @@
 """The Triton backend: this step's K/V into the paged cache, then paged attention (``kernels/``).
 
 Same contract as the reference backend (``backends/base.py``); the caches may be strided views of
-FastDeploy's one cache shape (``kvcache/uniform.py``), read in place. Tensors meet the kernels
+FastDeploy's one cache shape (``serving/cache_views.py``), read in place. Tensors meet the kernels
 the way FastDeploy runs Triton on paddle tensors (``kernels/_framework.py``):
 
 * torch tensors go straight to the kernels;
@@ -30,7 +30,9 @@ where the step is synchronised anyway:
   the sampled tokens are copied to the host): it counts steps and, every ``check_every`` steps
   (default 1; 0 = never on its own), reads the flag (one small device-to-host copy) and raises a
   ``ValueError`` naming the request, logical block and bad value, clearing the flag;
-* ``backend.check_errors()`` reads and raises at once (e.g. at the end of a request, in tests).
+* ``backend.check_errors()`` reads and raises at once (e.g. at the end of a request, in tests);
+* ``PaddleFleetForCausalLM`` (under FastDeploy) reads ``backend.error_flags()`` one step late, through
+  an asynchronous host copy (``backends/deferred_errors.py``): no sync in the serving loop.
 
 Create the flag before capturing a CUDA graph (``backend.error_flag(tensor_on_device)``, or any eager
 call such as the warm-up run): a flag first allocated inside a capture would be cleared by every
@@ -44,7 +46,7 @@ import logging
 import os
 from typing import Any
 
-from ..spec.layer import LayerAttention
+from ..plan.layer import LayerAttention
 from .base import AttentionBackend, BatchMeta
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,11 @@ class TritonBackend(AttentionBackend):
         """Clear every error flag (asynchronously)."""
         for mon in self._monitors.values():
             mon.reset()
+
+    def error_flags(self) -> list[Any]:
+        """Every error flag created so far (one per framework and device), e.g. to copy them to the host
+        asynchronously (``backends/deferred_errors.py``)."""
+        return [mon.flag for mon in self._monitors.values()]
 
     def check_layer(self, layer: LayerAttention) -> None:
         if layer.num_kv_heads <= 0 or layer.num_q_heads % layer.num_kv_heads:
