@@ -7,12 +7,14 @@ The engine's scheduler hook (``serving/kv_recycling``) sizes its page pools with
 Per group ``g`` (``kvcache/headwise.py``: layers sharing kv heads and windows) one block costs
 ``block_bytes_g = block_size * sum over g's layers of kv_heads * (qk_head_dim + v_head_dim) * dtype``.
 A request at ``max_model_len`` tokens holds ``ceil((max_model_len + lookahead) / bs)`` blocks on
-a full lane and about ``ceil((W + lookahead) / bs) + 2`` on a sliding one (``pool_demand``), where
+a full lane and on average ``(W + 1 + lookahead / 2) / bs + 1`` on a sliding one, where
 ``lookahead`` is what FastDeploy allocates beyond the computed tokens (2 blocks + 12 slots when
 decoding; FastDeploy's own pool pays it too). Every group is
 sized to run out at the same concurrency ``N``; when the expected concurrency (FastDeploy's
 ``max_num_seqs``) is below ``N``, sliding pools keep just enough for it and full pools get the
-rest, where longer contexts can use it.
+rest, where longer contexts can use it. Each sliding pool also keeps room for the largest single
+allocation of its lanes (:func:`allocation_cap`), so a chunk can always be scheduled once the
+others have released what left their windows.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan.layer import AttentionPlan
-from .headwise import RecycleMode, check_pool_pages, groups_from_plan, pool_demand
+from .headwise import RecycleMode, check_pool_pages, groups_from_plan
 from .layout import blocks_for, dtype_bytes
 
 #: tokens FastDeploy allocates beyond the computed ones for a decoding request: 2 blocks
@@ -108,6 +110,37 @@ class PoolSplit:
         }
 
 
+def allocation_cap(window_left: int, block_size: int, max_num_batched_tokens: int) -> int:
+    """Most units one FastDeploy allocation can add to a sliding lane with ``window_left``.
+
+    After ``reserve(target, computed)`` a sliding lane holds the blocks of
+    ``[computed - window_left, target)``; FastDeploy's ``target - computed`` is at most one
+    step's tokens plus a partial block (prefill) or 2 blocks + 12 slots + 1 (decode).
+    """
+    step = max(
+        max_num_batched_tokens + block_size,
+        FASTDEPLOY_LOOKAHEAD_BLOCKS * block_size + FASTDEPLOY_LOOKAHEAD_SLOTS + 1,
+    )
+    return -(-(window_left + step) // block_size) + 2
+
+
+def _per_request(groups: list, bs: int, ctx: int, lookahead: int) -> list[float]:
+    """Blocks one request holds per group on average over its decode: a full lane
+    ``ceil((ctx + lookahead) / bs)`` (FastDeploy's own count), a sliding lane the window plus the
+    query's block plus half the look-ahead (it runs from 12 slots to 2 blocks + 12 slots), in
+    blocks: ``(W + 1 + lookahead / 2) / bs + 1``. Many requests at different points of their
+    look-ahead sum to about this; the pools' headroom (:func:`allocation_cap`) and FastDeploy's
+    preemption absorb the rest, and ``can_allocate`` never promises more than the pools hold."""
+    full = -(-(ctx + lookahead) // bs)
+    out = []
+    for g in groups:
+        share = g.unit / g.num_kv_heads
+        out.append(
+            sum((full if w is None else min(full, (w + 1 + lookahead / 2) / bs + 1)) * share for w in g.lanes)
+        )
+    return out
+
+
 def _int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}={value!r}: expected an int >= {low}")
@@ -148,7 +181,12 @@ def split_kv_pools(
     groups = groups_from_plan(plan, mode)
     layer_bytes = {la.index: bs * la.num_kv_heads * (la.qk_head_dim + la.v_head_dim) * nbytes for la in plan}
     bb = [sum(layer_bytes[li] for li in g.layers) for g in groups]
-    per_req, trans = pool_demand(groups, bs, ctx, batched, lookahead_tokens)
+    per_req = _per_request(groups, bs, ctx, lookahead_tokens)
+    # room for the largest single allocation of each sliding lane, whatever the others hold
+    trans = [
+        sum(allocation_cap(w, bs, batched) * g.unit / g.num_kv_heads for w in g.lanes if w is not None)
+        for g in groups
+    ]
 
     per_req_bytes = sum(b * p for b, p in zip(bb, per_req, strict=True))
     fixed = sum(b * t for b, t in zip(bb, trans, strict=True))
@@ -227,6 +265,7 @@ def split_fastdeploy_blocks(
 
 __all__ = [
     "FASTDEPLOY_LOOKAHEAD_BLOCKS",
+    "allocation_cap",
     "FASTDEPLOY_LOOKAHEAD_SLOTS",
     "GroupPool",
     "PoolSplit",

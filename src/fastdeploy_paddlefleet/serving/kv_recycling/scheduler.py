@@ -15,10 +15,12 @@ layers or heads:
   chunk to it, so the bound is the first query that may still run: scheduled chunks count as
   computed only from the next step on, and the look-ahead (2 blocks + 12 slots) is never counted.
 * ``_free_blocks(request)``: the whole request (finish, abort, preemption all pass here).
-* ``schedule()``: after FastDeploy's schedule, each prefill / decode task gets the request's
-  :class:`KVDelta` (``protocol.TASK_ATTR``); a decoding request that FastDeploy sent no task for
-  but whose oldest pages left every window releases them and gets a decode task carrying the
-  delta (FastDeploy sends decode tasks only when it allocates, every 2 blocks).
+* ``schedule()``: before FastDeploy's schedule, every running request releases the pages that
+  left every window up to what is known computed (decoding: ``num_total_tokens - 1``;
+  prefilling: ``num_computed_tokens``, whose chunks run in earlier batches), so FastDeploy sees
+  the true free count; after it, each prefill / decode task gets the request's
+  :class:`KVDelta` (``protocol.TASK_ATTR``), and a request with changes but no task gets a
+  decode task carrying them (FastDeploy itself sends decode tasks only when it allocates).
 * ``reset_cache_config``: the pools are re-split for the profiled block count.
 
 The free count FastDeploy sees (``can_allocate_gpu_blocks(n)``) only says yes when the pools
@@ -46,12 +48,7 @@ from typing import Any
 
 from ...envs import kv_recycle
 from ...kvcache.headwise import HeadwiseKVManager
-from ...kvcache.pools import (
-    FASTDEPLOY_LOOKAHEAD_BLOCKS,
-    FASTDEPLOY_LOOKAHEAD_SLOTS,
-    PoolSplit,
-    split_fastdeploy_blocks,
-)
+from ...kvcache.pools import PoolSplit, allocation_cap, split_fastdeploy_blocks
 from ...plan.layer import AttentionPlan
 from .._fields import field
 from .protocol import TASK_ATTR, KVDelta, RecyclingLayout, layout_from_plans, merge_tp_plans
@@ -223,12 +220,11 @@ class KVRecycler:
         self._sent: dict[str, list[list[list[int]]]] = {}
         self._pending: dict[str, tuple[bool, list[tuple[int, int, int, int]]]] = {}
         # the most units one allocation can take on a sliding lane: window + one step + look-ahead
-        step = max(
-            setup.max_num_batched_tokens + block_size,
-            FASTDEPLOY_LOOKAHEAD_BLOCKS * block_size + FASTDEPLOY_LOOKAHEAD_SLOTS + 1,
-        )
         self._cap = [
-            [None if w is None else -(-(w + step) // block_size) + 2 for w in g.lanes]
+            [
+                None if w is None else allocation_cap(w, block_size, setup.max_num_batched_tokens)
+                for w in g.lanes
+            ]
             for g in self.layout.groups
         ]
         logger.info(
@@ -299,20 +295,30 @@ class KVRecycler:
         self._pending.pop(rid, None)
         request.block_tables = []
 
-    def release_decoding(self, request: Any) -> bool:
-        """Release a decoding request's pages that left every window; True when some did."""
-        rid = request.request_id
-        if rid not in self.manager:
-            return False
-        computed = min(int(request.num_total_tokens) - 1, self.manager.num_tokens(rid))
-        if computed <= 0 or not self.manager.release(rid, computed):
-            return False
-        ids = self._collect(rid)[0][0]
-        tables = request.block_tables
-        for k in range(min(len(tables), len(ids))):
-            if ids[k] < 0:
-                tables[k] = -1
-        return True
+    def release_computed(self, rm: Any) -> int:
+        """Before FastDeploy schedules: release every running request's pages that left every
+        window, up to what is known computed (decoding: ``num_total_tokens - 1``, prefilling:
+        ``num_computed_tokens``, i.e. every chunk already scheduled: those batches run before this
+        one). Queues the changes; :meth:`attach` delivers them in this step's batch."""
+        mgr = self.manager
+        released = 0
+        for request in rm.running:
+            rid = request.request_id
+            if rid not in mgr:
+                continue
+            if rm._is_decoding(request):
+                computed = int(request.num_total_tokens) - 1
+            else:
+                computed = int(request.num_computed_tokens)
+            computed = min(computed, mgr.num_tokens(rid))
+            if computed > 0 and mgr.release(rid, computed):
+                released += 1
+                ids = self._collect(rid)[0][0]
+                tables = request.block_tables
+                for k in range(min(len(tables), len(ids))):  # FastDeploy's copy reads -1 too
+                    if ids[k] < 0:
+                        tables[k] = -1
+        return released
 
     # ---- deltas ---------------------------------------------------------------------------
     def _collect(self, rid: str) -> list[list[list[int]]]:
@@ -347,23 +353,22 @@ class KVRecycler:
         )
 
     def attach(self, rm: Any, batch_request: Any) -> None:
-        """Give each prefill / decode task its delta; add decode tasks for releases FastDeploy
-        did not send one for."""
-        tasks = list(getattr(batch_request, "requests", []) or [])
+        """Give each prefill / decode task its request's delta; a request with changes but no task
+        in this batch (pages released by :meth:`release_computed`) gets a decode task carrying
+        them (the worker only updates that slot's tables from it)."""
         sent = set()
-        for task in tasks:
+        for task in list(getattr(batch_request, "requests", []) or []):
             if not hasattr(task, "block_tables"):  # preempt / abort tasks carry no tables
                 continue
             setattr(task, TASK_ATTR, self.take_delta(task.request_id))
             sent.add(task.request_id)
         for request in list(rm.running):
             rid = request.request_id
-            if rid in sent or not rm._is_decoding(request):
+            if rid in sent or rid not in self._pending:
                 continue
-            if self.release_decoding(request):
-                task = rm._prepare_decode_task(request)
-                setattr(task, TASK_ATTR, self.take_delta(rid))
-                batch_request.add_request(task)
+            task = rm._prepare_decode_task(request)
+            setattr(task, TASK_ATTR, self.take_delta(rid))
+            batch_request.add_request(task)
 
 
 def recycler_of(rm: Any) -> KVRecycler | None:
@@ -424,6 +429,10 @@ def install() -> bool:
 
     @functools.wraps(schedule)
     def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = recycler_of(self)
+        if rec is not None:
+            with self.lock:
+                rec.release_computed(self)
         out = schedule(self, *args, **kwargs)
         rec = recycler_of(self)
         if rec is not None:

@@ -1,0 +1,206 @@
+"""Window recycling inside FastDeploy's REAL ``ResourceManagerV1`` (engine side of issue 18).
+
+Every scenario runs in a fresh child process (``_fastdeploy_host.run_scenario``) with
+``FD_PLUGINS=paddlefleet``: FastDeploy loads the plugin's early hook, which patches
+``ResourceManagerV1`` when FastDeploy imports it; the scenarios only build FastDeploy's own config
+(``EngineArgs.create_engine_config``) and ``ResourceManagerV1`` (``_scheduler_sim.py``).
+
+* hook: installed by the plugin's own code; recycler present for a windowed plan, absent with
+  ``FDFLEET_KV_RECYCLE=off``; prefix caching switched off with ONE warning naming the setting;
+  refused settings named.
+* traces: seeded request traces (mixed lengths, chunked prefill, aborts, preemption from small
+  pools) through ``schedule()``, a worker lagging 0, 1 and 3 steps applying pickled tasks' deltas;
+  every step: no unit owned twice, held + free = pool, every key a query of the running batch can
+  see is mapped in its own rows and nobody else's, the worker's tables equal the manager's; at
+  the end everything is free. >= 10,000 steps in all.
+* capacity: at equal KV bytes, the peak of concurrently running requests against FastDeploy's
+  own accounting (same trace, ``FDFLEET_KV_RECYCLE=off``) is >= 0.9 x the plan's ratio
+  (all-layer bytes per request / bytes actually needed, ``kv_budget``) at 8k tokens, for
+  gpt-oss-20b, Gemma-3-27B, MiMo-V2-Flash-like and the head-wise ERNIE preset.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _fastdeploy_host import host_or_skip, run_scenario
+
+PLUGIN_ENV = {"FD_PLUGINS": "paddlefleet"}
+CAPACITY_PRESETS = ["gpt-oss-20b", "gemma3-27b", "mimo-v2-flash-like", "ernie-4.5-21b-a3b-headwise"]
+
+
+@pytest.fixture(scope="module")
+def host():
+    return host_or_skip()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny preset (full, sliding and head-wise layer groups) as a FastDeploy model directory."""
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
+
+    return str(write_model_dir("tiny", tmp_path_factory.mktemp("fdtiny"), dtype="float32", seed=5))
+
+
+def _prelude(tiny: str) -> str:
+    return f"TINY = {tiny!r}\nimport fastdeploy\nfrom _scheduler_sim import *\n"
+
+
+HOOK = """
+import logging
+import os
+from fastdeploy.engine.sched import resource_manager_v1 as rmv1
+from fastdeploy_paddlefleet.serving.kv_recycling import scheduler as hook
+
+records = []
+class Grab(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+logging.getLogger("fastdeploy_paddlefleet").addHandler(Grab())
+
+cfg = make_config(TINY, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, block_size=16,
+                  num_blocks=64)
+cfg.cache_config.enable_prefix_caching = True
+rm = make_manager(cfg)
+rec = recycler_of(rm)
+warnings = [m for lvl, m in records if lvl == "WARNING"]
+report(
+    patched=bool(getattr(rmv1.ResourceManagerV1, "_fdfleet_kv_recycling_patched", False)),
+    has_recycler=rec is not None,
+    layout=rec.layout.to_dict() if rec else None,
+    prefix_after=cfg.cache_config.enable_prefix_caching,
+    warnings=warnings,
+    can_allocate_is_ours=rm.cache_manager.can_allocate_gpu_blocks == rec.can_allocate,
+)
+os.environ["FDFLEET_KV_RECYCLE"] = "off"
+report(off_recycler=recycler_of(make_manager(cfg)) is not None)
+os.environ["FDFLEET_KV_RECYCLE"] = "auto"
+
+refused = {}
+def attempt(name, mutate, env=None):
+    c = make_config(TINY, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, block_size=16,
+                    num_blocks=64)
+    mutate(c)
+    try:
+        hook.decide(c, env if env is not None else {})
+        refused[name] = None
+    except ValueError as e:
+        refused[name] = str(e)
+attempt("splitwise", lambda c: setattr(c.scheduler_config, "splitwise_role", "prefill"))
+attempt("swap", lambda c: setattr(c.cache_config, "num_cpu_blocks", 16))
+attempt("storage", lambda c: setattr(c.cache_config, "kvcache_storage_backend", "mooncake"))
+attempt("mtp", lambda c: setattr(c.speculative_config, "method", "mtp"))
+attempt("reorder", lambda c: None, {"FD_PD_REORDER": 1})
+attempt("v1_manager", lambda c: None, {"ENABLE_V1_KVCACHE_MANAGER": 1})
+attempt("v0_scheduler", lambda c: None, {"ENABLE_V1_KVCACHE_SCHEDULER": 0})
+attempt("mixed", lambda c: None)
+report(refused=refused)
+"""
+
+
+def test_hook_installed_by_the_plugin_and_interactions_named(host, tiny_dir):
+    result = run_scenario(_prelude(tiny_dir) + HOOK, host=host, env=PLUGIN_ENV).check()
+    d = result.data
+    assert d["patched"] and d["has_recycler"] and d["can_allocate_is_ours"]
+    kinds = [g["kind"] for g in d["layout"]["groups"]]
+    assert kinds == ["full", "sliding", "headwise"]
+    assert d["prefix_after"] is False
+    prefix_warnings = [w for w in d["warnings"] if "enable_prefix_caching" in w]
+    assert len(prefix_warnings) == 1, d["warnings"]
+    assert d["off_recycler"] is False
+    refused = d["refused"]
+    assert refused["mixed"] is None
+    for name, needle in {
+        "splitwise": "splitwise_role='prefill'",
+        "swap": "num_cpu_blocks=16",
+        "storage": "kvcache_storage_backend='mooncake'",
+        "mtp": "speculative_config.method='mtp'",
+        "reorder": "FD_PD_REORDER='1'",
+        "v1_manager": "ENABLE_V1_KVCACHE_MANAGER='1'",
+        "v0_scheduler": "ENABLE_V1_KVCACHE_SCHEDULER=0",
+    }.items():
+        assert refused[name] and needle in refused[name], (name, refused[name])
+        assert "FDFLEET_KV_RECYCLE=off" in refused[name]
+
+
+TRACES = """
+import time
+runs = []
+# (FastDeploy blocks, max_num_seqs, tp): small pools force preemption; tp=2 merges the ranks' lanes
+for nb, seqs, tp in ((60, 16, 1), (40, 24, 1), (30, 32, 1), (40, 16, 2)):
+    cfg = make_config(TINY, max_model_len=512, max_num_seqs=seqs, max_num_batched_tokens=128,
+                      block_size=16, num_blocks=nb)
+    cfg.parallel_config.tensor_parallel_size = tp
+    for lag in (0, 1, 3):
+        rm = make_manager(cfg)
+        sim = Sim(rm, lag)
+        trace = make_trace(100 * nb + lag, 50, (4, 300), (1, 200), 2, aborts=0.15)
+        t = time.time()
+        st = sim.run(trace, 30000)
+        runs.append(dict(
+            blocks=nb, tp=tp, lag=lag, steps=st.steps, checks=st.checks, queries=sim.worker._checks,
+            tokens=st.tokens, finished=st.finished, preempted=st.preempted, aborted=st.aborted,
+            all_free=sim.all_free(), left=len(rm.requests), seconds=round(time.time() - t, 2),
+            released=sim.worker.released,
+            groups=[g.kind for g in recycler_of(rm).layout.groups],
+        ))
+report(runs=runs)
+"""
+
+
+def test_real_scheduler_traces_with_a_lagging_worker(host, tiny_dir):
+    result = run_scenario(_prelude(tiny_dir) + TRACES, host=host, env=PLUGIN_ENV, timeout=600).check()
+    runs = result.data["runs"]
+    print(json.dumps(runs, indent=1))
+    assert sum(r["steps"] for r in runs) >= 10_000
+    assert sum(r["checks"] for r in runs) == sum(r["steps"] for r in runs)  # every step checked
+    for r in runs:
+        assert r["all_free"] and r["left"] == 0, r
+        assert r["finished"] + r["aborted"] == 50, r
+        assert r["queries"] > 0 and r["released"] > 0
+    assert {r["lag"] for r in runs} == {0, 1, 3}
+    assert sum(r["preempted"] for r in runs) > 0 and sum(r["aborted"] for r in runs) > 0
+    assert {"headwise"} <= {k for r in runs for k in r["groups"]}
+    assert [r["groups"] for r in runs if r["tp"] == 2][0] == ["full", "sliding"]
+
+
+CAPACITY = """
+import json, os
+from fastdeploy_paddlefleet.presets import load_preset
+from fastdeploy_paddlefleet.plan import plan_from_config
+from fastdeploy_paddlefleet.kvcache.layout import kv_budget
+
+# one 8k prompt per step, so admission (not FastDeploy's decode reserve, which grows with the
+# remaining output tokens) fills the pools before the first requests finish
+ctx, out, fd_requests = 8192, 512, 24
+cfg = make_config(TINY, max_model_len=ctx + 512, max_num_seqs=512, max_num_batched_tokens=ctx,
+                  block_size=64, num_blocks=fd_requests * 131)
+rows = {}
+for name in NAMES:
+    d = os.path.join(WORK, name)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(load_preset(name), f)
+    b = kv_budget(plan_from_config(d), 64, "bf16", 40.0, ctx)
+    row = {"plan_ratio": b.bytes_per_request / b.bytes_per_request_recycled}
+    for mode in ("off", "auto"):
+        os.environ["FDFLEET_KV_RECYCLE"] = mode
+        rm = make_manager(cfg, d)
+        row[mode + "_recycler"] = recycler_of(rm) is not None
+        st = Sim(rm, 1, check=False).run(make_trace(7, 300, (ctx - out, ctx - out), (out, out), 0), 700)
+        row[mode] = st.peak_running
+    rows[name] = row
+report(rows=rows)
+"""
+
+
+def test_capacity_at_equal_kv_bytes(host, tiny_dir, tmp_path):
+    script = f"NAMES = {CAPACITY_PRESETS!r}\nWORK = {str(tmp_path)!r}\n" + CAPACITY
+    result = run_scenario(_prelude(tiny_dir) + script, host=host, env=PLUGIN_ENV, timeout=600).check()
+    rows = result.data["rows"]
+    print(json.dumps(rows, indent=1))
+    for name, row in rows.items():
+        assert row["off_recycler"] is False and row["auto_recycler"] is True
+        measured = row["auto"] / row["off"]
+        assert measured >= 0.9 * row["plan_ratio"], (name, measured, row)
