@@ -350,3 +350,24 @@ def test_cli_refuses_a_huge_config_file_by_name(tmp_path, capsys):
         f.truncate(5 * 2**30)
     code, _, err = _cli(capsys, "plan", str(tmp_path))
     assert code == 2 and str(path) in err and "bytes" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(("field", "value"), [("rms_norm_eps", -1.0), ("rope_theta", NAN), ("vocab_size", 0)])
+def test_paddleformers_config_fields_name_the_flag_and_file(tmp_path, capsys, field, value):
+    """``verify --paddleformers ARCH --config FILE``: the field as written in FILE, before the
+    PaddleFormers config class moves it (rope_theta into rope_parameters)."""
+    pytest.importorskip("paddleformers")
+    raw = {"model_type": "llama", **BASE, "hidden_size": 64, "vocab_size": 128, field: value}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    before = snapshot(tmp_path)
+    code, out, err = _cli(capsys, "verify", "--paddleformers", "llama", "--config", str(path), "--steps", "1")
+    lines = [line for line in err.splitlines() if line.strip() and line.startswith("fdfleet")]
+    assert code == 2 and len(lines) == 1, err
+    assert "--config" in lines[0] and str(path) in lines[0] and field in lines[0], lines[0]
+    assert snapshot(tmp_path) == before
+
+
+def test_paddleformers_bad_arch_names_the_flag(capsys):
+    code, _, err = _cli(capsys, "verify", "--paddleformers", "bogus")
+    assert code == 2 and err.startswith("fdfleet: error: --paddleformers") and "'bogus'" in err

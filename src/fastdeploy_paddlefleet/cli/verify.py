@@ -137,6 +137,10 @@ def _paddleformers_case(args: Any, backend: Any) -> Any:
         if e.name == PADDLEFORMERS_CASES:
             raise CliError(f"--paddleformers needs {e.name!r}, which is not installed in this build") from e
         raise (missing_extra(e, "--paddleformers") or e) from e
+    except (ValueError, TypeError) as e:  # about the config file when it names it, else the ARCH
+        if args.config and args.config in str(e):
+            raise about("--config", args.config, e) from e
+        raise about("--paddleformers", args.paddleformers, e) from e
 
 
 def _checkpoint_case(model_dir: str, backend: Any, seed: int) -> Any:

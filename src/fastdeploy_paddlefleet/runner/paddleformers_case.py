@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import logging
 import sys
 import types
@@ -42,6 +41,7 @@ from typing import Any
 from ..backends import get_backend
 from ..backends.base import AttentionBackend
 from ..plan.config import plan_from_config
+from ..plan.fields import check_caps, check_numeric_fields, read_json_file
 from ..plan.layer import AttentionPlan
 
 logger = logging.getLogger(__name__)
@@ -183,12 +183,12 @@ def load_arch_config(arch: str, config_path: str | Path) -> Any:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"config_path {str(config_path)!r}: no such file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config_path {str(path)!r}: invalid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config_path {str(path)!r}: expected a JSON object, got {type(data).__name__}")
+    data = read_json_file(path)  # size-capped; errors name the file
+    try:  # the fields as written, before the config class resolves them
+        check_caps(data)
+        check_numeric_fields(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     model_type = data.get("model_type", arch)
     if model_type != arch:
         raise ValueError(f"config_path {str(path)!r}: model_type={model_type!r} does not match arch={arch!r}")
