@@ -81,6 +81,20 @@ def test_a_bad_last_tensor_leaves_every_parameter_unchanged(case, make, exc, mat
         np.testing.assert_array_equal(after[k], v, err_msg=f"{case}: {k} changed")
 
 
+def test_bfloat16_bits_from_numpy_are_named_not_read_as_numbers():
+    """``paddle_bf16_tensor.numpy()`` is uint16 bits: the old loader cast 16256 (1.0's bits) to 16256.0."""
+    wrapper = wrapper_()
+    before = params(wrapper)
+    name = list(before)[0]
+    bits = paddle.ones(before[name].shape, dtype="bfloat16").numpy()
+    assert bits.dtype == np.uint16 and int(bits.flat[0]) == 16256
+    with pytest.raises(TypeError, match=r"dtype uint16, .*bits as uint16: pass the tensor itself"):
+        wrapper.set_state_dict({name: bits})
+    np.testing.assert_array_equal(params(wrapper)[name], before[name])
+    wrapper.set_state_dict({name: paddle.ones(before[name].shape, dtype="bfloat16")})  # the tensor: cast
+    np.testing.assert_array_equal(params(wrapper)[name], np.ones_like(before[name]))
+
+
 def test_a_valid_checkpoint_still_loads_every_tensor():
     wrapper = wrapper_()
     sd = bumped(params(wrapper))

@@ -82,9 +82,12 @@ def _plan(
             raise ValueError(f"weight {name!r} has shape {shape}, the model expects {want}; {_UNCHANGED}")
         target_dtype = str(target.dtype).rsplit(".", 1)[-1]
         if not _castable(dtype, target_dtype):
+            hint = ""
+            if dtype == "uint16" and target_dtype in _FLOATS:  # paddle's .numpy() of a bfloat16 tensor
+                hint = " (a bfloat16 tensor's .numpy() gives its bits as uint16: pass the tensor itself)"
             raise TypeError(
-                f"weight {name!r} has dtype {dtype}, which does not cast to the parameter's {target_dtype}; "
-                f"{_UNCHANGED}"
+                f"weight {name!r} has dtype {dtype}, which does not cast to the parameter's {target_dtype}"
+                f"{hint}; {_UNCHANGED}"
             )
         todo.append((key, value))
     if unexpected:
