@@ -11,7 +11,10 @@ stand-ins in front of the few things a CPU-only FastDeploy cannot provide, and n
   ``apply_logits_processor`` does nothing), ``get_attention_backend`` (no backend for the CPU platform:
   FastDeploy's CUDA default ``AppendAttentionBackend`` is used) and ``Tensor.pin_memory`` (pinned
   host memory needs a CUDA build: the tensor itself);
-* the ``cache_ready_signal`` shared memory the engine creates before its workers start.
+* the ``cache_ready_signal`` shared memory the engine creates before its workers start;
+* ``fastdeploy.envs.ENABLE_V1_KVCACHE_SCHEDULER`` back to 1 after the config is built (FastDeploy's
+  GPU default; it switches V1 scheduling off on the CPU platform, and the runner's
+  ``insert_tasks_v1`` is the V1 path).
 
 Everything else (the runner's ``__init__``, ``InputBatch``, the attention backend, the model
 loader, ``cal_theortical_kvcache``, ``initialize_kv_cache``, ``initialize_forward_meta``) is
@@ -71,8 +74,13 @@ _SIGNALS = {}
 
 
 def make_config(model_dir, **kwargs):
-    """FastDeploy's FDConfig for ``model_dir`` (``EngineArgs(...).create_engine_config()``)."""
-    return EngineArgs(model=model_dir, **kwargs).create_engine_config()
+    """FastDeploy's FDConfig for ``model_dir`` (``EngineArgs(...).create_engine_config()``), with
+    FastDeploy's V1 KV-cache scheduling on as on a GPU (FastDeploy turns it off on the CPU platform)."""
+    import fastdeploy.envs as fd_envs
+
+    cfg = EngineArgs(model=model_dir, **kwargs).create_engine_config()
+    fd_envs.ENABLE_V1_KVCACHE_SCHEDULER = 1
+    return cfg
 
 
 def make_runner(cls, fd_config):

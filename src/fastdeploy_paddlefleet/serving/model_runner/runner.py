@@ -47,19 +47,12 @@ def is_paddlefleet_model(fd_config: Any) -> bool:
     return bool(archs) and archs[0] == ARCHITECTURE
 
 
-def _recycle_wanted() -> bool:
-    """``FDFLEET_KV_RECYCLE`` (``auto``: on where the plan has windows; ``off``)."""
-    from ...envs import kv_recycle
-
-    return kv_recycle() != "off"
-
-
 class FleetKV:
     """The plugin's cache state inside one runner: plan, layout, sizes and page tables."""
 
     def __init__(self, runner: Any) -> None:
         from ...patch import cache_plan
-        from ..kv_recycling.protocol import layout_from_plans, merge_tp_plans
+        from ..kv_recycling.scheduler import decide
         from .sizing import check_layout_matches
 
         fd_config = runner.fd_config
@@ -69,22 +62,17 @@ class FleetKV:
         cc = _get(fd_config, "cache_config")
         self.dtype = str(_get(mc, "dtype") or "bfloat16")
         self.block_size = int(_get(cc, "block_size"))
-        self.layout = None
-        self.merged_plan = None
+        #: the engine hook's decision, made by the same function on the same config (None: no recycling)
+        self.setup = decide(fd_config)
+        self.layout = None if self.setup is None else self.setup.layout
         self.tables = None
         #: blocks per group of the caches allocated now (None before a non-profile allocation)
         self.group_blocks: list[int] | None = None
         self.split = None
-        if _recycle_wanted():
-            plans = _rank_plans(fd_config)
-            layout = layout_from_plans(plans, self.block_size)
-            if layout.slides:
-                check_layout_matches(self.layers, layout)
-                self.layout = layout
-                self.merged_plan = merge_tp_plans(plans)
         if self.layout is not None:
             from .page_tables import DevicePageTables
 
+            check_layout_matches(self.layers, self.layout)
             share = runner.share_inputs
             max_num_seqs = int(share["block_tables"].shape[0])
             max_blocks = int(share["block_tables"].shape[1])
@@ -113,31 +101,19 @@ class FleetKV:
         per_layer = block_bytes(self.layers, self.block_size, "bf16")
         return self.layout is None and int(fastdeploy_price) == per_layer
 
-    def pool_split(self, fd_config: Any, num_gpu_blocks: int) -> Any:
-        """``split_kv_pools`` over ``num_gpu_blocks * price`` bytes (the same call the engine makes)."""
-        from ...kvcache.pools import split_kv_pools
+    def pool_split(self, num_gpu_blocks: int) -> Any:
+        """The engine hook's pools for ``num_gpu_blocks`` FastDeploy blocks (``scheduler.split_for``,
+        the same call); ``ValueError`` when its block price differs from this rank's caches."""
+        from ..kv_recycling.scheduler import split_for
 
-        sc = _get(fd_config, "scheduler_config")
-        mc = _get(fd_config, "model_config")
-        return split_kv_pools(
-            self.merged_plan,
-            int(num_gpu_blocks) * self.price(),
-            self.block_size,
-            int(_get(mc, "max_model_len")),
-            int(_get(sc, "max_num_seqs")),
-            dtype=self.dtype,
-            mode=self.layout.mode,
-            max_num_batched_tokens=int(_get(sc, "max_num_batched_tokens") or 0),
-        )
-
-
-def _rank_plans(fd_config: Any) -> list[Any]:
-    """Every TP rank's plan of the model directory (a lane slides only if it slides on every rank)."""
-    from ...plan import plan_from_config
-
-    model_dir = _get(_get(fd_config, "model_config"), "model")
-    tp = int(_get(_get(fd_config, "parallel_config"), "tensor_parallel_size") or 1)
-    return [plan_from_config(str(model_dir), tp_size=tp, tp_rank=r) for r in range(tp)]
+        split = split_for(self.setup, int(num_gpu_blocks), self.block_size)
+        if split.fastdeploy_block_bytes != self.price():
+            raise ValueError(
+                f"the engine prices a block at {split.fastdeploy_block_bytes} bytes, this rank's caches at "
+                f"{self.price()} (layers {[la.index for la in self.layers]}): engine and worker would size "
+                "different pools"
+            )
+        return split
 
 
 def _check_cache_placement(fd_config: Any) -> None:
@@ -218,7 +194,7 @@ def _make_runner_class() -> type:
             _check_cache_placement(self.fd_config)
             group_blocks = None
             if fleet.layout is not None and not profile:
-                fleet.split = fleet.pool_split(self.fd_config, self.num_gpu_blocks)
+                fleet.split = fleet.pool_split(self.num_gpu_blocks)
                 group_blocks = {g.index: g.num_blocks for g in fleet.split.groups}
             caches = worker_caches(
                 fleet.layers,
