@@ -363,6 +363,7 @@ CORRUPTIONS = (
     "narrow_table",
     "k_is_v",
     "short_cu_seqlens",
+    "headwise_page_past_cache",
 )
 
 
@@ -387,10 +388,16 @@ def _valid_case(rng):
     return dec, this, table
 
 
+def _pages(table):
+    """The head-wise page table ``[bsz * HKV, width]`` of a block table: page ``block * HKV + head``."""
+    pages = table[:, None, :] * HKV + np.arange(HKV)[None, :, None]
+    return np.where(table[:, None, :] >= 0, pages, -1).reshape(-1, table.shape[1]).astype("int32")
+
+
 def _hostile_case(seed: int):
-    """One corrupted served step: ``(forward_meta, kv_cache, expectation)``; expectation is
-    ``("edge", exception type, regex)`` or ``("flag", request, logical block or None, value or None)``
-    or ``("clean",)``."""
+    """One corrupted served step: ``(forward_meta, kv_cache, layer, expectation)``; expectation is
+    ``("edge", exception type, regex)``, ``("flag", request, logical block, value, kv head)`` (``None``:
+    not fixed by the case) or ``("clean",)``."""
     rng = np.random.default_rng(seed)
     dec, this, table = _valid_case(rng)
     kind = CORRUPTIONS[seed % len(CORRUPTIONS)]
@@ -400,57 +407,67 @@ def _hostile_case(seed: int):
     b = int(rng.integers(0, len(dec)))
     visible = (dec[b] + this[b] - 1) // BS  # request b's last logical block (a full layer sees 0..it)
     col = int(rng.integers(0, visible + 1))
+    layer = layer_()
+    if kind == "headwise_page_past_cache":  # kv head 0 is a full head: every visible page is read
+        layer = layer_(kind="headwise", window_left=2, sliding_kv_heads=(1, 2))
+        pages = _pages(table)
+        value = int(rng.choice([NB * HKV, NB * HKV + 7, 2**30]))
+        pages[b * HKV, col] = value
+        fm.block_tables_headwise = pages
+        return fm, kv, layer, ("flag", b, col, value, 0)
     if kind in ("float_field", "bool_field"):
         field = str(rng.choice(INT_FIELDS + ("block_tables",)))
         value = np.asarray(getattr(fm, field))
         setattr(fm, field, value.astype("float64") + 0.5 if kind == "float_field" else value != 0)
-        return fm, kv, ("edge", TypeError, rf"forward_meta\.{field} must hold integers")
+        return fm, kv, layer, ("edge", TypeError, rf"forward_meta\.{field} must hold integers")
     if kind == "int64_beyond_int32":
         wide = table.astype("int64")
         wide[b, col] = int(rng.choice([2**32, 2**31, -(2**31) - 1, 2**40 + 3]))
         fm.block_tables = wide
-        return fm, kv, ("edge", ValueError, rf"block_tables\[{b}, {col}\] = {wide[b, col]} is outside int32")
+        match = rf"block_tables\[{b}, {col}\] = {wide[b, col]} is outside int32"
+        return fm, kv, layer, ("edge", ValueError, match)
     if kind == "int64_in_range":
         fm.block_tables = table.astype("int64")
         fm.seq_lens_decoder = np.asarray(fm.seq_lens_decoder, "int64")
-        return fm, kv, ("clean",)
+        return fm, kv, layer, ("clean",)
     if kind == "past_cache":
         value = int(rng.choice([NB, NB + 1, 2**20, 2**31 - 1]))
         table[b, col] = value
-        return fm, kv, ("flag", b, col, value)
+        return fm, kv, layer, ("flag", b, col, value, None)
     if kind == "negative_visible":
         value = int(rng.choice([-1, -2, -(2**31)]))
         table[b, col] = value
-        return fm, kv, ("flag", b, col, value)
+        return fm, kv, layer, ("flag", b, col, value, None)
     if kind == "narrow_table":
         if visible == 0:  # one block: a zero-width table is too narrow for any request
             fm.block_tables = table[:, :0]
-            return fm, kv, ("flag", None, None, None)
+            return fm, kv, layer, ("flag", None, None, None, None)
         fm.block_tables = np.ascontiguousarray(table[:, :visible])  # drop the last visible column
-        return fm, kv, ("flag", None, None, None)
+        return fm, kv, layer, ("flag", None, None, None, None)
     if kind == "k_is_v":
-        return fm, (kv[0], kv[0]), ("edge", ValueError, "K and V caches must be distinct tensors")
+        return fm, (kv[0], kv[0]), layer, ("edge", ValueError, "K and V caches must be distinct tensors")
     assert kind == "short_cu_seqlens"
     fm.cu_seqlens_q = np.asarray(fm.cu_seqlens_q)[:-1]
-    return fm, kv, ("edge", ValueError, r"cu_seqlens_q must have bsz \+ 1")
+    return fm, kv, layer, ("edge", ValueError, r"cu_seqlens_q must have bsz \+ 1")
 
 
-FLAG = re.compile(r"request (\d+), logical block (-?\d+): (?:entry (-?\d+)|the table has only)")
+FLAG = re.compile(
+    r"request (\d+)(?: kv head (\d+))?, logical block (-?\d+): (?:entry (-?\d+)|the table has only)"
+)
 
 
 @triton_needed
 def test_seeded_hostile_metadata_through_the_served_path():
-    """240 seeded cases (every corruption kind many times) through ForwardMeta -> BatchMeta -> the triton
+    """250 seeded cases (every corruption kind many times) through ForwardMeta -> BatchMeta -> the triton
     backend in served mode (``host_checks=False``: shape/dtype checks only, the kernels bounds-check)
     -> the error flag. Each case: a named edge error, or the flag naming the corrupted entry, or (valid
     int64 input) a clean flag. Never a crash, never an unnamed error."""
     from fastdeploy_paddlefleet.backends.triton import TritonBackend
 
     backend = TritonBackend(host_checks=False)
-    layer = layer_()
     seen = dict.fromkeys(CORRUPTIONS, 0)
-    for seed in range(240):
-        fm, kv, expect = _hostile_case(seed)
+    for seed in range(250):
+        fm, kv, layer, expect = _hostile_case(seed)
         seen[CORRUPTIONS[seed % len(CORRUPTIONS)]] += 1
         if expect[0] == "edge":
             with pytest.raises(expect[1], match=expect[2]):
@@ -469,16 +486,13 @@ def test_seeded_hostile_metadata_through_the_served_path():
         if expect[0] == "clean":
             backend.check_errors()
             continue
-        with pytest.raises(ValueError, match="bad block table entry") as info:
+        with pytest.raises(ValueError, match="bad (block|page) table entry") as info:
             backend.check_errors()
         m = FLAG.search(str(info.value))
         assert m, (seed, str(info.value))
-        _, req, blk, value = expect
-        if req is not None:
-            assert int(m.group(1)) == req, (seed, str(info.value))
-        if blk is not None:
-            assert int(m.group(2)) == blk, (seed, str(info.value))
-        if value is not None:
-            assert int(m.group(3)) == value, (seed, str(info.value))
+        req, head, blk, value = (None if g is None else int(g) for g in m.groups())
+        got = (req, blk, value, head)
+        for want, have in zip(expect[1:], got, strict=True):  # request, logical block, value, kv head
+            assert want is None or want == have, (seed, str(info.value))
         backend.check_errors()  # cleared after reporting
     assert min(seen.values()) >= 20, seen
