@@ -385,3 +385,18 @@ def test_metadata_is_copied_to_the_host_once_per_step(monkeypatch):
     a["meta"].seq_lens_decoder = paddle.to_tensor([5, 0], dtype="int32")
     validate_inputs(**a)
     assert len(calls) == first + 1
+
+
+def test_served_checks_read_no_metadata_values(monkeypatch):
+    """Served mode (``validate_shapes``) keeps to dtypes, shapes, strides and identity: with int32
+    metadata it never copies a value to the host (that would be a device sync per layer on a GPU)."""
+    from fastdeploy_paddlefleet.backends import checks
+
+    def no_copy(x):
+        raise AssertionError("validate_shapes read metadata values")
+
+    monkeypatch.setattr(checks, "to_numpy", no_copy)
+    for index in range(3):
+        checks.validate_shapes(**dict(args(), layer=layer_(index=index)))
+    with pytest.raises(AssertionError, match="read metadata values"):  # the checked mode does read them
+        check()
