@@ -371,3 +371,44 @@ def test_paddleformers_config_fields_name_the_flag_and_file(tmp_path, capsys, fi
 def test_paddleformers_bad_arch_names_the_flag(capsys):
     code, _, err = _cli(capsys, "verify", "--paddleformers", "bogus")
     assert code == 2 and err.startswith("fdfleet: error: --paddleformers") and "'bogus'" in err
+
+
+FUZZ_FIELDS = (
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+    "v_head_dim", "vocab_size", "sliding_window", "window_attn_skip_freq", "head_wise_swa_ratio",
+    "softmax_type", "softmax_scale", "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
+    "swa_v_head_dim", "rope_theta", "swa_rope_theta", "layernorm_epsilon", "rms_norm_eps",
+    "ffn_hidden_size", "intermediate_size", "mtp_num_layers", "num_experts", "max_position_embeddings",
+    "kv_lora_rank", "multi_latent_attention", "qk_nope_head_dim", "qk_rope_head_dim", "model_type",
+    "layer_types", "rope_scaling", "query_pre_attn_scalar", "window_convention",
+)  # fmt: skip
+FUZZ_VALUES = (
+    None, True, False, 0, -1, 1, 2, 3, 7, 10**12, 0.5, -0.5, NAN, INF, "x", "", [], [1], [1, 0], ["x"], {},
+    [8, 0], 1.5, 2**31, "minifleet", "gemma3_text", {"type": "yarn", "factor": "x"}, {"rope_type": ["yarn"]},
+)  # fmt: skip
+
+
+def test_seeded_random_configs_fail_named_or_plan():
+    """A seeded generator: 1 to 3 fields of a preset set to hostile values. Planning (and minifleet's
+    config, what ``verify --config`` builds) either succeeds or raises ValueError / TypeError, one
+    line naming a config field; never another exception (was: ``int()`` / ``OverflowError`` /
+    ``unhashable type``), never a hang."""
+    from fastdeploy_paddlefleet.presets import list_presets
+
+    rng = random.Random(1919)
+    bases = {name: load_config(name) for name in list_presets()}
+    start = time.perf_counter()
+    for _ in range(600):
+        name = rng.choice(sorted(bases))
+        cfg = dict(bases[name])
+        changed = [rng.choice(FUZZ_FIELDS) for _ in range(rng.randint(1, 3))]
+        for field in changed:
+            cfg[field] = rng.choice(FUZZ_VALUES)
+        try:
+            plan_from_config(cfg)
+            if cfg.get("model_type") == "minifleet":
+                make_config(cfg)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            assert "\n" not in msg and any(f in msg for f in FUZZ_FIELDS), (name, changed, msg)
+    assert time.perf_counter() - start < 60

@@ -16,7 +16,7 @@ from importlib import resources
 from types import SimpleNamespace
 from typing import Any
 
-from ..plan.fields import check_caps, check_numeric_fields, read_json_file
+from ..plan.fields import check_caps, check_count, check_numeric_fields, read_json_file
 
 # Old/new PaddleFleet (and HF) spellings of the same field: alias -> canonical name.
 _ALIASES = {
@@ -80,16 +80,22 @@ def make_config(config: dict | str | os.PathLike | MiniFleetConfig) -> MiniFleet
         if raw.get(name) is None:
             raise ValueError(f"config field {name!r} is required (got None)")
     c = dict(raw)
-    heads = int(c["num_attention_heads"])
-    c.setdefault("num_key_value_heads", None)
-    c["num_key_value_heads"] = int(c["num_key_value_heads"] or heads)
-    c["head_dim"] = int(c.get("head_dim") or c["hidden_size"] // heads)
-    c["v_head_dim"] = int(c.get("v_head_dim") or c["head_dim"])
-    c["swa_num_attention_heads"] = int(c.get("swa_num_attention_heads") or heads)
-    c["swa_num_key_value_heads"] = int(c.get("swa_num_key_value_heads") or c["num_key_value_heads"])
-    c["swa_head_dim"] = int(c.get("swa_head_dim") or c["head_dim"])
+
+    def size(name: str, fallback: int) -> int:
+        """A head count or dim: ``fallback`` when unset (None or 0, PaddleFleet's "not given"),
+        else an int in range, refused by name (``int('x')`` / ``int(nan)`` named nothing)."""
+        value = c.get(name)
+        return fallback if value is None or value == 0 else check_count(name, value, 1)
+
+    heads = check_count("num_attention_heads", c["num_attention_heads"], 1)
+    c["num_key_value_heads"] = size("num_key_value_heads", heads)
+    c["head_dim"] = size("head_dim", check_count("hidden_size", c["hidden_size"], 1) // heads)
+    c["v_head_dim"] = size("v_head_dim", c["head_dim"])
+    c["swa_num_attention_heads"] = size("swa_num_attention_heads", heads)
+    c["swa_num_key_value_heads"] = size("swa_num_key_value_heads", c["num_key_value_heads"])
+    c["swa_head_dim"] = size("swa_head_dim", c["head_dim"])
     # TransformerConfig: swa_v_head_dim falls back to v_head_dim (never to swa_head_dim)
-    c["swa_v_head_dim"] = int(c.get("swa_v_head_dim") or c["v_head_dim"])
+    c["swa_v_head_dim"] = size("swa_v_head_dim", c["v_head_dim"])
     c["rope_theta"] = float(c.get("rope_theta") or 10000.0)
     c["swa_rope_theta"] = float(c.get("swa_rope_theta") or c["rope_theta"])
     defaults = {

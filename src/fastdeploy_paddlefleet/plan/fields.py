@@ -86,7 +86,9 @@ def _read(config: Any) -> Callable[[str], Any]:
     return lambda name: getattr(config, name, None)
 
 
-def _count(name: str, value: Any, minimum: int) -> int:
+def check_count(name: str, value: Any, minimum: int) -> int:
+    """``value`` of count field ``name`` as an int in ``[minimum, LIMITS.get(name, MAX_INT)]``;
+    ``ValueError`` naming the field and the range otherwise (a bool or a float is not a count)."""
     maximum = LIMITS.get(name, MAX_INT)
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise ValueError(f"{name} must be an integer in [{minimum}, {maximum}], got {_short(value)}")
@@ -117,7 +119,7 @@ def check_caps(config: Any) -> None:
     ):
         value = read(name)
         if value is not None:
-            _count(name, value, minimum)
+            check_count(name, value, minimum)
     model_type = read("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise ValueError(f"model_type must be a string, got {_short(model_type)}")
@@ -166,7 +168,7 @@ def _probability(name: str, value: Any) -> None:
 
 def _int_at_least(minimum: int) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
-        _count(name, value, minimum)
+        check_count(name, value, minimum)
 
     return check
 
@@ -250,6 +252,7 @@ __all__ = [
     "MAX_LAYERS",
     "MAX_MTP_LAYERS",
     "check_caps",
+    "check_count",
     "check_numeric_fields",
     "read_json_file",
 ]
