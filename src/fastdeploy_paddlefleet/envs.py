@@ -16,6 +16,10 @@ value counts as unset (so ``FDFLEET_BACKEND= cmd`` gives the default); any
 other value outside the accepted set raises ``ValueError`` naming the variable
 and the value. :func:`check_all` parses every switch at once (the CLI calls it
 before any command, so a bad value is refused by every command).
+
+A new variable also gets a row in README's "Environment variables" table (default
+and meaning): ``tests/test_hostile_process.py`` checks that every ``FDFLEET_*``
+name in this file is there.
 """
 
 from __future__ import annotations
