@@ -225,13 +225,18 @@ def run_ours(
     dv=None,
     prefill_impl=None,
 ):
+    import inspect
+
     import torch
 
-    from fastdeploy_paddlefleet.kernels.errors import check_kernel_errors, new_error_flag
     from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention
 
     q = batch["q"]
-    flag = new_error_flag(q)  # as served: every launch bounds-checks its tables and records in a flag
+    flag_kw, check_kernel_errors = {}, None
+    if "errors" in inspect.signature(paged_attention).parameters:  # (--src: an older tree has no flag)
+        from fastdeploy_paddlefleet.kernels.errors import check_kernel_errors, new_error_flag
+
+        flag_kw = {"errors": new_error_flag(q)}  # as served: bad table entries recorded in a flag
     hq, dqk = q.shape[1], q.shape[2]
     dv = dv or batch["vc"].shape[3]
     scale = 1.0 / math.sqrt(dqk)
@@ -259,12 +264,13 @@ def run_ours(
             prefill_config=prefill_config,
             decode_config=decode_config,
             prefill_impl=prefill_impl,
-            errors=flag,
+            **flag_kw,
         )
 
     fn()
     sync()
-    check_kernel_errors(flag)  # valid tables: the flag stays clear
+    if flag_kw:
+        check_kernel_errors(flag_kw["errors"])  # valid tables: the flag stays clear
     errs = {}
     if check:
         assert torch.isfinite(out).all(), f"{name}: unwritten or non-finite output"
@@ -687,6 +693,142 @@ def sweep(fh):
         del batch
 
 
+# ------------------------------------------------------------------------------ host cost per launch
+
+
+def _host_us(fn, calls: int, repeats: int = 5) -> dict:
+    """Host time of one eager call of ``fn``: ``calls`` calls back to back, synced once after the loop
+    (the GPU, given tiny kernels, keeps up), median and min over ``repeats`` loops, microseconds.
+    ``cpu_us``: the process's CPU time per call in the median loop."""
+    fn()
+    sync()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        sync()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1, c1 = time.perf_counter(), time.process_time()
+        sync()
+        walls.append((t1 - t0) / calls * 1e6)
+        cpus.append((c1 - c0) / calls * 1e6)
+    order = sorted(range(repeats), key=lambda i: walls[i])
+    mid = order[repeats // 2]
+    return {"us": round(walls[mid], 2), "us_min": round(min(walls), 2), "cpu_us": round(cpus[mid], 2)}
+
+
+def host_cost_cases(fh, calls: int = 2000) -> None:
+    """Host (CPU) time per eager launch of each kernel wrapper at tiny shapes (the GPU idles between
+    calls), beside what bounds it: a trivial Triton kernel with 20 / 40 arguments through Triton's
+    launcher and the same kernel's compiled launcher called directly, and a torch elementwise op."""
+    import inspect
+
+    import torch
+    import triton
+    import triton.language as tl
+
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    calls = calls if SH["dev"] == "cuda" else 3
+    dev = SH["dev"]
+    hq, hkv, d, bsz = 4, 2, 64, 4
+    dec_b = paged_batch([15] * bsz, [1] * bsz, hq, hkv, d, d, seed=8)
+    pre_b = paged_batch([0, 16], [16, 16], hq, hkv, d, d, seed=9)
+    flag_kw = {}
+    if "errors" in inspect.signature(pa.paged_attention).parameters:
+        from fastdeploy_paddlefleet.kernels.errors import new_error_flag
+
+        flag_kw = {"errors": new_error_flag(dec_b["q"])}
+
+    def attn(b, max_q, impl=None):
+        out = torch.empty(b["q"].shape[0], hq, d, device=dev, dtype=DT())
+        args = (b["q"], b["kc"], b["vc"], b["cu"], b["dec"], b["table"])
+        kw = dict(scale=0.125, max_q_len=max_q, max_context_len=32, out=out, prefill_impl=impl, **flag_kw)
+        return lambda: pa.paged_attention(*args, **kw)
+
+    t = dec_b["q"].shape[0]
+    k = torch.randn(t, hkv, d, device=dev, dtype=DT())
+    bid = torch.arange(bsz, dtype=torch.int32, device=dev)
+
+    def write():
+        cw.write_kv_cache(
+            k, k, dec_b["kc"], dec_b["vc"], bid, dec_b["cu"], dec_b["dec"], dec_b["table"], **flag_kw
+        )
+
+    x = torch.zeros(1024, device=dev)
+
+    @triton.jit
+    def trivial20(
+        X, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, N: tl.constexpr
+    ):
+        o = tl.arange(0, N)
+        tl.store(X + o, tl.load(X + o) + a1)
+
+    @triton.jit
+    def trivial40(
+        X, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+        b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16, b17, b18, N: tl.constexpr,
+    ):  # fmt: skip
+        o = tl.arange(0, N)
+        tl.store(X + o, tl.load(X + o) + a1)
+
+    ints20 = [3] * 18
+    ints40 = [3] * 38
+    cases = [
+        ("torch-add_", lambda: x.add_(1)),
+        ("triton-20-args", lambda: trivial20[(1,)](x, *ints20, N=16)),
+        ("triton-40-args", lambda: trivial40[(1,)](x, *ints40, N=16)),
+    ]
+    if dev == "cuda":
+        from triton.runtime import driver
+
+        k40 = trivial40[(1,)](x, *ints40, N=16)
+        all40 = (x, *ints40, 16)
+
+        def direct40():
+            stream = driver.active.get_current_stream(driver.active.get_current_device())
+            k40.run(1, 1, 1, stream, k40.function, k40.packed_metadata, None, None, None, *all40)
+
+        cases.append(("triton-40-args-direct", direct40))
+    cases += [
+        ("write_kv_cache", write),
+        ("paged_attention-decode", attn(dec_b, 1)),
+        ("paged_attention-prefill-portable", attn(pre_b, 16, "portable")),
+        ("paged_attention-prefill-auto", attn(pre_b, 16)),
+    ]
+    try:
+        from fastdeploy_paddlefleet.backends.base import BatchMeta
+        from fastdeploy_paddlefleet.backends.triton import TritonBackend
+
+        try:
+            from fastdeploy_paddlefleet.plan.layer import LayerAttention
+        except ImportError:
+            from fastdeploy_paddlefleet.spec.layer import LayerAttention
+        layer = LayerAttention(
+            index=0, kind="full", num_q_heads=hq, num_kv_heads=hkv, qk_head_dim=d, v_head_dim=d,
+            softmax_scale=0.125,
+        )  # fmt: skip
+        lens = dec_b["cu"][1:] - dec_b["cu"][:-1]
+        meta = BatchMeta(
+            seq_lens_encoder=torch.zeros_like(lens), seq_lens_decoder=dec_b["dec"], seq_lens_this_time=lens,
+            cu_seqlens_q=dec_b["cu"], batch_id_per_token=bid, block_tables=dec_b["table"], block_size=BS,
+            max_seq_len_this_time=1, max_context_len=32,
+        )  # fmt: skip
+        served = TritonBackend(validate=False, host_checks=False)
+        kv = (dec_b["kc"], dec_b["vc"])
+        cases.append(("backend-layer-served", lambda: served.forward(dec_b["q"], k, k, layer, meta, kv)))
+    except Exception as e:  # noqa: BLE001 - an older tree: the kernels' figures still count
+        emit({"case": "host-backend-layer-served", "impl": "triton", "error": repr(e)[:200]}, fh)
+    for name, fn in cases:
+        try:
+            rec = _host_us(fn, calls)
+        except Exception as e:  # noqa: BLE001
+            emit({"case": "host-" + name, "impl": "triton", "kind": "host", "error": repr(e)[:300]}, fh)
+            continue
+        emit({"case": "host-" + name, "impl": "triton", "kind": "host", "calls": calls, **rec}, fh)
+
+
 # ------------------------------------------------------------------------------ summary and plot
 
 
@@ -846,7 +988,7 @@ def print_comparison(records: list[dict], path: str) -> None:
         if "case" not in r or "error" in r or key not in old:
             continue
         o = old[key]
-        metric = next((m for m in ("gbps", "tflops", "ms") if m in r and m in o), None)
+        metric = next((m for m in ("gbps", "tflops", "ms", "us") if m in r and m in o), None)
         if metric is None:
             continue
         ratio = r[metric] / o[metric] if o[metric] else float("nan")
@@ -870,12 +1012,17 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     ap.add_argument("--plot-only", metavar="FILE", help="draw the PNG from saved JSON lines and exit")
     ap.add_argument(
-        "--cases", default="copy,decode,prefill,mixed,mla", help="comma list (default: %(default)s)"
+        "--cases", default="copy,decode,prefill,mixed,mla,host", help="comma list (default: %(default)s)"
     )
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / FlexAttention")
     ap.add_argument("--no-check", action="store_true", help="skip the dense-reference checks")
     ap.add_argument("--sweep", action="store_true", help="time tile / split / TMA variants instead")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter without a GPU)")
+    ap.add_argument(
+        "--src",
+        default=None,
+        help="import fastdeploy_paddlefleet from this source tree instead (A/B against an older commit)",
+    )
     args = ap.parse_args(argv)
     if args.plot_only:
         with open(args.plot_only) as f:
@@ -887,6 +1034,8 @@ def main(argv=None) -> int:
         print(path)
         return 0
 
+    if args.src:
+        sys.path.insert(0, os.path.abspath(args.src))
     import torch
 
     if args.out is None:  # smoke runs never replace the committed results
@@ -938,6 +1087,7 @@ def main(argv=None) -> int:
                 ("prefill", lambda: prefill_cases(fh, check, peers)),
                 ("mixed", lambda: mixed_case(fh, check)),
                 ("mla", lambda: mla_cases(fh, check, peers)),
+                ("host", lambda: host_cost_cases(fh)),
             )
             for name, step in steps:
                 if name in cases:

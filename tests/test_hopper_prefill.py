@@ -99,7 +99,7 @@ def test_hopper_prefill_persistent_ctas_walk_many_items(monkeypatch, num_ctas):
 
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
-    monkeypatch.setattr(pa, "hopper_prefill", functools.partial(hp.hopper_prefill, num_ctas=num_ctas))
+    monkeypatch.setattr(pa, "HopperPlan", functools.partial(hp.HopperPlan, num_ctas=num_ctas))
     s = make_step(MIXED, dtype=torch.bfloat16, window_left=300, release=True, seed=15, **REAL)
     run_and_check(s, prefill_impl="hopper", window_left=300, sink_kind="learnable")
     s = make_step(MIXED, dtype=torch.float16, seed=16, **REAL)

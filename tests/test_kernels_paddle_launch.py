@@ -56,7 +56,8 @@ def test_backend_hands_paddle_tensors_to_the_kernels_without_torch(monkeypatch):
     tensors (the cache views included) and Triton gets Paddle's torch proxy."""
     from fastdeploy_paddlefleet.backends import triton as triton_backend
     from fastdeploy_paddlefleet.kernels import _framework as fw
-    from fastdeploy_paddlefleet.spec.layer import LayerAttention
+    from fastdeploy_paddlefleet.kernels import cache_write, paged_attention
+    from fastdeploy_paddlefleet.plan.layer import LayerAttention
     from fastdeploy_paddlefleet.runner.batch import build_meta
 
     calls = {}
@@ -64,27 +65,32 @@ def test_backend_hands_paddle_tensors_to_the_kernels_without_torch(monkeypatch):
     monkeypatch.setattr(fw, "_COMPAT_DONE", False)
     monkeypatch.setattr(paddle, "enable_compat", lambda **kw: calls.setdefault("compat", kw))
 
-    def launch(q, k, v, kc, vc, cu, dec, bid, table, sinks, layer, meta, headwise, errors=None):
-        calls["args"] = (q, kc, vc, cu, table)
+    def write(self, k, v, bid, cu, dec, table, *, errors=None, stream=None):
+        calls["write"] = (self.key_cache, self.value_cache, cu, table)
+
+    def attend(self, q, cu, dec, table, *, max_q_len=None, max_context_len=None, out=None, num_splits=None,
+               errors=None, stream=None):  # fmt: skip
+        calls["args"] = (q, self.key_cache, self.value_cache, cu, table)
         calls["errors"] = errors
         return paddle.zeros([q.shape[0], layer.num_q_heads, layer.v_head_dim])
 
-    monkeypatch.setattr(triton_backend.TritonBackend, "_launch", staticmethod(launch))
+    monkeypatch.setattr(cache_write.CacheWritePlan, "run", write)
+    monkeypatch.setattr(paged_attention.AttentionPlan, "run", attend)
     layer = LayerAttention(
         index=0, kind="full", num_q_heads=4, num_kv_heads=2, qk_head_dim=8, v_head_dim=4, softmax_scale=0.3
     )
     meta = build_meta([0], [3], [[0]], 4)
-    wide = paddle.zeros([2, 3, 4, 8])
-    cache = (wide[:, :2], wide[:, :2, :, :4])
+    wide, wide_v = paddle.zeros([2, 3, 4, 8]), paddle.zeros([2, 3, 4, 8])  # K and V: distinct tensors
+    cache = (wide[:, :2], wide_v[:, :2, :, :4])
     q = paddle.zeros([3, 4, 8])
-    out = triton_backend.TritonBackend().forward(
-        q, paddle.zeros([3, 2, 8]), paddle.zeros([3, 2, 4]), layer, meta, cache
-    )
+    backend = triton_backend.TritonBackend()
+    out = backend.forward(q, paddle.zeros([3, 2, 8]), paddle.zeros([3, 2, 4]), layer, meta, cache)
     assert list(out.shape) == [3, 16]
     assert calls["compat"] == {"scope": {"triton"}}
     got_q, got_kc, got_vc, cu, table = calls["args"]
     assert got_q is q and got_kc is cache[0] and got_vc is cache[1]  # no conversion, no copy
     assert got_kc.data_ptr() == wide.data_ptr() and str(cu.dtype).endswith("int32")
+    assert calls["write"][0] is cache[0] and calls["write"][2] is cu  # the step's int32 metadata, shared
     # the device error flag (kernels/errors.py) is a paddle int32 [8] tensor, cleared
     flag = calls["errors"]
     assert isinstance(flag, paddle.Tensor) and str(flag.dtype).endswith("int32")

@@ -41,7 +41,6 @@ replay.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from typing import Any
@@ -109,6 +108,84 @@ def _capturing(x: Any) -> bool:
         return False
 
 
+_MAX_PLANS = 4096
+_STEP_ATTR = "_fdfleet_triton_step"
+
+
+class _LayerPlan:
+    """One layer's launch plans for one pair of caches (and sinks tensor), with the device error flag."""
+
+    __slots__ = ("attend", "flag", "kv_cache", "layer", "ptrs", "sinks", "sinks_version", "write")
+
+    def __init__(self, layer, kv_cache, sinks, write, attend, flag) -> None:
+        self.layer, self.kv_cache, self.sinks = layer, kv_cache, sinks  # kept: ids stay unique
+        self.write, self.attend, self.flag = write, attend, flag
+        self.ptrs = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+        self.sinks_version = _version(sinks)
+
+    def stale(self, kv_cache, sinks) -> bool:
+        """Whether the caches moved (same objects, other storage), another sinks tensor came, or the
+        sinks were written in place (the plan holds their float32 copy)."""
+        if sinks is not self.sinks or (sinks is not None and _version(sinks) != self.sinks_version):
+            return True
+        return (kv_cache[0].data_ptr(), kv_cache[1].data_ptr()) != self.ptrs
+
+
+def _version(x: Any) -> int:
+    """In-place modification counter of a torch / paddle tensor (-1 for None or unknown)."""
+    if x is None:
+        return -1
+    v = getattr(x, "_version", None)
+    if isinstance(v, int):
+        return v
+    f = getattr(x, "_inplace_version", None)
+    return int(f()) if callable(f) else -1
+
+
+class _StepState:
+    """One step's metadata as the kernels take it (int32, on q's device; torch views or paddle), shared
+    by every layer of the step: derived once, kept on the ``BatchMeta``."""
+
+    __slots__ = ("bid", "cu", "dec", "fields", "tables", "torch_views")
+
+    def __init__(self, meta: BatchMeta, q: Any, torch_views: bool, fields: tuple) -> None:
+        self.fields, self.torch_views = fields, torch_views
+        self.cu = self._int32(meta.cu_seqlens_q, q)
+        self.dec = self._int32(meta.seq_lens_decoder, q)
+        self.bid = self._int32(meta.batch_id_per_token, q)
+        self.tables: dict[int, tuple[Any, Any]] = {}
+
+    def _int32(self, x: Any, q: Any) -> Any:
+        return _to_torch(x, q.device, int32=True) if self.torch_views else _paddle_int32(x)
+
+    def table(self, meta: BatchMeta, layer_index: int) -> tuple[Any, bool]:
+        """The table layer ``layer_index`` reads (int32) and whether it is head-wise."""
+        raw = meta.headwise_table(layer_index)
+        headwise = raw is not None
+        if not headwise:
+            raw = meta.block_tables
+        hit = self.tables.get(id(raw))
+        if hit is None or hit[0] is not raw:
+            dev = self.cu.device if self.torch_views else None
+            conv = _to_torch(raw, dev, int32=True) if self.torch_views else _paddle_int32(raw)
+            hit = self.tables[id(raw)] = (raw, conv)
+        return hit[1], headwise
+
+
+def _step_state(meta: BatchMeta, q: Any, torch_views: bool) -> _StepState:
+    """The step's :class:`_StepState`, derived on the first layer (again if a field was replaced)."""
+    fields = (meta.cu_seqlens_q, meta.seq_lens_decoder, meta.batch_id_per_token, meta.block_tables)
+    st = meta.__dict__.get(_STEP_ATTR)
+    if (
+        st is None
+        or st.torch_views != torch_views
+        or any(a is not b for a, b in zip(st.fields, fields, strict=True))
+    ):
+        st = _StepState(meta, q, torch_views, fields)
+        meta.__dict__[_STEP_ATTR] = st
+    return st
+
+
 class TritonBackend(AttentionBackend):
     """Paged attention through the Triton kernels of :mod:`fastdeploy_paddlefleet.kernels`.
 
@@ -129,6 +206,7 @@ class TritonBackend(AttentionBackend):
         #: :meth:`step_done` reads the device error flags every this many steps (0: never)
         self.check_every = check_every
         self._monitors: dict[Any, Any] = {}  # (framework, device) -> KernelErrorMonitor
+        self._plans: dict[Any, _LayerPlan] = {}  # (layer, caches, headwise, dtype) -> launch plans
 
     def error_flag(self, like: Any) -> Any:
         """The device error flag (``int32 [8]``, ``kernels/errors.py``) for ``like``'s framework and
@@ -184,92 +262,82 @@ class TritonBackend(AttentionBackend):
         sinks: Any = None,
     ) -> Any:
         """Write K/V into ``kv_cache`` then attend: ``q [T, Hq, Dqk]`` -> ``[T, Hq * Dv]`` (q's dtype
-        and framework)."""
+        and framework).
+
+        Host cost: what is the same for every layer of a step (the metadata's int32 device views, the
+        tables) is derived once per step and kept on ``meta``; what is the same for every step of a
+        layer (cache geometry, tile shapes, compile-time constants, the Hopper kernel's descriptors) is
+        a :class:`~..kernels.paged_attention.AttentionPlan` / :class:`~..kernels.cache_write.CacheWritePlan`
+        kept per layer and cache; compiled kernels are launched directly (``kernels/_launch.py``)."""
         from ..kernels import _framework as fw
 
         if self.validate:
             self._validate(q, k, v, layer, meta, kv_cache, sinks)
-        self.check_layer(layer)
-        table = meta.headwise_table(layer.index)
-        headwise = table is not None
-        if _is_torch(q) or fw.torch is not None:
-            return_paddle = not _is_torch(q)
-            tq = _to_torch(q)
-            dev = tq.device
-            args = (
-                tq,
-                _to_torch(k, dev),
-                _to_torch(v, dev),
-                _to_torch(kv_cache[0]),
-                _to_torch(kv_cache[1]),
-                _to_torch(meta.cu_seqlens_q, dev, int32=True),
-                _to_torch(meta.seq_lens_decoder, dev, int32=True),
-                _to_torch(meta.batch_id_per_token, dev, int32=True),
-                _to_torch(table if headwise else meta.block_tables, dev, int32=True),
-                _to_torch(sinks, dev) if layer.sink == "learnable" else None,
-            )
-            stream = fw.paddle_stream(dev) if return_paddle else contextlib.nullcontext()
-            with stream:
-                out = self._launch(*args, layer, meta, headwise, self.error_flag(tq))
-            out = out.view(out.shape[0], -1)
-            return _to_paddle(out) if return_paddle else out
+        is_t = _is_torch(q)
+        if is_t or fw.torch is not None:
+            if not is_t:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
+                tq = _to_torch(q)
+                dev = tq.device
+                tk, tv = _to_torch(k, dev), _to_torch(v, dev)
+                with fw.paddle_stream(dev):
+                    out = self._run(tq, tk, tv, layer, meta, kv_cache, sinks, True)
+                return _to_paddle(out.view(out.shape[0], -1))
+            out = self._run(q, k, v, layer, meta, kv_cache, sinks, True)
+            return out.view(out.shape[0], -1)
         # paddle tensors, no torch: FastDeploy's way (Triton on Paddle's torch proxy)
         fw.ensure_paddle_compat()
-        out = self._launch(
-            q,
-            k,
-            v,
-            kv_cache[0],
-            kv_cache[1],
-            _paddle_int32(meta.cu_seqlens_q),
-            _paddle_int32(meta.seq_lens_decoder),
-            _paddle_int32(meta.batch_id_per_token),
-            _paddle_int32(table if headwise else meta.block_tables),
-            sinks if layer.sink == "learnable" else None,
-            layer,
-            meta,
-            headwise,
-            self.error_flag(q),
-        )
+        out = self._run(q, k, v, layer, meta, kv_cache, sinks, False)
         return out.reshape([int(out.shape[0]), -1])
 
-    @staticmethod
-    def _launch(q, k, v, kc, vc, cu, dec, bid, table, sinks, layer, meta, headwise, errors=None) -> Any:
-        """The cache write and the attention launch on tensors of one framework; ``out [T, Hq, Dv]``.
-        ``errors``: the device error flag both kernels record bad table entries in."""
-        from ..kernels.cache_write import write_kv_cache
-        from ..kernels.paged_attention import paged_attention
+    def _run(self, q, k, v, layer, meta, kv_cache, sinks, torch_views: bool) -> Any:
+        """The cache write and the attention launch (``q``/``k``/``v`` in the kernels' framework)."""
+        step = _step_state(meta, q, torch_views)
+        table, headwise = step.table(meta, layer.index)
+        plan = self._plans.get((id(layer), id(kv_cache[0]), id(kv_cache[1]), headwise, q.dtype))
+        if plan is None or plan.stale(kv_cache, sinks):
+            plan = self._new_plan(q, layer, kv_cache, sinks, headwise, torch_views)
+        stream = plan.attend.kernels.stream() if plan.attend.kernels.direct else None
+        plan.write.run(k, v, step.bid, step.cu, step.dec, table, errors=plan.flag, stream=stream)
+        return plan.attend.run(
+            q, step.cu, step.dec, table, max_q_len=meta.max_seq_len_this_time,
+            max_context_len=meta.max_context_len, errors=plan.flag, stream=stream,
+        )  # fmt: skip
 
+    def _new_plan(self, q, layer, kv_cache, sinks, headwise, torch_views) -> _LayerPlan:
+        """Check the layer against the backend and the caches, and derive its launch plans (once per
+        layer and cache)."""
+        from ..kernels.cache_write import CacheWritePlan
+        from ..kernels.paged_attention import AttentionPlan
+
+        self.check_layer(layer)
+        kc, vc = kv_cache
+        tkc, tvc = (_to_torch(kc), _to_torch(vc)) if torch_views else (kc, vc)
         dtype = str(q.dtype).rsplit(".", 1)[-1]
         if dtype not in _DTYPES:
             raise TypeError(f"the triton backend runs {_DTYPES}, got q.dtype={q.dtype}")
-        if kc.dtype != q.dtype or vc.dtype != q.dtype:
-            raise TypeError(f"kv_cache dtype must match q ({q.dtype}), got {kc.dtype} / {vc.dtype}")
+        if tkc.dtype != q.dtype or tvc.dtype != q.dtype:
+            raise TypeError(f"kv_cache dtype must match q ({q.dtype}), got {tkc.dtype} / {tvc.dtype}")
         if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests), got q on "
                 f"{q.device}"
             )
-        write_kv_cache(k, v, kc, vc, bid, cu, dec, table, headwise=headwise, errors=errors)
+        tsinks = None
+        if layer.sink == "learnable" and sinks is not None:
+            tsinks = _to_torch(sinks, q.device) if torch_views else sinks
         slides = layer.sliding_kv_heads is not None and layer.window_left is not None
-        return paged_attention(
-            q,
-            kc,
-            vc,
-            cu,
-            dec,
-            table,
-            scale=layer.softmax_scale,
-            headwise=headwise,
+        attend = AttentionPlan(
+            tkc, tvc, q, scale=layer.softmax_scale, headwise=headwise,
             window_left=layer.window_left if slides else None,
-            sliding_heads=layer.sliding_kv_heads if slides else None,
-            sink_kind=layer.sink,
-            sinks=sinks,
-            max_q_len=meta.max_seq_len_this_time,
-            max_context_len=meta.max_context_len,
+            sliding_heads=layer.sliding_kv_heads if slides else None, sink_kind=layer.sink, sinks=tsinks,
             logits_soft_cap=layer.logits_soft_cap,
-            errors=errors,
-        )
+        )  # fmt: skip
+        write = CacheWritePlan(tkc, tvc, headwise=headwise)
+        plan = _LayerPlan(layer, kv_cache, sinks, write, attend, self.error_flag(q))
+        if len(self._plans) >= _MAX_PLANS:  # caches replaced many times: drop the oldest plans
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[(id(layer), id(kc), id(vc), headwise, q.dtype)] = plan
+        return plan
 
     def _validate(self, q, k, v, layer, meta, kv_cache, sinks) -> None:
         # also checks the host maxima the kernels size their launches from

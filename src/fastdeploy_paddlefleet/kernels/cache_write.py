@@ -14,11 +14,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._framework import torch  # noqa: F401 - annotations (None without torch)
+from ._framework import is_torch, torch
+from ._launch import KernelCache
 from .errors import KERNEL_CACHE_WRITE, check_entries
 
 
-@triton.jit(do_not_specialize=["n_pages", "num_reqs"])
+@triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "num_reqs"])
 def _write_kv_kernel(
     K, V, KC, VC, Bid, CuQ, Ctx, Tbl, Err,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -94,36 +95,101 @@ def write_kv_cache(
     ``errors``: an ``int32 [8]`` device error flag (``kernels/errors.py``) recording the first table
     entry a written token needs that is negative, past the cache or past the table's width; such
     entries are never written through, with or without a flag."""
-    t, hkv, dqk = k.shape
-    dv = v.shape[2]
-    if t == 0:
+    if k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")
+    if k.shape[0] == 0:
         return
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError(f"k and v need a contiguous last dim, got strides {k.stride()} and {v.stride()}")
-    page_h = []
-    for name, c, d in (("key_cache", key_cache, dqk), ("value_cache", value_cache, dv)):
-        if c.dim() != 4 or c.shape[1] != hkv or c.shape[3] != d or c.stride(3) != 1:
-            raise ValueError(f"{name} must be [num_blocks, {hkv}, block_size, {d}], got {list(c.shape)}")
-        s0, s1 = c.stride(0), c.stride(1)
-        if s1 <= 0 or s0 % s1 or s0 // s1 < hkv:
+    plan = CacheWritePlan(key_cache, value_cache, headwise=headwise, cached=False)
+    plan.run(k, v, batch_id_per_token, cu_seqlens_q, seq_lens_decoder, block_tables, errors=errors)
+
+
+class CacheWritePlan:
+    """The cache-write launch for one layer's caches, checked and derived once (strides, heads per
+    block, compile-time constants); :meth:`run` per step. ``cached=True``: the compiled kernel is
+    launched directly after its first call (``kernels/_launch.py``)."""
+
+    def __init__(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        *,
+        headwise: bool = False,
+        cached: bool = True,
+    ) -> None:
+        hkv = key_cache.shape[1] if key_cache.dim() == 4 else -1
+        dqk, dv = key_cache.shape[-1], value_cache.shape[-1]
+        page_h = []
+        for name, c, d in (("key_cache", key_cache, dqk), ("value_cache", value_cache, dv)):
+            if c.dim() != 4 or c.shape[1] != hkv or c.shape[3] != d or c.stride(3) != 1:
+                raise ValueError(f"{name} must be [num_blocks, {hkv}, block_size, {d}], got {list(c.shape)}")
+            s0, s1 = c.stride(0), c.stride(1)
+            if s1 <= 0 or s0 % s1 or s0 // s1 < hkv:
+                raise ValueError(
+                    f"{name} must be a view of [num_blocks, heads >= {hkv}, block_size, {d}+], got strides "
+                    f"{c.stride()}"
+                )
+            page_h.append(s0 // s1)
+        if page_h[0] != page_h[1]:
             raise ValueError(
-                f"{name} must be a view of [num_blocks, heads >= {hkv}, block_size, {d}+], got strides "
-                f"{c.stride()}"
+                f"key_cache and value_cache must have the same heads per block, got strides "
+                f"{key_cache.stride()} and {value_cache.stride()}"
             )
-        page_h.append(s0 // s1)
-    if page_h[0] != page_h[1]:
-        raise ValueError(
-            f"key_cache and value_cache must have the same heads per block, got strides "
-            f"{key_cache.stride()} and {value_cache.stride()}"
+        self.hkv, self.dqk, self.dv = hkv, dqk, dv
+        self.key_cache, self.value_cache = key_cache, value_cache
+        self.n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
+        self.cache_strides = (
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(1),
+            value_cache.stride(2),
         )
-    n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
-    _write_kv_kernel[(t,)](
-        k, v, key_cache, value_cache, batch_id_per_token, cu_seqlens_q, seq_lens_decoder, block_tables,
-        errors if errors is not None else block_tables,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), block_tables.shape[1], n_pages, cu_seqlens_q.shape[0] - 1,
-        HAS_ERR=errors is not None, HKV=hkv, BLOCK_HKV=triton.next_power_of_2(hkv), DQK=dqk, DV=dv,
-        BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
-        BS=key_cache.shape[2], HEADWISE=bool(headwise), PAGE_H=page_h[0], num_warps=4,
-    )  # fmt: skip
+        self.consts = dict(
+            HKV=hkv, BLOCK_HKV=triton.next_power_of_2(hkv), DQK=dqk, DV=dv,
+            BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
+            BS=key_cache.shape[2], HEADWISE=bool(headwise), PAGE_H=page_h[0], num_warps=4,
+        )  # fmt: skip
+        dev = key_cache.device
+        on_gpu = getattr(dev, "type", None) == "cuda" and is_torch(key_cache)
+        index = (dev.index if dev.index is not None else 0) if on_gpu else None
+        self.kernels = KernelCache(index if cached else None)
+        self.static_aligned = not ((key_cache.data_ptr() | value_cache.data_ptr()) & 15)
+
+    def run(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch_id_per_token: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens_decoder: torch.Tensor,
+        block_tables: torch.Tensor,
+        *,
+        errors: torch.Tensor | None = None,
+        stream: int | None = None,
+    ) -> None:
+        """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` (this plan's heads and dims) for one step's
+        metadata (as in :func:`write_kv_cache`). ``stream``: the current stream when the caller read
+        it already (saves a lookup)."""
+        t = k.shape[0]
+        if t == 0:
+            return
+        ks, vs = k.stride(), v.stride()
+        if ks[2] != 1 or vs[2] != 1:
+            raise ValueError(f"k and v need a contiguous last dim, got strides {ks} and {vs}")
+        has_err = errors is not None
+        err_arg = errors if has_err else block_tables
+        args = (
+            k, v, self.key_cache, self.value_cache, batch_id_per_token, cu_seqlens_q, seq_lens_decoder,
+            block_tables, err_arg, ks[0], ks[1], vs[0], vs[1], *self.cache_strides,
+            block_tables.stride(0), block_tables.shape[1], self.n_pages, cu_seqlens_q.shape[0] - 1,
+        )  # fmt: skip
+        consts = dict(HAS_ERR=has_err, **self.consts)
+        cache = self.kernels
+        key = None
+        if cache.direct:
+            ptrs = k.data_ptr() | v.data_ptr() | batch_id_per_token.data_ptr() | cu_seqlens_q.data_ptr()
+            ptrs |= seq_lens_decoder.data_ptr() | block_tables.data_ptr() | err_arg.data_ptr()
+            if self.static_aligned and not ptrs & 15:  # else Triton's path: it specialises on alignment
+                key = (ks, vs, k.dtype, block_tables.dtype, has_err)
+                if stream is None:
+                    stream = cache.stream()
+        cache.launch(_write_kv_kernel, key, (t,), args, consts, stream)

@@ -411,7 +411,7 @@ if GLUON_IMPORT_ERROR is None:
                     mask=gl.expand_dims(o_ok, 1),
                 )
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs", "n_items"])
     def _hopper_prefill_kernel(
         Q, O, V, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
@@ -480,6 +480,90 @@ def _descriptor(cache: torch.Tensor, box: int):
     return TensorDescriptor(cache, [nb * hkv * bs, d], [cache.stride(2), 1], [box, CHUNK], layout)
 
 
+class HopperPlan:
+    """The Hopper prefill kernel's launch for one layer: TMA descriptors over the caches, tile shapes and
+    compile-time constants derived once (``run`` per step). Arguments checked and prepared by
+    :class:`.paged_attention.AttentionPlan` (``qk_scale`` includes ``log2(e)``). ``num_ctas``: persistent
+    grid size (default: one CTA per SM)."""
+
+    def __init__(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        hq: int,
+        sinks: torch.Tensor | None,
+        *,
+        qk_scale: float,
+        sink_mode: int,
+        headwise: bool,
+        has_window: bool,
+        window: int,
+        win_h0: int,
+        win_h1: int,
+        num_stages: int = 2,
+        num_ctas: int | None = None,
+    ) -> None:
+        hkv, bs = key_cache.shape[1], key_cache.shape[2]
+        dqk, dv = key_cache.shape[3], value_cache.shape[3]
+        g = hq // hkv
+        gp = _next_pow2(g)
+        block_m = 64
+        if gp > block_m:
+            raise ValueError(f"hopper prefill packs at most {block_m} q heads per kv head, got {g}")
+        block_n = block_n_for(dqk, dv, bs)
+        box = min(block_n, bs)
+        self.tile_q = 2 * (block_m // gp)
+        self.hkv = hkv
+        self.value_cache = value_cache
+        self.k_desc = _descriptor(key_cache, box)
+        self.v_desc = _descriptor(value_cache, box)
+        self.sinks = sinks
+        self.n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
+        self.scalars = (qk_scale, window, win_h0, win_h1)
+        self.ctas = num_ctas or _num_sms(key_cache.device)
+        self.consts = dict(
+            G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
+            NUM_STAGES=num_stages, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
+            SINK_MODE=sink_mode, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4,
+        )  # fmt: skip
+
+    def run(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens_decoder: torch.Tensor,
+        block_tables: torch.Tensor,
+        errors: torch.Tensor | None = None,
+        kernels: object = None,
+        key: object = None,
+        stream: int | None = None,
+    ) -> None:
+        """Prefill rows of ``q [T, Hq, Dqk]`` into ``out [T, Hq, Dv]`` (rows of one-token requests
+        untouched). ``errors``: the ``int32 [8]`` device error flag (``kernels/errors.py``) or ``None``;
+        table entries outside the cache are never dereferenced either way. ``kernels`` / ``key`` /
+        ``stream``: a :class:`._launch.KernelCache` and this call's key for direct launches."""
+        t = q.shape[0]
+        num_reqs = cu_seqlens_q.shape[0] - 1
+        n_items = (
+            t // self.tile_q + num_reqs
+        ) * self.hkv  # (query tile, kv head) ids, some past a request's end
+        grid = (max(1, min(n_items, self.ctas)),)
+        has_err = errors is not None
+        args = (
+            q, out, self.value_cache, self.k_desc, self.v_desc, self.sinks if self.sinks is not None else q,
+            cu_seqlens_q, seq_lens_decoder, block_tables, errors if has_err else block_tables,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), self.value_cache.stride(2),
+            block_tables.stride(0), block_tables.shape[1], self.n_pages, t,
+            num_reqs, 2, *self.scalars, n_items,
+        )  # fmt: skip
+        consts = dict(HAS_ERR=has_err, **self.consts)
+        if kernels is None:
+            _hopper_prefill_kernel[grid](*args, **consts)
+        else:
+            kernels.launch(_hopper_prefill_kernel, key, grid, args, consts, stream)
+
+
 def hopper_prefill(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -501,43 +585,18 @@ def hopper_prefill(
     num_ctas: int | None = None,
     errors: torch.Tensor | None = None,
 ) -> None:
-    """Launch the Hopper prefill kernel for the requests with >= 2 query tokens (arguments checked
-    and prepared by :func:`.paged_attention.paged_attention`; ``qk_scale`` includes ``log2(e)``).
-
-    ``q [T, Hq, Dqk]``, caches ``[NB, Hkv, BS, D]``, ``out [T, Hq, Dv]`` (rows of one-token requests
-    untouched). ``num_ctas``: persistent grid size (default: one CTA per SM). ``errors``: the
-    ``int32 [8]`` device error flag (``kernels/errors.py``) or ``None``; table entries outside the
-    cache are never dereferenced either way."""
-    t, hq, dqk = q.shape
-    hkv, bs, dv = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
-    num_reqs = cu_seqlens_q.shape[0] - 1
-    g = hq // hkv
-    gp = _next_pow2(g)
-    block_m = 64
-    if gp > block_m:
-        raise ValueError(f"hopper prefill packs at most {block_m} q heads per kv head, got {g}")
-    block_n = block_n_for(dqk, dv, bs)
-    box = min(block_n, bs)
-    tile_q = 2 * (block_m // gp)
-    k_desc = _descriptor(key_cache, box)
-    v_desc = _descriptor(value_cache, box)
-    sink_arg = sinks if sinks is not None else q
-    n_items = (t // tile_q + num_reqs) * hkv  # (query tile, kv head) ids, some past a request's end
-    grid = (max(1, min(n_items, num_ctas or _num_sms(q.device))),)
-    n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
-    _hopper_prefill_kernel[grid](
-        q, out, value_cache, k_desc, v_desc, sink_arg, cu_seqlens_q, seq_lens_decoder, block_tables,
-        errors if errors is not None else block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), value_cache.stride(2),
-        block_tables.stride(0), block_tables.shape[1], n_pages, t,
-        num_reqs, 2, qk_scale, window, win_h0, win_h1, n_items,
-        G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
-        NUM_STAGES=num_stages, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
-        SINK_MODE=sink_mode, PRODUCER_REGS=40, CONSUMER_REGS=232, HAS_ERR=errors is not None, num_warps=4,
+    """One launch of the Hopper prefill kernel (:class:`HopperPlan` built and run once): ``q [T, Hq,
+    Dqk]``, caches ``[NB, Hkv, BS, D]``, ``out [T, Hq, Dv]`` (rows of one-token requests untouched)."""
+    plan = HopperPlan(
+        key_cache, value_cache, q.shape[1], sinks, qk_scale=qk_scale, sink_mode=sink_mode, headwise=headwise,
+        has_window=has_window, window=window, win_h0=win_h0, win_h1=win_h1, num_stages=num_stages,
+        num_ctas=num_ctas,
     )  # fmt: skip
+    plan.run(q, out, cu_seqlens_q, seq_lens_decoder, block_tables, errors)
 
 
 __all__ = [
+    "HopperPlan",
     "block_n_for",
     "choose_prefill_impl",
     "gluon_available",

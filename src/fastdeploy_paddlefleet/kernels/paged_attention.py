@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from ._framework import empty, num_sms, to_float32, torch
+from ._framework import empty, is_torch, num_sms, to_float32, torch
+from ._launch import KernelCache
 from .errors import KERNEL_DECODE, KERNEL_PREFILL, check_entries
-from .hopper_prefill import choose_prefill_impl, hopper_prefill
+from .hopper_prefill import HopperPlan, choose_prefill_impl
 from .split_kv_reduce import split_kv_reduce
 
 LOG2E = 1.4426950408889634
@@ -273,7 +274,7 @@ def _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW: tl.constexpr):
     return w
 
 
-@triton.jit(do_not_specialize=["n_pages", "n_tok"])
+@triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs"])
 def _prefill_kernel(
     Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -366,7 +367,7 @@ def _prefill_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["n_pages", "n_tok"])
+@triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok"])
 def _decode_kernel(
     Q, K, V, O, k_desc, v_desc, MidO, MidL, Sinks, CuQ, Ctx, Tbl, Err,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -606,123 +607,252 @@ def paged_attention(
     """
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q must be [T, Hq, Dqk] with a contiguous last dim, got shape {list(q.shape)}")
-    t, hq, dqk = q.shape
-    hkv, bs, dv = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
-    page_h = _check_cache("key_cache", key_cache, hkv, dqk)
-    if _check_cache("value_cache", value_cache, hkv, dv) != page_h:
-        raise ValueError(
-            f"key_cache and value_cache must have the same heads per block, got strides "
-            f"{key_cache.stride()} and {value_cache.stride()}"
-        )
-    if hkv <= 0 or hq % hkv:
-        raise ValueError(f"q heads {hq} must be a multiple of the cache's kv heads {hkv}")
-    if window_left is not None and window_left < 0:
-        raise ValueError(f"window_left must be >= 0 or None, got {window_left}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    plan = AttentionPlan(
+        key_cache, value_cache, q, scale=scale, headwise=headwise, window_left=window_left,
+        sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks, prefill_config=prefill_config,
+        decode_config=decode_config, prefill_impl=prefill_impl, logits_soft_cap=logits_soft_cap, cached=False,
+    )  # fmt: skip
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
-    if sink_kind not in SINK_MODES:
-        raise ValueError(f"sink_kind must be one of {sorted(SINK_MODES)}, got {sink_kind!r}")
-    sink_mode = SINK_MODES[sink_kind]
-    if sink_mode == 1:
-        if sinks is None or sinks.numel() != hq:
-            raise ValueError(f"sink_kind='learnable' needs sinks of shape [{hq}], got {sinks!r}")
-        sinks = to_float32(sinks, q)
-    if out is None:
-        out = empty((t, hq, dv), q.dtype, q)
-    elif out.shape != (t, hq, dv) or out.stride(2) != 1:
-        raise ValueError(f"out must be [{t}, {hq}, {dv}] with a contiguous last dim, got {list(out.shape)}")
-    num_reqs = cu_seqlens_q.shape[0] - 1
-    if t == 0 or num_reqs <= 0:
-        return out
-    g = hq // hkv
-    has_window = window_left is not None
-    win_h0, win_h1 = sliding_heads if (has_window and sliding_heads is not None) else (0, hkv)
-    window = int(window_left) if has_window else 0
-    qk_scale = float(scale) * LOG2E
-    softcap = 0.0
-    if logits_soft_cap is not None:  # qk_scale becomes scale / cap; cap * log2(e) a compile-time constant
-        cap = float(logits_soft_cap)
-        if not (math.isfinite(cap) and cap > 0):
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    if out is not None and (tuple(out.shape) != (q.shape[0], plan.hq, plan.dv) or out.stride(2) != 1):
+        raise ValueError(
+            f"out must be [{q.shape[0]}, {plan.hq}, {plan.dv}] with a contiguous last dim, "
+            f"got {list(out.shape)}"
+        )
+    return plan.run(
+        q, cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len, max_context_len=max_context_len,
+        out=out, num_splits=num_splits, errors=errors,
+    )  # fmt: skip
+
+
+class AttentionPlan:
+    """Everything about one layer's attention launches that does not change between steps, checked and
+    derived once: the caches' geometry and strides, the kernels' compile-time constants, the tile
+    shapes, the prefill kernel choice, the Hopper kernel's TMA descriptors. :meth:`run` then only reads
+    the step's sizes and launches (``cached=True``: compiled kernels launched directly after their first
+    call, ``kernels/_launch.py``; about 10 us of host time per launch instead of 60-120).
+
+    ``q_like``: any query tensor of the layer (``[T, Hq, Dqk]``: heads, dims, dtype, device); the other
+    arguments as in :func:`paged_attention`."""
+
+    def __init__(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        q_like: torch.Tensor,
+        *,
+        scale: float,
+        headwise: bool = False,
+        window_left: int | None = None,
+        sliding_heads: tuple[int, int] | None = None,
+        sink_kind: str = "vanilla",
+        sinks: torch.Tensor | None = None,
+        prefill_config: TileConfig | None = None,
+        decode_config: TileConfig | None = None,
+        prefill_impl: str | None = None,
+        logits_soft_cap: float | None = None,
+        cached: bool = True,
+    ) -> None:
+        q = q_like
+        if q.dim() != 3:
+            raise ValueError(f"q must be [T, Hq, Dqk], got shape {list(q.shape)}")
+        _, hq, dqk = q.shape
+        hkv, bs, dv = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
+        page_h = _check_cache("key_cache", key_cache, hkv, dqk)
+        if _check_cache("value_cache", value_cache, hkv, dv) != page_h:
             raise ValueError(
-                f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}"
+                f"key_cache and value_cache must have the same heads per block, got strides "
+                f"{key_cache.stride()} and {value_cache.stride()}"
             )
-        if prefill_impl == "hopper":
-            raise ValueError("prefill_impl='hopper' has no soft-capping; use 'portable' with logits_soft_cap")
-        qk_scale, softcap, prefill_impl = float(scale) / cap, cap * LOG2E, "portable"
-    n_blk, stride_tbl = block_tables.shape[1], block_tables.stride(0)
-    # table entries must lie in [0, n_pages): blocks, or head-wise pages (block * Hkv + head)
-    n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
-    has_err = errors is not None
-    err_arg = errors if has_err else block_tables  # any pointer when unused
-    common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
-    consts = dict(
-        HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
-        BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h,
-    )  # fmt: skip
-    consts["SOFTCAP"] = softcap
-    consts["HAS_ERR"] = has_err
-    sink_arg = sinks if sink_mode == 1 else q  # any pointer when unused
-
-    # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
-    run_prefill = max_q_len is None or max_q_len > 1
-    run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
-    if (
-        run_prefill
-        and choose_prefill_impl(prefill_impl, prefill_config, q, key_cache, value_cache) == "hopper"
-    ):
-        hopper_prefill(
-            q, key_cache, value_cache, out, cu_seqlens_q, seq_lens_decoder, block_tables,
-            sinks if sink_mode == 1 else None, qk_scale=qk_scale, sink_mode=sink_mode,
-            headwise=bool(headwise), has_window=has_window, window=window, win_h0=win_h0, win_h1=win_h1,
-            errors=errors,
+        if hkv <= 0 or hq % hkv:
+            raise ValueError(f"q heads {hq} must be a multiple of the cache's kv heads {hkv}")
+        if window_left is not None and window_left < 0:
+            raise ValueError(f"window_left must be >= 0 or None, got {window_left}")
+        if sink_kind not in SINK_MODES:
+            raise ValueError(f"sink_kind must be one of {sorted(SINK_MODES)}, got {sink_kind!r}")
+        sink_mode = SINK_MODES[sink_kind]
+        if sink_mode == 1:
+            if sinks is None or sinks.numel() != hq:
+                raise ValueError(f"sink_kind='learnable' needs sinks of shape [{hq}], got {sinks!r}")
+            sinks = to_float32(sinks, q)
+        else:
+            sinks = None
+        g = hq // hkv
+        has_window = window_left is not None
+        win_h0, win_h1 = sliding_heads if (has_window and sliding_heads is not None) else (0, hkv)
+        window = int(window_left) if has_window else 0
+        qk_scale = float(scale) * LOG2E
+        softcap = 0.0
+        if logits_soft_cap is not None:  # qk_scale becomes scale / cap; cap * log2(e) a compile-time constant
+            cap = float(logits_soft_cap)
+            if not (math.isfinite(cap) and cap > 0):
+                raise ValueError(
+                    f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}"
+                )
+            if prefill_impl == "hopper":
+                raise ValueError(
+                    "prefill_impl='hopper' has no soft-capping; use 'portable' with logits_soft_cap"
+                )
+            qk_scale, softcap, prefill_impl = float(scale) / cap, cap * LOG2E, "portable"
+        self.hq, self.hkv, self.dqk, self.dv, self.bs, self.g = hq, hkv, dqk, dv, bs, g
+        self.dtype, self.device = q.dtype, q.device
+        self.key_cache, self.value_cache, self.sinks, self.sink_mode = (
+            key_cache,
+            value_cache,
+            sinks,
+            sink_mode,
+        )
+        self.headwise, self.has_window, self.window = bool(headwise), has_window, window
+        self.win_h0, self.win_h1, self.qk_scale = win_h0, win_h1, qk_scale
+        # table entries must lie in [0, n_pages): blocks, or head-wise pages (block * Hkv + head)
+        self.n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
+        self.common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
+        self.consts = dict(
+            HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
+            BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h, SOFTCAP=softcap,
         )  # fmt: skip
-    elif run_prefill:
-        cfg = prefill_config or default_prefill_config(dqk, dv, q.device, q.element_size(), has_window)
-        gp = _next_pow2(g)
-        block_q = max(1, cfg.block_m // gp)
-        desc = _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
-        grid = ((t // block_q + num_reqs) * hkv,)
-        _prefill_kernel[grid](
-            q, key_cache, value_cache, out, desc and desc[0], desc and desc[1], sink_arg,
+        elem = q.element_size()
+        self.prefill = "portable"
+        self.hopper = None
+        if choose_prefill_impl(prefill_impl, prefill_config, q, key_cache, value_cache) == "hopper":
+            self.prefill = "hopper"
+            self.hopper = HopperPlan(
+                key_cache, value_cache, hq, sinks, qk_scale=qk_scale, sink_mode=sink_mode,
+                headwise=bool(headwise), has_window=has_window, window=window, win_h0=win_h0, win_h1=win_h1,
+            )  # fmt: skip
+        cfg = prefill_config or default_prefill_config(dqk, dv, q.device, elem, has_window)
+        self.prefill_cfg = cfg
+        self.gp = _next_pow2(g)
+        self.block_q = max(1, cfg.block_m // self.gp)
+        self.prefill_desc = (
+            _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
+        )
+        self.exp_bf16 = cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda
+        self.all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
+        self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
+        self.decode_desc = (
+            _tma_descriptors(key_cache, value_cache, self.decode_cfg.block_n, dqk, dv)
+            if self.decode_cfg.use_tma
+            else None
+        )
+        self.sms = _num_sms(q.device)
+        on_gpu = getattr(q.device, "type", None) == "cuda" and is_torch(q)
+        index = (q.device.index if q.device.index is not None else 0) if on_gpu else None
+        self.kernels = KernelCache(index if cached else None)
+        static_ptrs = (
+            key_cache.data_ptr() | value_cache.data_ptr() | (sinks.data_ptr() if sinks is not None else 0)
+        )
+        self.static_aligned = not (static_ptrs & 15)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens_decoder: torch.Tensor,
+        block_tables: torch.Tensor,
+        *,
+        max_q_len: int | None = None,
+        max_context_len: int | None = None,
+        out: torch.Tensor | None = None,
+        num_splits: int | None = None,
+        errors: torch.Tensor | None = None,
+        stream: int | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``q [T, Hq, Dqk]`` (this plan's heads, dims and dtype) over the plan's caches
+        for one step's metadata (as in :func:`paged_attention`); returns ``out [T, Hq, Dv]``.
+        ``stream``: the current CUDA stream when the caller read it already."""
+        t = q.shape[0]
+        if out is None:
+            out = empty((t, self.hq, self.dv), self.dtype, q)
+        num_reqs = cu_seqlens_q.shape[0] - 1
+        if t == 0 or num_reqs <= 0:
+            return out
+        kc, vc = self.key_cache, self.value_cache
+        n_blk, stride_tbl = block_tables.shape[1], block_tables.stride(0)
+        has_err = errors is not None
+        err_arg = errors if has_err else block_tables  # any pointer when unused
+        sink_arg = self.sinks if self.sink_mode == 1 else q  # any pointer when unused
+        cache = self.kernels
+        key = None
+        if cache.direct:
+            ptrs = q.data_ptr() | out.data_ptr() | cu_seqlens_q.data_ptr() | seq_lens_decoder.data_ptr()
+            ptrs |= block_tables.data_ptr() | err_arg.data_ptr()
+            if self.static_aligned and not ptrs & 15:  # else Triton's path: it specialises on alignment
+                if stream is None:
+                    stream = cache.stream()
+                key = (q.stride(), out.stride(), cu_seqlens_q.dtype, block_tables.dtype, has_err)
+        # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
+        run_prefill = max_q_len is None or max_q_len > 1
+        run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
+        if run_prefill and self.hopper is not None:
+            self.hopper.run(
+                q, out, cu_seqlens_q, seq_lens_decoder, block_tables, errors, cache,
+                None if key is None else ("hopper", *key), stream,
+            )  # fmt: skip
+        elif run_prefill:
+            cfg, desc = self.prefill_cfg, self.prefill_desc
+            grid = ((t // self.block_q + num_reqs) * self.hkv,)
+            args = (
+                q, kc, vc, out, desc and desc[0], desc and desc[1], sink_arg,
+                cu_seqlens_q, seq_lens_decoder, block_tables, err_arg,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.common, stride_tbl, n_blk,
+                self.n_pages, t, num_reqs, 2, self.qk_scale, self.window, self.win_h0, self.win_h1,
+            )  # fmt: skip
+            consts = dict(
+                G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
+                USE_TMA=desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile, HAS_ERR=has_err,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
+            )  # fmt: skip
+            cache.launch(
+                _prefill_kernel, None if key is None else ("prefill", *key), grid, args, consts, stream
+            )
+        if not run_decode:
+            return out
+
+        cfg = self.decode_cfg
+        if num_splits is None:
+            span = max_context_len if max_context_len is not None else n_blk * self.bs
+            if self.all_slide:
+                span = min(span, self.window + 1)
+            num_splits = choose_num_splits(num_reqs, self.hkv, span, cfg.block_n, self.sms)
+        desc = self.decode_desc
+        mid_o = mid_l = q  # unused unless split
+        if num_splits > 1:
+            mid_o = empty((num_reqs, self.hq, num_splits, self.dv), "float32", q)
+            mid_l = empty((num_reqs, self.hq, num_splits), "float32", q)
+        args = (
+            q, kc, vc, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg,
             cu_seqlens_q, seq_lens_decoder, block_tables, err_arg,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk, n_pages, t,
-            num_reqs, 2, qk_scale, window, win_h0, win_h1,
-            G=g, GP=gp, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SINK_MODE=sink_mode, USE_TMA=desc is not None,
-            EXP_BF16=cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda, PROFILE=cfg.profile,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.common, stride_tbl, n_blk,
+            self.n_pages, t, self.qk_scale, self.window, self.win_h0, self.win_h1,
         )  # fmt: skip
-    if not run_decode:
+        consts = dict(
+            G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
+            NUM_SPLITS=num_splits, USE_TMA=desc is not None, HAS_ERR=has_err,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
+        )  # fmt: skip
+        dkey = None if key is None else ("decode", num_splits, *key)  # NUM_SPLITS is compiled in
+        cache.launch(_decode_kernel, dkey, (num_reqs, self.hkv, num_splits), args, consts, stream)
+        if num_splits > 1:
+            rkey = None if key is None else ("reduce", num_splits, out.stride())
+            split_kv_reduce(
+                mid_o,
+                mid_l,
+                out,
+                cu_seqlens_q,
+                self.sinks,
+                self.sink_mode,
+                kernels=cache,
+                key=rkey,
+                stream=stream,
+            )
         return out
-
-    all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
-    cfg = decode_config or default_decode_config(dqk, dv, q.device, q.element_size(), all_slide)
-    if num_splits is None:
-        span = max_context_len if max_context_len is not None else n_blk * bs
-        if has_window and win_h0 <= 0 and win_h1 >= hkv:
-            span = min(span, window + 1)
-        num_splits = choose_num_splits(num_reqs, hkv, span, cfg.block_n, _num_sms(q.device))
-    desc = _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
-    mid_o = mid_l = q  # unused unless split
-    if num_splits > 1:
-        mid_o = empty((num_reqs, hq, num_splits, dv), "float32", q)
-        mid_l = empty((num_reqs, hq, num_splits), "float32", q)
-    _decode_kernel[(num_reqs, hkv, num_splits)](
-        q, key_cache, value_cache, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg,
-        cu_seqlens_q, seq_lens_decoder, block_tables, err_arg,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_tbl, n_blk, n_pages, t,
-        qk_scale, window, win_h0, win_h1,
-        G=g, BLOCK_H=max(16, _next_pow2(g)), BLOCK_N=cfg.block_n, SINK_MODE=sink_mode,
-        NUM_SPLITS=num_splits, USE_TMA=desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
-    )  # fmt: skip
-    if num_splits > 1:
-        split_kv_reduce(mid_o, mid_l, out, cu_seqlens_q, sinks if sink_mode == 1 else None, sink_mode)
-    return out
 
 
 __all__ = [
+    "AttentionPlan",
     "SINK_MODES",
     "TileConfig",
     "choose_num_splits",

@@ -13,7 +13,7 @@ import triton.language as tl
 from ._framework import torch  # noqa: F401 - annotations (None without torch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok"])
 def _split_kv_reduce_kernel(
     MidO, MidL, O, Sinks, CuQ, stride_ot, stride_oh, n_tok,
     HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -54,15 +54,24 @@ def split_kv_reduce(
     cu_seqlens_q: torch.Tensor,
     sinks: torch.Tensor | None,
     sink_mode: int,
+    *,
+    kernels: object = None,
+    key: object = None,
+    stream: int | None = None,
 ) -> None:
     """Merge ``mid_o [bsz, Hq, S, Dv]`` (fp32) / ``mid_lse [bsz, Hq, S]`` (base 2) into the rows of
     ``out [T, Hq, Dv]`` that belong to one-token requests. ``sink_mode``: 0 none, 1 ``sinks [Hq]``
-    logits, 2 zero sink (off-by-one)."""
+    logits, 2 zero sink (off-by-one). ``kernels`` / ``key`` / ``stream``: a
+    :class:`._launch.KernelCache` and this call's key for a direct launch (``key`` must hold the split
+    count and ``out``'s strides)."""
     bsz, hq, splits, dv = mid_o.shape
     sink_arg = sinks if sinks is not None else mid_o  # any pointer when unused
-    _split_kv_reduce_kernel[(bsz, hq)](
-        mid_o, mid_lse, out, sink_arg, cu_seqlens_q, out.stride(0), out.stride(1), out.shape[0],
-        HQ=hq, DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), SINK_MODE=sink_mode,
-        num_warps=4,
+    args = (mid_o, mid_lse, out, sink_arg, cu_seqlens_q, out.stride(0), out.stride(1), out.shape[0])
+    consts = dict(
+        HQ=hq, DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), NUM_SPLITS=splits,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), SINK_MODE=sink_mode, num_warps=4,
     )  # fmt: skip
+    if kernels is None:
+        _split_kv_reduce_kernel[(bsz, hq)](*args, **consts)
+    else:
+        kernels.launch(_split_kv_reduce_kernel, key, (bsz, hq), args, consts, stream)

@@ -1,0 +1,268 @@
+"""Host cost per launch (issue 20): launch plans, per-step state, direct launches of compiled kernels.
+
+CPU cases check the bookkeeping with fakes (which launch goes through Triton, which one is direct, with
+which arguments) and that the backend derives per-layer plans once and per-step metadata once per
+step. GPU cases (``gpu``) check that direct launches compute exactly what Triton's own launch path
+computes (bitwise, on fresh metadata every step, misaligned views included) and report the host time
+per call (the figures themselves are in ``benchmarks/attention.py --cases host``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from test_triton_kernels import CUDA, REAL, _layer, _meta, make_step  # noqa: E402
+
+from fastdeploy_paddlefleet.backends.triton import TritonBackend  # noqa: E402
+from fastdeploy_paddlefleet.kernels._launch import KernelCache  # noqa: E402
+from fastdeploy_paddlefleet.kernels.cache_write import write_kv_cache  # noqa: E402
+from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+class _FakeParam:
+    def __init__(self, default):
+        self.default = default
+
+
+class _FakeCompiled:
+    packed_metadata = "meta"
+    function = "fn-handle"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeJit:
+    """Stands in for a @triton.jit function: ``fn[grid](*args, **consts)`` compiles (counted)."""
+
+    arg_names = ["A", "B", "C", "N", "M"]
+    params = [_FakeParam(None)] * 3 + [_FakeParam(None), _FakeParam(7)]
+
+    def __init__(self):
+        self.slow_calls = []
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        def call(*args, **consts):
+            self.slow_calls.append((grid, args, consts))
+            return self.compiled
+
+        return call
+
+
+def test_kernel_cache_goes_direct_after_the_first_call_per_key():
+    fn = _FakeJit()
+    cache = KernelCache(0)
+    cache.direct = True  # as on a GPU without launch hooks
+    cache.launch(fn, "k1", (4,), (1, 2, 3), {"N": 16, "num_warps": 4}, stream=11)
+    assert len(fn.slow_calls) == 1 and len(cache) == 1
+    cache.launch(fn, "k1", (5, 2), (10, 20, 30), {"N": 16, "num_warps": 4}, stream=12)
+    assert len(fn.slow_calls) == 1  # direct: the compiled kernel's launcher
+    (run,) = fn.compiled.runs
+    # grid padded to 3-D, stream, handle, metadata, no hooks, every parameter in order (defaults too)
+    assert run == (5, 2, 1, 12, "fn-handle", "meta", None, None, None, 10, 20, 30, 16, 7)
+    cache.launch(fn, "k2", (1,), (1, 2, 3), {"N": 32}, stream=12)  # a new key: Triton's path again
+    cache.launch(fn, None, (1,), (1, 2, 3), {"N": 32}, stream=12)  # no key (e.g. misaligned): never cached
+    cache.launch(fn, None, (1,), (1, 2, 3), {"N": 32}, stream=12)
+    assert len(fn.slow_calls) == 4 and len(cache) == 2
+
+
+def test_kernel_cache_off_the_gpu_always_takes_tritons_path():
+    fn = _FakeJit()
+    cache = KernelCache(None)
+    assert not cache.direct
+    for _ in range(3):
+        cache.launch(fn, "k", (1,), (1, 2, 3), {"N": 16}, stream=None)
+    assert len(fn.slow_calls) == 3 and not fn.compiled.runs and len(cache) == 0
+
+
+def test_backend_derives_plans_per_layer_and_metadata_per_step(monkeypatch):
+    """Two layers over three steps: two plans (built on the first step), one step state per step shared
+    by both layers, every output equal to the one-shot kernels' output."""
+    from fastdeploy_paddlefleet.backends import triton as tb
+
+    backend = TritonBackend(validate=False, host_checks=False)
+    built, states = [], []
+    new_plan, new_state = TritonBackend._new_plan, tb._StepState.__init__
+
+    def counting_plan(self, *a, **kw):
+        built.append(1)
+        return new_plan(self, *a, **kw)
+
+    def counting_state(self, *a, **kw):
+        states.append(1)
+        new_state(self, *a, **kw)
+
+    monkeypatch.setattr(TritonBackend, "_new_plan", counting_plan)
+    monkeypatch.setattr(tb._StepState, "__init__", counting_state)
+    layers = [_layer(2, 2, 16, 16), _layer(2, 2, 16, 16, kind="sliding", window=5, sink="off-by-one")]
+    layers[1] = type(layers[1])(**{**layers[1].__dict__, "index": 4})
+    reqs = [(9, 4), (20, 1), (3, 1)]  # same shapes every step: fresh contents, tables and queries
+    persistent = {}
+    for seed in range(3):
+        s = make_step(reqs, hkv=2, group=2, dqk=16, dv=16, block_size=8, seed=seed)
+        meta = _meta(s, 8)
+        for layer in layers:
+            kc, vc = persistent.setdefault(layer.index, (s.key_cache.clone(), s.value_cache.clone()))
+            kc.copy_(s.key_cache)  # the serving caches keep their tensors; contents change
+            vc.copy_(s.value_cache)
+            out = backend.forward(s.q, s.k, s.v, layer, meta, (kc, vc))
+            ref_kc, ref_vc = s.key_cache.clone(), s.value_cache.clone()
+            write_kv_cache(s.k, s.v, ref_kc, ref_vc, s.bid, s.cu, s.dec, s.table)
+            slides = layer.window_left is not None
+            want = paged_attention(
+                s.q, ref_kc, ref_vc, s.cu, s.dec, s.table, scale=layer.softmax_scale,
+                window_left=layer.window_left if slides else None, sink_kind=layer.sink,
+                max_q_len=meta.max_seq_len_this_time, max_context_len=meta.max_context_len,
+            )  # fmt: skip
+            torch.testing.assert_close(out, want.view(want.shape[0], -1), rtol=0, atol=0)
+            assert torch.equal(kc.nan_to_num(7.0), ref_kc.nan_to_num(7.0))
+    assert len(built) == 2  # one plan per layer, built on the first step
+    assert len(states) == 3  # one step state per step, shared by both layers
+
+
+def test_plan_is_rebuilt_when_sinks_change_in_place():
+    backend = TritonBackend(validate=False, host_checks=False)
+    layer = _layer(2, 2, 16, 16, sink="learnable")
+    s = make_step([(9, 4), (20, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    sinks = torch.zeros(4, device=s.q.device)
+    meta = _meta(s, 8)
+    kv = (s.key_cache, s.value_cache)
+    out0 = backend.forward(s.q, s.k, s.v, layer, meta, kv, sinks).clone()
+    sinks.add_(3.0)  # weights reloaded into the same tensor
+    out1 = backend.forward(s.q, s.k, s.v, layer, meta, kv, sinks)
+    want = paged_attention(
+        s.q, *kv, s.cu, s.dec, s.table, scale=layer.softmax_scale, sink_kind="learnable", sinks=sinks,
+        max_q_len=4, max_context_len=21,
+    )  # fmt: skip
+    torch.testing.assert_close(out1, want.view(5, -1), rtol=0, atol=0)
+    assert not torch.equal(out0, out1)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["decode", "mixed", "headwise-window"])
+def test_gpu_direct_launches_equal_tritons_path(kind):
+    """Several steps through one backend (plans and direct launches after the first) against the
+    one-shot wrappers (Triton's own launch path) on copies of the same caches: bitwise equal."""
+    backend = TritonBackend(validate=False, host_checks=False)
+    hkv = REAL["hkv"]
+    if kind == "headwise-window":
+        layer = _layer(hkv, 4, 128, 128, kind="headwise", window=100, sliding=(4, 8), sink="learnable")
+    else:
+        layer = _layer(hkv, 4, 128, 128)
+    sinks = torch.randn(hkv * 4, device="cuda") if layer.sink == "learnable" else None
+    big_k = torch.empty(80, hkv, REAL["block_size"], 128, dtype=torch.bfloat16, device="cuda")
+    big_v = torch.empty_like(big_k)
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        ctx = torch.randint(1, 600, (6,), generator=gen).tolist()
+        reqs = (
+            [(c, 1) for c in ctx]
+            if kind == "decode"
+            else [(c, 1 if i % 2 else 37) for i, c in enumerate(ctx)]
+        )
+        headwise = kind == "headwise-window"
+        s = make_step(
+            reqs, dtype=torch.bfloat16, seed=seed, headwise=headwise, window_left=100 if headwise else None,
+            sliding_heads=(4, 8) if headwise else None, release=headwise, **REAL,
+        )  # fmt: skip
+        meta = _meta(s, REAL["block_size"])
+        nb = s.key_cache.shape[0]
+        assert nb <= big_k.shape[0]
+        big_k.fill_(float("nan"))
+        big_v.fill_(float("nan"))
+        big_k[:nb].copy_(s.key_cache)  # the serving caches keep their tensors; contents change
+        big_v[:nb].copy_(s.value_cache)
+        kc, vc = big_k.clone(), big_v.clone()
+        out = backend.forward(s.q, s.k, s.v, layer, meta, (big_k, big_v), sinks)
+        write_kv_cache(s.k, s.v, kc, vc, s.bid, s.cu, s.dec, s.table, headwise=headwise)
+        slides = layer.window_left is not None
+        want = paged_attention(
+            s.q, kc, vc, s.cu, s.dec, s.table, scale=layer.softmax_scale, headwise=headwise,
+            window_left=layer.window_left if slides else None,
+            sliding_heads=layer.sliding_kv_heads if slides else None, sink_kind=layer.sink, sinks=sinks,
+            max_q_len=meta.max_seq_len_this_time, max_context_len=meta.max_context_len,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(out, want.view(want.shape[0], -1)), (kind, seed)
+        assert torch.equal(big_k.nan_to_num(7.0), kc.nan_to_num(7.0))
+    plans = list(backend._plans.values())
+    assert len(plans) == 1 and len(plans[0].attend.kernels) >= 1 and len(plans[0].write.kernels) == 1
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_misaligned_views_take_tritons_path_and_stay_right():
+    """q / k / v that start 2 bytes past a 16-byte boundary: Triton specialises on alignment, so these
+    calls must not reuse a kernel compiled for aligned pointers."""
+    backend = TritonBackend(validate=False, host_checks=False)
+    layer = _layer(8, 4, 128, 128)
+    reqs = [(100, 1), (300, 20), (7, 1)]
+    s = make_step(reqs, dtype=torch.bfloat16, seed=5, **REAL)
+    meta = _meta(s, REAL["block_size"])
+    backend.forward(s.q, s.k, s.v, layer, meta, (s.key_cache, s.value_cache))  # aligned: compiles, caches
+    s2 = make_step(reqs, dtype=torch.bfloat16, seed=6, **REAL)
+    shifted = []
+    for x in (s2.q, s2.k, s2.v):
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+        view = buf[1:].view(x.shape)
+        view.copy_(x)
+        shifted.append(view)
+    assert shifted[0].data_ptr() % 16 == 2
+    kc, vc = s.key_cache.clone(), s.value_cache.clone()
+    out = backend.forward(*shifted, layer, _meta(s2, REAL["block_size"]), (s.key_cache, s.value_cache))
+    write_kv_cache(s2.k, s2.v, kc, vc, s2.bid, s2.cu, s2.dec, s2.table)
+    want = paged_attention(
+        s2.q, kc, vc, s2.cu, s2.dec, s2.table, scale=layer.softmax_scale, max_q_len=20, max_context_len=320
+    )
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want.view(want.shape[0], -1), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_host_time_per_layer_is_reported():
+    """Served-mode host time of one layer (cache write + attention), tiny decode step: printed, and far
+    below the one-shot wrappers' (a loose bound: timing on a shared host varies)."""
+    backend = TritonBackend(validate=False, host_checks=False)
+    layer = _layer(2, 2, 64, 64)
+    s = make_step([(15, 1)] * 4, hkv=2, group=2, dqk=64, dv=64, block_size=16, dtype=torch.bfloat16)
+    meta = _meta(s, 16)
+    kv = (s.key_cache, s.value_cache)
+
+    def per_call(fn, n=500):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
+
+    served = per_call(lambda: backend.forward(s.q, s.k, s.v, layer, meta, kv))
+
+    def one_shot():
+        write_kv_cache(s.k, s.v, *kv, s.bid, s.cu, s.dec, s.table)
+        paged_attention(
+            s.q, *kv, s.cu, s.dec, s.table, scale=1 / math.sqrt(64), max_q_len=1, max_context_len=16
+        )
+
+    wrappers = per_call(one_shot)
+    print(f"host us per layer: served backend {served:.1f}, one-shot wrappers {wrappers:.1f}")
+    assert served < wrappers
