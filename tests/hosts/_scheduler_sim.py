@@ -134,6 +134,8 @@ class SimWorker:
         self.windows = [list(g.lanes) for g in layout.groups] if layout is not None else []
         self.released = 0  # table entries the deltas released
         self._checks = 0  # queries whose windows were checked
+        self.decode_ctx: list[int] = []
+        self.chunks: list[tuple[int, int]] = []
 
     def run(self, step: int, batch: Any) -> tuple[list[str], list[str], list[tuple[str, int]], int]:
         """Apply ``batch`` then run one forward. Returns (preempted ids seen, aborted ids seen,
@@ -169,6 +171,7 @@ class SimWorker:
         if self.check and self.tables is not None:
             self._check_tables(step)
         produced, prefill_tokens = [], 0
+        self.decode_ctx, self.chunks = [], []  # this forward's shape, for step-time models
         for slot in list(self.slots.values()):
             if slot.chunk is not None:
                 s, e = slot.chunk
@@ -180,6 +183,7 @@ class SimWorker:
                 self._check_queries(step, slot.rid, s, e)
                 slot.length = e
                 prefill_tokens += e - s
+                self.chunks.append((s, e - s))
                 if e >= slot.need:
                     slot.decoding = True
                     slot.produced += 1
@@ -188,6 +192,7 @@ class SimWorker:
                 p = slot.length
                 if p < slot.blocks * self.bs:  # else: out of blocks, waits for the engine
                     self._check_queries(step, slot.rid, p, p + 1)
+                    self.decode_ctx.append(p + 1)
                     slot.length = p + 1
                     slot.produced += 1
                     produced.append((slot.rid, 1))
@@ -263,7 +268,12 @@ def make_trace(
 class Sim:
     """The engine loop around FastDeploy's real ``ResourceManagerV1`` (module docstring)."""
 
-    def __init__(self, rm: Any, lag: int, check: bool = True) -> None:
+    def __init__(self, rm: Any, lag: int, check: bool = True, step_time: Any = None) -> None:
+        """``step_time(decode_ctx, chunks) -> seconds`` (optional) prices each worker forward:
+        ``self.clock`` then runs in seconds, and TTFT (``stats.ttft``) is in seconds too."""
+        self.step_time = step_time
+        self.clock = 0.0
+        self.arrival_clock: dict[str, float] = {}
         self.rm = rm
         self.lag = lag
         self.rec = recycler_of(rm)
@@ -326,6 +336,8 @@ class Sim:
         wstep, blob = self.queue.popleft()
         batch = pickle.loads(blob)
         preempted, aborted, produced, prefill_tokens = self.worker.run(wstep, batch)
+        if self.step_time is not None:
+            self.clock += self.step_time(self.worker.decode_ctx, self.worker.chunks)
         if self.rec is not None and self.check:
             sstep, snap = self.snapshots.popleft()
             assert sstep == wstep
@@ -348,7 +360,10 @@ class Sim:
             if req is None or req not in rm.running:
                 continue  # preempted / aborted meanwhile: FastDeploy drops these too
             if not req.output_token_ids:
-                self.stats.ttft.append(wstep - self.arrived_at.get(rid, wstep))
+                if self.step_time is not None:
+                    self.stats.ttft.append(self.clock - self.arrival_clock.get(rid, self.clock))
+                else:
+                    self.stats.ttft.append(wstep - self.arrived_at.get(rid, wstep))
             req.output_token_ids.append(7)
             if req.status == RequestStatus.RUNNING_PREFILL:  # what FastDeploy's token processor does
                 req.status = RequestStatus.RUNNING_DECODE
@@ -367,6 +382,7 @@ class Sim:
             while pending and pending[0][0] <= step:
                 _, rid, plen, mtok = pending.popleft()
                 self.arrived_at[rid] = step
+                self.arrival_clock[rid] = self.clock
                 self.rm.add_request(make_request(rid, plen, mtok))
             self.step(step, trace)
             step += 1

@@ -204,3 +204,49 @@ def test_capacity_at_equal_kv_bytes(host, tiny_dir, tmp_path):
         assert row["off_recycler"] is False and row["auto_recycler"] is True
         measured = row["auto"] / row["off"]
         assert measured >= 0.9 * row["plan_ratio"], (name, measured, row)
+
+
+def test_serving_benchmark_smoke(host, tmp_path):
+    """``benchmarks/serving_sim.py --smoke`` end to end (tiny workload, temporary output)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FDFLEET_") and k != "FD_PLUGINS"}
+    if host.path:
+        env["FDFLEET_HOST_FASTDEPLOY"] = host.path
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "serving_sim.py"), "--smoke", "--out", str(out), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["smoke"] is True and (tmp_path / "smoke.png").stat().st_size > 0
+    modes = {r["mode"]: r for r in data["rows"]}
+    assert set(modes) == {"fastdeploy", "recycling"}
+    for r in modes.values():
+        assert r["output_tokens"] == r["requests"] * r["output"] and r["tokens_per_s"] > 0
+    assert modes["recycling"]["peak_running"] > modes["fastdeploy"]["peak_running"]
+    with pytest.raises(subprocess.CalledProcessError):  # a smoke run never writes the committed results
+        subprocess.run(
+            [
+                sys.executable,
+                str(repo / "benchmarks" / "serving_sim.py"),
+                "--smoke",
+                "--out",
+                str(repo / "benchmarks" / "results" / "serving_sim.json"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            cwd=tmp_path,
+        )
