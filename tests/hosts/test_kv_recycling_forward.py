@@ -308,3 +308,217 @@ def test_recycled_pages_give_dense_logits_through_fastdeploys_runner(model_dirs,
     assert ("headwise" in kinds) == (preset != "tiny-mimo"), kinds
     assert d["total"] > 0 and d["same_argmax"] == d["total"], (d["same_argmax"], d["total"])
     assert d["worst"] <= 1e-4, d["worst"]
+
+
+E2E = r"""
+import json
+import random
+
+from safetensors.numpy import load_file
+
+import _scheduler_sim as sim
+import fastdeploy.worker.gpu_worker as gw
+from fastdeploy.engine.request import Request
+from fastdeploy.engine.sampling_params import SamplingParams
+
+from fastdeploy_paddlefleet.minifleet import build_minifleet
+from fastdeploy_paddlefleet.serving.kv_recycling.protocol import TASK_ATTR
+from fastdeploy_paddlefleet.serving.kv_recycling.scheduler import recycler_of
+
+BLOCK, SLOTS, MAX_LEN, BATCHED = 4, 4, 64, 16
+PROMPTS = {}
+
+
+def make_request(rid, prompt_len, max_tokens):
+    # the simulator's request with real token ids (deterministic per id) and full sampling settings
+    rng = random.Random(rid)
+    PROMPTS[rid] = [rng.randrange(3, 256) for _ in range(prompt_len)]
+    params = SamplingParams(
+        top_p=1.0, top_k=0, min_p=0.0, temperature=1.0, repetition_penalty=1.0, frequency_penalty=0.0,
+        presence_penalty=0.0, max_tokens=max_tokens, min_tokens=1,
+    )
+    return Request(
+        request_id=rid, prompt_token_ids=list(PROMPTS[rid]), prompt_token_ids_len=prompt_len,
+        sampling_params=params, eos_token_ids=[0] * EOS_LENS,
+    )
+
+
+def token(rid, pos):  # the simulator's engine appends 7 as every generated token
+    prompt = PROMPTS[rid]
+    return prompt[pos] if pos < len(prompt) else 7
+
+
+engine_cfg = sim.make_config(
+    MODEL_DIR, max_model_len=MAX_LEN, max_num_seqs=SLOTS, max_num_batched_tokens=BATCHED, block_size=BLOCK,
+    num_blocks=NUM_BLOCKS,
+)
+EOS_LENS = engine_cfg.model_config.eos_tokens_lens
+sim.make_request = make_request
+rm = sim.make_manager(engine_cfg)
+rec = recycler_of(rm)
+assert rec is not None, "the plugin's scheduler hook is not installed"
+
+worker_cfg = make_config(
+    MODEL_DIR, model_impl="paddlefleet", max_model_len=MAX_LEN, max_num_seqs=SLOTS,
+    max_num_batched_tokens=BATCHED, block_size=BLOCK, enable_chunked_prefill=True,
+)
+runner = make_runner(gw.ModelRunner, worker_cfg)
+runner.load_model()
+runner.num_gpu_blocks = NUM_BLOCKS  # the profiled count both sides get
+runner.initialize_kv_cache()
+fleet = runner.fleet
+tables = fleet.tables
+assert fleet.layout.layout_id == rec.layout.layout_id
+caches = runner.share_inputs["caches"]
+for t in caches:
+    t.set_value(paddle.full(t.shape, float("nan"), t.dtype))
+groups = fleet.layout.groups
+ptrs = [t.data_ptr() for t in tables.tables]
+served, stats = {}, {"released": 0, "poisoned_rows": 0, "forwards": 0, "tokens": 0}
+
+
+def poison(g, unit):
+    group = groups[g]
+    for li in group.layers:
+        for t in caches[2 * li : 2 * li + 2]:
+            if group.unit == group.num_kv_heads:
+                t[unit] = float("nan")
+            else:
+                t[unit // group.num_kv_heads, unit % group.num_kv_heads] = float("nan")
+
+
+def poison_rows(rid):
+    rows = tables.lanes.rows.get(rid)
+    if rows is None:
+        return
+    stats["poisoned_rows"] += 1
+    for g, lanes in enumerate(rows):
+        for ids in lanes:
+            for u in ids:
+                if u >= 0:
+                    poison(g, u)
+
+
+class RunnerWorker(sim.SimWorker):
+    # the simulator's worker (its table and window checks) plus the plugin's real runner doing the forward
+
+    def _check_queries(self, step, rid, start, end):
+        idx = next(i for i, s in self.slots.items() if s.rid == rid)
+        self.ranges.append((idx, rid, start, end))
+        super()._check_queries(step, rid, start, end)
+
+    def run(self, step, batch):
+        prefill = set()
+        for t in batch.requests:
+            kind = t.task_type.name
+            if kind in ("PREEMPTED", "ABORT"):
+                poison_rows(t.request_id)
+                continue
+            if kind == "PREFILL":
+                prefill.add(t.request_id)
+            d = getattr(t, TASK_ATTR, None)
+            rows = tables.lanes.rows.get(t.request_id)
+            if d is None or rows is None or d.reset:
+                continue
+            if d.seq != tables.lanes.last_seq.get(t.request_id, 0) + 1:
+                continue
+            for g, lane, b, u in d.changes:  # entries this delta releases: NaN before the step
+                ids = rows[g][lane]
+                if u < 0 and b < len(ids) and ids[b] >= 0:
+                    poison(g, ids[b])
+                    stats["released"] += 1
+        runner.insert_tasks_v1(batch, SLOTS)  # the runner's own tables, from the same deltas
+        live = {s.rid for s in self.slots.values()}
+        self.ranges = []
+        out = super().run(step, batch)
+        if self.ranges:
+            self.forward(prefill)
+        preempted, aborted = set(out[0]), set(out[1])
+        for rid in live | {r for _, r, _, _ in self.ranges}:
+            if rid not in {s.rid for s in self.slots.values()} and rid not in preempted | aborted:
+                poison_rows(rid)  # finished: the engine frees its pages after this output
+        return out
+
+    def forward(self, prefill):
+        work = {idx: (rid, s, e) for idx, rid, s, e in self.ranges}
+        this, enc, dec, ids, rows = [], [], [], [], []
+        for idx in range(SLOTS):
+            rid, s, e = work.get(idx, (None, 0, 0))
+            this.append(e - s)
+            dec.append(s)
+            enc.append(e - s if rid in prefill else 0)
+            ids += [token(rid, p) for p in range(s, e)]
+            rows += [(rid, p) for p in range(s, e)]
+        si = runner.share_inputs
+        si["seq_lens_this_time"] = paddle.to_tensor(np.array(this, "int32"))
+        si["seq_lens_encoder"] = paddle.to_tensor(np.array(enc, "int32")[:, None])
+        si["seq_lens_decoder"] = paddle.to_tensor(np.array(dec, "int32")[:, None])
+        si["cu_seqlens_q"] = paddle.to_tensor(np.concatenate([[0], np.cumsum(this)]).astype("int32"))
+        si["batch_id_per_token"] = paddle.to_tensor(np.repeat(np.arange(SLOTS), this).astype("int32"))
+        ids_t = paddle.to_tensor(np.array(ids, "int64"))
+        si["ids_remove_padding"] = ids_t
+        runner.exist_prefill_flag = any(enc)
+        runner.initialize_forward_meta()
+        fm = runner.forward_meta
+        hidden = runner.model({"ids_remove_padding": ids_t}, fm)
+        logits = runner.model.compute_logits(hidden, fm).numpy()
+        for row, key in enumerate(rows):
+            served[key] = logits[row]
+        stats["forwards"] += 1
+        stats["tokens"] += len(rows)
+
+
+loop = sim.Sim(rm, lag=LAG)
+loop.worker = RunnerWorker(loop.bs, rec.layout, True)
+loop.worker.ranges = []
+trace = sim.make_trace(SEED, NUM_REQUESTS, (14, 40), (4, 12), 2)
+result = loop.run(trace, 2000)
+
+raw = json.load(open(MODEL_DIR + "/config.json"))
+native = build_minifleet(raw, seed=0)
+weights = load_file(MODEL_DIR + "/model.safetensors")
+native.set_state_dict({k: paddle.to_tensor(v) for k, v in weights.items()})
+native.eval()
+worst, same, total = 0.0, 0, 0
+for rid in PROMPTS:
+    positions = sorted(p for r, p in served if r == rid)
+    tokens = [token(rid, p) for p in range(positions[-1] + 1)]
+    with paddle.no_grad():
+        ref = native(paddle.to_tensor([tokens], dtype="int64"))[0].numpy()
+    for p in positions:
+        got = served[(rid, p)]
+        worst = max(worst, float(np.abs(got - ref[p]).max()))
+        same += int(got.argmax() == ref[p].argmax())
+        total += 1
+report(
+    worst=worst, same_argmax=same, total=total, stats=stats, sim_steps=result.steps,
+    finished=result.finished, preempted=result.preempted, sim_released=loop.worker.released,
+    all_free=loop.all_free(), kept_addresses=[t.data_ptr() for t in tables.tables] == ptrs,
+    group_blocks=fleet.group_blocks, engine_blocks=list(rec.split.num_blocks),
+)
+"""
+
+
+@pytest.mark.parametrize(
+    "preset, lag, blocks", [("tiny", 1, 30), ("tiny-headwise", 0, 30), ("tiny-mimo", 3, 30)]
+)
+def test_fastdeploys_scheduler_with_the_hook_drives_the_runner(model_dirs, preset, lag, blocks):
+    """Engine and worker together: FastDeploy's real ``ResourceManagerV1.schedule()`` with the plugin's
+    hook (installed by the plugin's own early hook) schedules a trace (``_scheduler_sim``: chunked
+    prefill, look-ahead, preemption, a worker lagging ``lag`` steps, batches pickled); the plugin's
+    runner applies the same pickled batches in ``insert_tasks_v1`` and runs every step the simulated
+    worker runs; released and finished pages are NaN. Logits = dense, greedy 100%."""
+    pytest.importorskip("safetensors")
+    host = host_or_skip()
+    script = (
+        f"MODEL_DIR = {json.dumps(model_dirs[preset])}\nSEED = 5\nLAG = {lag}\nNUM_BLOCKS = {blocks}\n"
+        "NUM_REQUESTS = 24\n" + textwrap.dedent(RUNNER_PRELUDE) + textwrap.dedent(E2E)
+    )
+    env = {"FD_PLUGINS": "paddlefleet", "FDFLEET_BACKEND": "reference", "FDFLEET_KV_RECYCLE": "auto"}
+    d = run_scenario(script, host=host, env=env, timeout=900).check().data
+    print(preset, lag, d["worst"], d["stats"], d["sim_steps"], d["preempted"], d["group_blocks"])  # -rP
+    assert d["group_blocks"] == d["engine_blocks"]  # one split, both sides
+    assert d["finished"] == 24 and d["all_free"] and d["kept_addresses"], d
+    assert d["sim_steps"] >= 64 and d["stats"]["released"] > 0 and d["preempted"] > 0, d
+    assert d["total"] > 0 and d["same_argmax"] == d["total"], (d["same_argmax"], d["total"])
+    assert d["worst"] <= 1e-4, d["worst"]
