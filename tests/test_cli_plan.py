@@ -43,7 +43,9 @@ def test_gpt_oss_json_subprocess():
     r = fdfleet("plan", "gpt-oss-20b", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert set(d) == {"source", "convention", "layers", "kv_cache", "warnings"}
+    assert set(d) == {"source", "convention", "layers", "kv_cache", "pools", "warnings"}
+    # issue 18: the recycling split beside FastDeploy's accounting (gpt-oss: half the layers slide)
+    assert d["pools"]["fastdeploy_max_requests"] < d["pools"]["max_requests"]
     assert d["source"] == "gpt-oss-20b" and d["convention"] == "hf" and d["warnings"] == []
     assert len(d["layers"]) == 24
     for x in d["layers"]:

@@ -23,6 +23,7 @@ from ..plan import AttentionPlan, LayerAttention, load_config, plan_from_config
 from ..presets import list_presets
 from ..serving.cache_views import uniform_budget
 from ..serving.checks import check_quantization
+from ..serving.kv_recycling.report import format_pools, pools_for
 from . import about, float_arg, int_arg
 
 #: tensor-parallel sizes tried for the ``--tp`` hint when one rank cannot hold a request
@@ -90,13 +91,14 @@ def layer_dict(layer: LayerAttention) -> dict[str, Any]:
 
 
 def plan_json(
-    source: str, plan: AttentionPlan, budget: KVBudget, warnings: list[str] | None = None
+    source: str, plan: AttentionPlan, budget: KVBudget, warnings: list[str] | None = None, pools: Any = None
 ) -> dict[str, Any]:
     return {
         "source": source,
         "convention": plan.convention,
         "layers": [layer_dict(layer) for layer in plan],
         "kv_cache": {**budget.to_dict(), "fastdeploy_uniform": uniform_budget(plan, budget)},
+        "pools": pools if pools is None or isinstance(pools, str) else pools.to_dict(),
         "warnings": list(warnings or ()),
     }
 
@@ -263,8 +265,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise about("--dtype" if "dtype" in str(e) else None, None, e) from e
     warnings = serving_refusals(raw) + capacity_warnings(raw, plan, budget, args)
+    pools = pools_for(args.source, args.tp, args.block_size, args.dtype, args.memory_gib, args.context)
     if args.json:
-        print(json.dumps(plan_json(plan.source, plan, budget, warnings)))
+        print(json.dumps(plan_json(plan.source, plan, budget, warnings, pools)))
         return 0
     head = f"{plan.source}: {len(plan)} layers, window convention {plan.convention}"
     if plan.tp_size > 1:
@@ -274,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_budget(budget))
     print(format_uniform(uniform_budget(plan, budget), budget))
+    print(format_pools(pools, uniform_budget(plan, budget)["num_blocks_uniform"]))
     for line in warnings:
         print(f"WARNING: {line}")
     return 0

@@ -67,6 +67,8 @@ class PoolSplit:
     fastdeploy_block_bytes: int
     fastdeploy_num_blocks: int
     fastdeploy_max_requests: int
+    #: blocks one ``max_model_len`` request holds in FastDeploy's pool (its look-ahead included)
+    request_blocks: int = 0
 
     @property
     def num_blocks(self) -> list[int]:
@@ -106,6 +108,7 @@ class PoolSplit:
             "fastdeploy_block_bytes": self.fastdeploy_block_bytes,
             "fastdeploy_num_blocks": self.fastdeploy_num_blocks,
             "fastdeploy_max_requests": self.fastdeploy_max_requests,
+            "request_blocks": self.request_blocks,
             "ratio": self.ratio,
         }
 
@@ -226,6 +229,7 @@ def split_kv_pools(
         fastdeploy_block_bytes=fd_block,
         fastdeploy_num_blocks=fd_blocks,
         fastdeploy_max_requests=fd_blocks // blocks_for(ctx + lookahead_tokens, bs),
+        request_blocks=blocks_for(ctx + lookahead_tokens, bs),
     )
 
 
