@@ -22,6 +22,13 @@ with minifleet's dense eager forward of the whole sequence on the same weights (
 abs difference <= 1e-4 and the same argmax everywhere. Presets: ``tiny`` (full, sliding with
 v 8 and head-wise layers), ``tiny-mimo`` (sliding layers with their own kv head count, qk 16 / v 8)
 and ``tiny-headwise`` (one full and three sliding kv heads per layer).
+
+A second test puts the engine side in front: FastDeploy's real ``ResourceManagerV1.schedule()``
+with the plugin's scheduler hook (``serving/kv_recycling/scheduler.py``, installed by the
+plugin's own early hook) schedules a seeded trace through the engine developer's simulator
+(``_scheduler_sim``: chunked prefill, FastDeploy's look-ahead, preemption, a worker lagging 0, 1
+or 3 steps, batches pickled), and the plugin's runner applies the very same batches and runs
+every step the simulated worker runs: the same dense comparison holds.
 """
 
 from __future__ import annotations

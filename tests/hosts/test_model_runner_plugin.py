@@ -169,6 +169,14 @@ out = {"fleet": runner.fleet is not None, "dtype": str(cfg.model_config.dtype)}
 out["max_num_batched_tokens"] = cfg.scheduler_config.max_num_batched_tokens
 out["price"] = runner.cal_theortical_kvcache()
 out["fastdeploy_price"] = GPUModelRunner.cal_theortical_kvcache(runner)
+# FastDeploy's profile_run: caches of total_block_num blocks for every layer, a dummy run, cleared
+runner.num_gpu_blocks = 7
+runner.initialize_kv_cache(profile=True)
+out["profile_caches"] = [list(t.shape) for t in runner.share_inputs["caches"]]
+runner._dummy_prefill_inputs([5, 3], [2, 2], 2)
+runner.initialize_forward_meta(is_dummy_or_profile_run=True)
+out["profile_headwise"] = getattr(runner.forward_meta, "block_tables_headwise", None) is not None
+runner.clear_cache(profile=True)
 runner.num_gpu_blocks = MEMORY // out["price"]  # worker_process.initialize_kv_cache
 out["num_gpu_blocks"] = runner.num_gpu_blocks
 runner.initialize_kv_cache()
@@ -235,6 +243,10 @@ if out["recycling"]:
         fm.block_tables_headwise[li].data_ptr() == ptrs[g.index] for g in groups for li in g.layers
     )
     out["forward_rows"] = {str(li): list(t.shape) for li, t in fm.block_tables_headwise.items()}
+    # a dummy run after the pools exist (CUDA-graph capture): valid pages of every pool, never -1
+    runner._dummy_prefill_inputs([5, 3], [2, 2], 2)
+    out["dummy_rows"] = [tables.host_table(g.index)[: 2 * g.num_kv_heads, :3].tolist() for g in groups]
+    out["dummy_pools"] = [g.num_blocks for g in fleet.split.groups]
     for label, bad in (
         ("missing", task("c", 3, RequestType.PREFILL)),
         ("layout", task("c", 3, RequestType.PREFILL, KVDelta("c", 1, True, 1, (), "another"))),
@@ -353,6 +365,11 @@ def test_recycling_pools_and_page_tables_at_fixed_addresses(fleet_dirs, name):
     for group in d["layout"]["groups"]:
         for li in group["layers"]:
             assert d["forward_rows"][str(li)] == [4 * group["num_kv_heads"], 18]  # FastDeploy's width
+    for group, rows, blocks_g in zip(d["layout"]["groups"], d["dummy_rows"], d["dummy_pools"], strict=True):
+        pages = blocks_g * group["num_kv_heads"]
+        assert all(0 <= p < pages for row in rows for p in row[:2]) and all(row[2] == -1 for row in rows)
+    assert not d["profile_headwise"]  # profile run: FastDeploy's block_tables, pools not split yet
+    assert d["profile_caches"] == [[7, h, 4, dim] for _, h, qk, v in layers for dim in (qk, v)]
     assert "fdfleet_kv_delta" in d["refused_missing"]
     assert "layout_id='another'" in d["refused_layout"]
     assert "seq=4, expected 3" in d["refused_lost"]
