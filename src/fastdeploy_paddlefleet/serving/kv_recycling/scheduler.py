@@ -59,6 +59,18 @@ logger = logging.getLogger(__name__)
 RECYCLER_ATTR = "_fdfleet_kv_recycler"
 _PATCHED = "_fdfleet_kv_recycling_patched"
 _MODULE = "fastdeploy.engine.sched.resource_manager_v1"
+#: the ResourceManagerV1 methods the hook wraps (FastDeploy c1b7c083d)
+_HOOKED = (
+    "__init__",
+    "_allocate_gpu_blocks",
+    "_free_blocks",
+    "schedule",
+    "reset_cache_config",
+    "available_block_num",
+    "get_gpu_cache_usage_perc",
+    "_is_decoding",
+    "_prepare_decode_task",
+)
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,11 @@ def decide(fd_config: Any, environ: Mapping[str, Any] | None = None) -> Recyclin
         logger.info("window recycling: the plan of %s has no lane that slides on every rank", model_dir)
         return None
     refused = _refusals(fd_config, fastdeploy_switches() if environ is None else environ)
+    if not install():
+        refused.append(
+            f"FastDeploy's {_MODULE}.ResourceManagerV1 cannot take the hook (missing or other methods "
+            f"than {', '.join(_HOOKED)})"
+        )
     if refused:
         raise ValueError(
             "window recycling (FDFLEET_KV_RECYCLE=auto, the plan of "
@@ -400,6 +417,10 @@ def install() -> bool:
     cls = getattr(module, "ResourceManagerV1", None)
     if cls is None or getattr(cls, _PATCHED, False):
         return cls is not None
+    missing = [name for name in _HOOKED if not callable(getattr(cls, name, None))]
+    if missing:  # another FastDeploy generation: leave it alone, decide() refuses by name
+        logger.warning("window recycling hook not installed: ResourceManagerV1 has no %s", ", ".join(missing))
+        return False
 
     init, allocate, free_blocks, schedule = (
         cls.__init__,
