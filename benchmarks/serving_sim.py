@@ -50,7 +50,8 @@ from _outputs import output_path, plot_path, replacing  # noqa: E402
 logger = logging.getLogger("serving_sim")
 
 MODELS_EXTRA = {
-    "gemma3-27b": {"total": 27.4e9, "active": 27.4e9, "experts": 1, "top_k": 1},
+    # dense: no routed experts (headwise_sim's formula needs top_k < experts; 0 expert bytes)
+    "gemma3-27b": {"total": 27.4e9, "active": 27.4e9, "experts": 2, "top_k": 1},
     "mimo-v2-flash-like": {"total": 43.9e9, "active": 15.0e9, "experts": 256, "top_k": 8},
 }
 PRESETS = ["gpt-oss-20b", "mimo-v2-flash-like", "gemma3-27b", "ernie-4.5-21b-a3b-headwise"]

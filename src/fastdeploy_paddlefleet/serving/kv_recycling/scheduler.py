@@ -156,11 +156,14 @@ def wants_paddlefleet(fd_config: Any) -> bool:
     return _wants_paddlefleet(field(fd_config, "model_config"))
 
 
-def decide(fd_config: Any, environ: Mapping[str, Any] | None = None) -> RecyclingSetup | None:
+def decide(
+    fd_config: Any, environ: Mapping[str, Any] | None = None, *, warn: bool = True
+) -> RecyclingSetup | None:
     """Whether window recycling runs for ``fd_config``, and with what (``None``: FastDeploy's own
     accounting). ``ValueError`` naming each setting it cannot serve; switches prefix caching off
     (one WARNING) where it applies. The worker calls this too, so both sides agree.
-    ``environ``: FastDeploy's switches (default :func:`fastdeploy_switches`)."""
+    ``environ``: FastDeploy's switches (default :func:`fastdeploy_switches`). ``warn=False``: the
+    prefix-caching WARNING is the engine's to give (the worker passes False)."""
     if not wants_paddlefleet(fd_config):
         return None
     if kv_recycle() == "off":
@@ -196,7 +199,7 @@ def decide(fd_config: Any, environ: Mapping[str, Any] | None = None) -> Recyclin
         )
     if field(cache, "enable_prefix_caching"):
         cache.enable_prefix_caching = False
-        logger.warning(
+        (logger.warning if warn else logger.debug)(
             "paddlefleet window recycling: enable_prefix_caching switched off for this model "
             "(cached prefix blocks are not window-aware; pass --no-enable-prefix-caching to silence this)"
         )
