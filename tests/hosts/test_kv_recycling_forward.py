@@ -19,7 +19,8 @@ runner, which FastDeploy's own code builds, loads the checkpoint into (its v1 lo
 
 The logits of every token (prompts longer than the windows, chunked prefill, decode) are compared
 with minifleet's dense eager forward of the whole sequence on the same weights (no cache): max
-abs difference <= 1e-4 and the same argmax everywhere. Presets: ``tiny`` (full, sliding with
+abs difference <= 1e-4 and the same argmax everywhere, with the reference backend (paddle ops)
+and, for ``tiny-headwise``, the Triton kernels (interpreted on CPU). Presets: ``tiny`` (full, sliding with
 v 8 and head-wise layers), ``tiny-mimo`` (sliding layers with their own kv head count, qk 16 / v 8)
 and ``tiny-headwise`` (one full and three sliding kv heads per layer).
 
@@ -292,20 +293,26 @@ def model_dirs(tmp_path_factory):
 BUDGETS = {"tiny": (160 * 1024, True), "tiny-mimo": (80 * 1024, True), "tiny-headwise": (80 * 1024, False)}
 
 
-@pytest.mark.parametrize("preset", sorted(BUDGETS))
-def test_recycled_pages_give_dense_logits_through_fastdeploys_runner(model_dirs, preset):
+@pytest.mark.parametrize(
+    "preset, backend",
+    [(name, "reference") for name in sorted(BUDGETS)] + [("tiny-headwise", "triton")],  # triton: ~3 min
+)
+def test_recycled_pages_give_dense_logits_through_fastdeploys_runner(model_dirs, preset, backend):
     pytest.importorskip("safetensors")
+    if backend == "triton":
+        pytest.importorskip("torch")
+        pytest.importorskip("triton")
     host = host_or_skip()
     script = (
         f"MODEL_DIR = {json.dumps(model_dirs[preset])}\nSEED = 7\nBUDGET = {BUDGETS[preset][0]}\n"
         + textwrap.dedent(RUNNER_PRELUDE)
         + textwrap.dedent(SCENARIO)
     )
-    env = {"FD_PLUGINS": "paddlefleet", "FDFLEET_BACKEND": "reference", "FDFLEET_KV_RECYCLE": "auto"}
+    env = {"FD_PLUGINS": "paddlefleet", "FDFLEET_BACKEND": backend, "FDFLEET_KV_RECYCLE": "auto"}
     result = run_scenario(script, host=host, env=env, timeout=900).check()
     d = result.data
-    print(preset, d["worst"], d["stats"], d["group_blocks"], d["num_gpu_blocks"])  # shown with -rP
-    assert d["backend"] == "reference"
+    print(preset, backend, d["worst"], d["stats"], d["group_blocks"], d["num_gpu_blocks"])  # -rP
+    assert d["backend"] == backend
     assert d["stats"]["steps"] >= 64, d["stats"]
     assert d["stats"]["released"] > 0 and d["stats"]["reused_by_other"] > 0, d["stats"]
     assert d["stats"]["finished"] == 20, d["stats"]
