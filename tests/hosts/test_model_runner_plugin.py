@@ -381,3 +381,35 @@ def test_model_with_alike_layers_keeps_fastdeploys_sizing(fleet_dirs):
     assert d["price"] == d["fastdeploy_price"]  # FastDeploy's own rule, deferred to
     n = d["num_gpu_blocks"]
     assert d["caches"] == [[n, 2, 4, 16]] * 10  # FastDeploy's get_kv_cache_shape for every layer
+
+
+SHARED = r"""
+import fastdeploy.worker.gpu_worker as gw
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+cfg = make_config(MODEL_DIR, model_impl="paddlefleet", max_model_len=64, block_size=4, max_num_seqs=4)
+cfg.cache_config.num_cpu_blocks = 8  # what swap_space gives: FastDeploy's transfer manager swaps by name
+runner = make_runner(gw.ModelRunner, cfg)
+runner.load_model()
+out = {"fleet": runner.fleet is not None, "price": runner.cal_theortical_kvcache()}
+out["fastdeploy_price"] = GPUModelRunner.cal_theortical_kvcache(runner)
+runner.num_gpu_blocks = 10
+runner.initialize_kv_cache()
+out["caches"] = [list(t.shape) for t in runner.share_inputs["caches"]]
+report(**out)
+"""
+
+
+def test_caches_shared_with_another_process_keep_fastdeploys_shape(fleet_dirs):
+    """CPU swap (and PD / KV storage) attach the caches by name with FastDeploy's single shape in
+    another process: the runner keeps FastDeploy's sizing there (one WARNING naming the setting)."""
+    host = host_or_skip()
+    pytest.importorskip("safetensors")
+    script = f"MODEL_DIR = {json.dumps(fleet_dirs['tiny'])}\n" + textwrap.dedent(RUNNER_PRELUDE)
+    script += textwrap.dedent(SHARED)
+    env = {"FD_PLUGINS": "paddlefleet", "FDFLEET_KV_RECYCLE": "off", "FDFLEET_BACKEND": "reference"}
+    result = run_scenario(script, host=host, env=env).check()
+    d = result.data
+    assert not d["fleet"] and d["price"] == d["fastdeploy_price"]
+    assert d["caches"] == [[10, 2, 4, 16]] * 10  # tiny's largest layer, every layer
+    assert "num_cpu_blocks=8 (swap_space)" in result.stdout + result.stderr

@@ -10,8 +10,9 @@ FastDeploy's own at once: the runner IS FastDeploy's. For the plugin's model:
   ``num_gpu_blocks = available // price`` is right;
 * ``initialize_kv_cache``: each layer's K ``[blocks_l, Hkv_l, bs, qk_l]`` and V ``[blocks_l, Hkv_l,
   bs, v_l]`` (no uniform inflation), passed flat ``[k0, v0, k1, v1, ...]`` as FastDeploy does;
-  with window recycling ``blocks_l`` is the pool of the layer's group from ``split_kv_pools`` over
-  the budget ``num_gpu_blocks * price``;
+  with window recycling (``kv_recycling.scheduler.decide``, the engine hook's own decision)
+  ``blocks_l`` is the pool of the layer's group from ``split_for`` over the budget
+  ``num_gpu_blocks * price``, the engine hook's own split;
 * with recycling, per-group page tables (``page_tables.DevicePageTables``, fixed addresses) are
   updated in ``insert_tasks_v1`` from the ``KVDelta`` each task carries, and
   ``initialize_forward_meta`` hands them to the model as ``forward_meta.block_tables_headwise``
@@ -19,9 +20,11 @@ FastDeploy's own at once: the runner IS FastDeploy's. For the plugin's model:
 
 Where FastDeploy already prices every layer by its own shape (a runner newer than c1b7c083d that
 derives per-layer kv heads itself) and no recycling is asked for, the runner defers to FastDeploy's
-sizing (:meth:`FleetKV.defers`). Refused by name for the plugin's model: caches created by another
-process (``splitwise_role`` other than ``mixed``, ``kvcache_storage_backend``) and CPU swap
-(``num_cpu_blocks > 0``), whose managers assume FastDeploy's single shape.
+sizing (:meth:`FleetKV.defers`). FastDeploy's single shape is also kept, with one WARNING naming the
+setting, where another FastDeploy process creates, attaches or swaps the caches by name
+(``splitwise_role`` other than ``mixed``, ``kvcache_storage_backend``, ``num_cpu_blocks > 0``),
+under speculative decoding and under ``ENABLE_V1_KVCACHE_MANAGER``; the engine's ``decide`` refuses
+those settings by name when recycling is on.
 """
 
 from __future__ import annotations
@@ -116,25 +119,20 @@ class FleetKV:
         return split
 
 
-def _check_cache_placement(fd_config: Any) -> None:
-    """Caches made by another process or swapped to the CPU assume FastDeploy's single shape."""
+def _shared_cache_setting(fd_config: Any) -> str | None:
+    """The setting, if any, under which another FastDeploy process creates, attaches or swaps the
+    caches by name with FastDeploy's single shape (cache messenger, storage, CPU swap)."""
     cc = _get(fd_config, "cache_config")
     sc = _get(fd_config, "scheduler_config")
     role = _get(sc, "splitwise_role") or "mixed"
-    if _get(cc, "kvcache_storage_backend") or role != "mixed":
-        raise ValueError(
-            f"splitwise_role={role!r}, kvcache_storage_backend={_get(cc, 'kvcache_storage_backend')!r}: "
-            "the paddlefleet runner sizes every layer's cache by its own shape, which FastDeploy's cache "
-            "messenger / storage processes cannot attach; serve --model-impl paddlefleet with "
-            "splitwise_role=mixed and no kvcache_storage_backend"
-        )
+    if role != "mixed":
+        return f"splitwise_role={role!r}"
+    if _get(cc, "kvcache_storage_backend"):
+        return f"kvcache_storage_backend={_get(cc, 'kvcache_storage_backend')!r}"
     cpu_blocks = int(_get(cc, "num_cpu_blocks") or 0)
     if cpu_blocks > 0:
-        raise ValueError(
-            f"cache_config.num_cpu_blocks={cpu_blocks} (swap_space): FastDeploy's cache transfer manager "
-            "swaps its single cache shape, not the paddlefleet runner's per-layer caches; serve without "
-            "swap space"
-        )
+        return f"num_cpu_blocks={cpu_blocks} (swap_space)"
+    return None
 
 
 def _make_runner_class() -> type:
@@ -168,6 +166,14 @@ def _make_runner_class() -> type:
                     "itself; per-layer caches and window recycling are off"
                 )
                 return
+            shared = _shared_cache_setting(self.fd_config)
+            if shared is not None:
+                logger.warning(
+                    "paddlefleet runner: %s: another FastDeploy process attaches the caches with "
+                    "FastDeploy's single shape; per-layer caches and window recycling are off",
+                    shared,
+                )
+                return
             self.fleet = FleetKV(self)
 
         def _fleet_sizes(self) -> bool:
@@ -191,7 +197,6 @@ def _make_runner_class() -> type:
             from .sizing import worker_caches
 
             fleet = self.fleet
-            _check_cache_placement(self.fd_config)
             group_blocks = None
             if fleet.layout is not None and not profile:
                 fleet.split = fleet.pool_split(self.num_gpu_blocks)
