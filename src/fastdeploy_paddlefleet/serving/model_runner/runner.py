@@ -282,6 +282,7 @@ def _make_runner_class() -> type:
                 self.forward_meta.block_tables_headwise = tables.forward_tables(bsz)
 
     PaddleFleetModelRunner.__module__ = __name__
+    PaddleFleetModelRunner.__qualname__ = "PaddleFleetModelRunner"
     return PaddleFleetModelRunner
 
 
