@@ -245,6 +245,26 @@ def test_verify_model_on_a_minifleet_model_dir(capsys, tmp_path):
     assert code == 0 and "PASSED" in out  # the table report too
 
 
+def test_verify_model_on_a_bfloat16_model_dir(capsys, tmp_path):
+    """Checkpoints are usually bf16 (numpy has no bfloat16): the same directory with every tensor
+    rounded to bf16 passes, and the models hold exactly the rounded values."""
+    import numpy as np
+    import paddle
+    from safetensors.paddle import load_file, save_file
+
+    from fastdeploy_paddlefleet.runner.checkpoint_case import build_checkpoint_case
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
+
+    d = write_model_dir("tiny", tmp_path / "bf16", dtype="float32", seed=3)
+    rounded = {k: v.astype("bfloat16") for k, v in load_file(str(d / "model.safetensors")).items()}
+    save_file(rounded, str(d / "model.safetensors"))
+    code, report = verify_json(capsys, "--model", str(d), "--steps", "2")
+    assert code == 0 and report["passed"] is True, report
+    native = build_checkpoint_case(d, "reference").native_logits.model.state_dict()
+    for name, tensor in rounded.items():
+        np.testing.assert_array_equal(native[name].numpy(), tensor.astype(paddle.float32).numpy())
+
+
 def _paddleformers_checkpoint(arch: str, path):
     """A tiny random PaddleFormers model of ``arch`` written with its own save_pretrained."""
     import paddle

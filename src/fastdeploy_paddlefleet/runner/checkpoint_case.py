@@ -82,7 +82,7 @@ def _require(names: set[str], wanted: set[str], model_dir: str | Path, strip: st
 
 
 def _minifleet_case(model_dir: Path, raw: dict[str, Any], files: list[Path], backend: Any, seed: int) -> Any:
-    from safetensors.numpy import load_file
+    from safetensors.paddle import load_file  # not numpy's: it has no bfloat16
 
     from ..minifleet import build_minifleet, make_config
     from ..plan import plan_from_config
