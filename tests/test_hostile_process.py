@@ -460,3 +460,8 @@ def test_triton_interpreter_without_torch_names_the_extra():
     line = one_line(r.stderr)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--backend triton" in line and "'torch' extra" in line and "TRITON_INTERPRET" in line, line
+
+
+def test_top_level_json_applies_to_the_command(capsys):
+    assert main(["--json", "plan", "tiny"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == "tiny"

@@ -189,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="store_true", help="print the package version and exit")
     parser.add_argument(
-        "--json", dest="version_json", action="store_true", help="with --version: print one JSON object"
+        "--json",
+        dest="version_json",
+        action="store_true",
+        help="print one JSON object (--version, or the command)",
     )
     # not required: `fdfleet --version` has no command (main names a missing one)
     sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
@@ -244,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command is None:
             parser.error("the following arguments are required: command (plan or verify), or --version")
         else:
+            if args.version_json:  # `fdfleet --json plan tiny` means the command's own --json
+                args.json = True
             check_all()  # a bad FDFLEET_* value is refused by every command
             code = int(args.func(args) or 0)
         sys.stdout.flush()
