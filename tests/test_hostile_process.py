@@ -465,3 +465,12 @@ def test_triton_interpreter_without_torch_names_the_extra():
 def test_top_level_json_applies_to_the_command(capsys):
     assert main(["--json", "plan", "tiny"]) == 0
     assert json.loads(capsys.readouterr().out)["source"] == "tiny"
+
+
+def test_help_lists_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for code in ("130", "141", "74", "70", " 2 bad input"):
+        assert code in " ".join(out.split()), out

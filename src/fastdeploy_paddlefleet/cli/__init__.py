@@ -42,6 +42,11 @@ SUBCOMMANDS = ("plan", "verify")
 INTERNAL_ERROR = 70
 #: Ctrl-C (128 + SIGINT), a reader that closed the pipe (128 + SIGPIPE), a failed write (sysexits EX_IOERR)
 INTERRUPTED, BROKEN_PIPE, IO_ERROR = 130, 141, 74
+EXIT_CODES = (
+    "exit codes: 0 done, 1 verify found a difference, 2 bad input (named on stderr), 70 internal error "
+    "(a bug), 74 stdout could not be written (e.g. disk full), 130 interrupted (Ctrl-C), 141 the reader "
+    "closed the pipe"
+)
 
 #: top-level module of an optional dependency -> the extra of this package that installs it
 EXTRAS: dict[str, str] = {
@@ -185,7 +190,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="fdfleet", description="Serve PaddleFleet models in FastDeploy: inspect plans, verify parity."
+        prog="fdfleet",
+        description="Serve PaddleFleet models in FastDeploy: inspect plans, verify parity.",
+        epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="store_true", help="print the package version and exit")
     parser.add_argument(
