@@ -66,7 +66,7 @@ class FleetKV:
         self.dtype = str(_get(mc, "dtype") or "bfloat16")
         self.block_size = int(_get(cc, "block_size"))
         #: the engine hook's decision, made by the same function on the same config (None: no recycling)
-        self.setup = decide(fd_config)
+        self.setup = decide(fd_config, warn=False)  # the prefix-caching WARNING is the engine's line
         self.layout = None if self.setup is None else self.setup.layout
         self.tables = None
         #: blocks per group of the caches allocated now (None before a non-profile allocation)
