@@ -308,6 +308,10 @@ class Sim:
             total = mgr.group_total_pages(g.index) // g.unit
             if held + free != total:
                 raise SimError(f"step {step}: group {g.index} held {held} + free {free} != pool {total}")
+        # the free count FastDeploy reads is a promise the pools keep (allocate() raises otherwise)
+        free = self.rm.available_block_num()
+        if not rec.can_allocate(free):
+            raise SimError(f"step {step}: available_block_num()={free} but can_allocate({free}) is False")
         self.stats.checks += 1
 
     def step(self, step: int, trace: Trace) -> None:

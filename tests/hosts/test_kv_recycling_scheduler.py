@@ -10,7 +10,9 @@ Every scenario runs in a fresh child process (``_fastdeploy_host.run_scenario``)
   refused settings named.
 * traces: seeded request traces (mixed lengths, chunked prefill, aborts, preemption from small
   pools) through ``schedule()``, a worker lagging 0, 1 and 3 steps applying pickled tasks' deltas;
-  every step: no unit owned twice, held + free = pool, every key a query of the running batch can
+  every step: no unit owned twice, held + free = pool, the free count FastDeploy reads
+  (``available_block_num``) can be allocated, every promised allocation succeeds (the hook raises
+  otherwise), every key a query of the running batch can
   see is mapped in its own rows and nobody else's, the worker's tables equal the manager's; at
   the end everything is free. >= 10,000 steps in all.
 * capacity: at equal KV bytes, the peak of concurrently running requests against FastDeploy's
