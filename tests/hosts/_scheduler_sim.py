@@ -359,9 +359,10 @@ class Sim:
             self.stats.aborted += 1
             rm.recycle_abort_task(rid)
         finished = []
+        running = {r.request_id for r in rm.running} if produced else set()
         for rid, _ in produced:
             req = rm.requests.get(rid)
-            if req is None or req not in rm.running:
+            if req is None or rid not in running:
                 continue  # preempted / aborted meanwhile: FastDeploy drops these too
             if not req.output_token_ids:
                 if self.step_time is not None:

@@ -387,6 +387,11 @@ class HeadwiseKVManager:
         self._apply(r, c, None)
         return self.free_pages - before
 
+    def next_release(self, req_id: Any) -> float:
+        """The smallest ``computed`` bound at which ``req_id`` releases another block (``inf``:
+        never, e.g. only full lanes): schedulers skip :meth:`release` below it."""
+        return self._req(req_id).next_release
+
     def computed(self, req_id: Any) -> int:
         """The largest ``computed`` bound given for the request so far."""
         return self._req(req_id).computed

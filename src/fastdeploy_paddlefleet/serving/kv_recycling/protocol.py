@@ -57,6 +57,7 @@ the worker's own check).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -119,7 +120,7 @@ class RecyclingLayout:
     mode: str
     groups: tuple[LayerGroup, ...]
 
-    @property
+    @functools.cached_property
     def layout_id(self) -> str:
         """Short digest of everything the tables depend on (engine and worker must agree)."""
         text = repr((PROTOCOL_VERSION, self.block_size, self.mode, self.groups))

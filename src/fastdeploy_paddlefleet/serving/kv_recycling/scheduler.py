@@ -239,6 +239,7 @@ class KVRecycler:
         self._seq: dict[str, int] = {}
         self._sent: dict[str, list[list[list[int]]]] = {}
         self._pending: dict[str, tuple[bool, list[tuple[int, int, int, int]]]] = {}
+        self._due: dict[str, float] = {}  # rid -> computed bound of its next release
         # the most units one allocation can take on a sliding lane: window + one step + look-ahead
         self._cap = [
             [
@@ -304,6 +305,7 @@ class KVRecycler:
         for k in range(min(len(tables), len(ids))):  # released entries read -1 in FastDeploy's copy
             if ids[k] < 0:
                 tables[k] = -1
+        self._due[rid] = mgr.next_release(rid)
         return ids[len(tables) : len(tables) + n]
 
     def free(self, request: Any) -> None:
@@ -313,6 +315,7 @@ class KVRecycler:
             self.manager.finish(rid)
         self._sent.pop(rid, None)
         self._pending.pop(rid, None)
+        self._due.pop(rid, None)
         request.block_tables = []
 
     def release_computed(self, rm: Any) -> int:
@@ -321,16 +324,19 @@ class KVRecycler:
         ``num_computed_tokens``, i.e. every chunk already scheduled: those batches run before this
         one). Queues the changes; :meth:`attach` delivers them in this step's batch."""
         mgr = self.manager
+        due = self._due
         released = 0
         for request in rm.running:
             rid = request.request_id
-            if rid not in mgr:
+            threshold = due.get(rid)
+            if threshold is None:
                 continue
-            if rm._is_decoding(request):
-                computed = int(request.num_total_tokens) - 1
-            else:
-                computed = int(request.num_computed_tokens)
-            computed = min(computed, mgr.num_tokens(rid))
+            computed = request.num_computed_tokens
+            if computed >= request.need_prefill_tokens:  # decoding (FastDeploy's _is_decoding)
+                computed = request.num_total_tokens - 1
+            if computed < threshold:  # no block left every window yet: the common case
+                continue
+            computed = min(int(computed), mgr.num_tokens(rid))
             if computed > 0 and mgr.release(rid, computed):
                 released += 1
                 ids = self._collect(rid)[0][0]
@@ -338,6 +344,7 @@ class KVRecycler:
                 for k in range(min(len(tables), len(ids))):  # FastDeploy's copy reads -1 too
                     if ids[k] < 0:
                         tables[k] = -1
+            due[rid] = mgr.next_release(rid)
         return released
 
     # ---- deltas ---------------------------------------------------------------------------
