@@ -251,7 +251,9 @@ def run_schedule(seed: int) -> dict[str, int]:
             assert snapshot(mgr) == before
         elif op < 0.86:  # some of q's steps ran: release what left the windows (else skipped)
             c_new = rng.randint(book.c[q], book.n[q])
+            due = mgr.next_release(q)  # what schedulers use to skip release(): below it nothing goes
             released = mgr.release(q, c_new)
+            assert c_new >= due or released == 0, (c_new, due, released)
             old = sum(len(b) for heads in book.rec[q] for b in heads)
             book.c[q] = c_new
             book.observe(mgr, q)
