@@ -57,6 +57,9 @@ MODELS_EXTRA = {
 PRESETS = ["gpt-oss-20b", "mimo-v2-flash-like", "gemma3-27b", "ernie-4.5-21b-a3b-headwise"]
 # (context, output tokens, requests)
 CONTEXTS = [(8192, 1024, 0), (32768, 1024, 0)]
+# decode-heavy: 1024-token prompts, the rest of the context generated; as many requests as the
+# recycling pools hold (a long run per request), for the two models with a throughput target
+DECODE_HEAVY = {"presets": ["gpt-oss-20b", "mimo-v2-flash-like"], "context": 8192, "prompt": 1024}
 SMOKE = {"presets": ["gpt-oss-20b"], "contexts": [(2048, 64, 24)], "budget": 1 << 30}
 BLOCK, BATCHED, MAX_SEQS = 64, 8192, 512
 
@@ -78,6 +81,10 @@ def measured_decode_gbps(path: Path = HERE / "results" / "attention-h200.jsonl")
             if row.get("kind") == "decode" and "gbps" in row:
                 best = max(best, float(row["gbps"]))
     return best
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return (row.get("workload", "prefill-heavy"), row["model"], row["context"], row["mode"])
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -163,9 +170,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     order = {m: i for i, m in enumerate(PRESETS)}
-    keys = sorted({(r["model"], r["context"]) for r in rows}, key=lambda k: (order.get(k[0], 9), k[1]))
-    by = {(r["model"], r["context"], r["mode"]): r for r in rows}
-    labels = [f"{SHORT.get(m, m)} {c // 1024}k" for m, c in keys]
+    keys = sorted(
+        {(r.get("workload", "prefill-heavy"), r["model"], r["context"]) for r in rows},
+        key=lambda k: (k[0] != "prefill-heavy", order.get(k[1], 9), k[2]),
+    )
+    by = {_key(r): r for r in rows}
+    labels = [f"{SHORT.get(m, m)} {c // 1024}k" + (" dec" if w == "decode-heavy" else "") for w, m, c in keys]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     panels = (
         ("tokens_per_s", "output tokens/s, recycling / FastDeploy", 1.6),
@@ -174,7 +184,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     )
     for ax, (metric, title, target) in zip(axes, panels, strict=True):
         vals = [
-            by[(m, c, "recycling")][metric] / max(1e-12, by[(m, c, "fastdeploy")][metric]) for m, c in keys
+            by[(w, m, c, "recycling")][metric] / max(1e-12, by[(w, m, c, "fastdeploy")][metric])
+            for w, m, c in keys
         ]
         bars = ax.bar(range(len(keys)), vals, color="tab:orange")
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
@@ -205,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="*", default=None, help=f"presets (default {PRESETS})")
     p.add_argument("--json", action="store_true", help="print the JSON summary on stdout")
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of an earlier run's JSON")
+    p.add_argument(
+        "--workload",
+        choices=("prefill-heavy", "decode-heavy", "all"),
+        default="all",
+        help="prefill-heavy: prompt = context - 1024, 1024 generated (4 models, 8k and 32k); "
+        "decode-heavy: 1024-token prompts, the rest generated (gpt-oss, MiMo-like at 8k); default all",
+    )
+    p.add_argument("--merge", metavar="JSON", help="keep an earlier run's rows that this run does not redo")
     args = p.parse_args(argv)
     if args.replot:
         rows = json.loads(Path(args.replot).read_text())["rows"]
@@ -229,14 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="fdfleet-serving-sim-"))
-    jobs = [(m, c, o, n) for m in presets for c, o, n in contexts]
-    rows = []
+    jobs = []
+    if args.workload in ("prefill-heavy", "all"):
+        jobs += [("prefill-heavy", m, c, o, n) for m in presets for c, o, n in contexts]
+    if args.workload in ("decode-heavy", "all") and not args.smoke:
+        c = DECODE_HEAVY["context"]
+        jobs += [("decode-heavy", m, c, c - DECODE_HEAVY["prompt"], -1) for m in DECODE_HEAVY["presets"]]
+    rows = json.loads(Path(args.merge).read_text())["rows"] if args.merge else []
+    for r in rows:
+        r.setdefault("workload", "prefill-heavy")
     from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
     from fastdeploy_paddlefleet.plan import plan_from_config
     from fastdeploy_paddlefleet.presets import load_preset
 
-    for name, ctx, o, n in tqdm(jobs, desc="serving sim", disable=args.json):
-        if n == 0:  # saturate the recycling pools: twice what they hold at this context
+    for workload, name, ctx, o, n in tqdm(jobs, desc="serving sim", disable=args.json):
+        if n <= 0:  # 0: twice what the recycling pools hold at this context (saturated); -1: once
             import headwise_sim as hs
 
             for key, value in MODELS_EXTRA.items():
@@ -249,14 +275,16 @@ def main(argv: list[str] | None = None) -> int:
                 MAX_SEQS,
                 max_num_batched_tokens=BATCHED,
             )
-            n = max(16, min(2 * split.max_requests, 2 * MAX_SEQS))
+            n = max(16, min((2 if n == 0 else 1) * split.max_requests, 2 * MAX_SEQS))
         for mode in ("fastdeploy", "recycling"):
-            rows.append(run_one(name, ctx, o, n, mode, budget, work))
+            row = {"workload": workload, **run_one(name, ctx, o, n, mode, budget, work)}
+            rows = [r for r in rows if _key(r) != _key(row)] + [row]
     gains = {}
-    for name, ctx, _, _ in jobs:
-        fd = next(r for r in rows if (r["model"], r["context"], r["mode"]) == (name, ctx, "fastdeploy"))
-        rc = next(r for r in rows if (r["model"], r["context"], r["mode"]) == (name, ctx, "recycling"))
-        gains[f"{name}@{ctx}"] = {
+    for workload, name, ctx in sorted({(r["workload"], r["model"], r["context"]) for r in rows}):
+        fd = next(r for r in rows if _key(r) == (workload, name, ctx, "fastdeploy"))
+        rc = next(r for r in rows if _key(r) == (workload, name, ctx, "recycling"))
+        suffix = "" if workload == "prefill-heavy" else f" {workload}"
+        gains[f"{name}@{ctx}{suffix}"] = {
             "tokens_per_s_gain": rc["tokens_per_s"] / fd["tokens_per_s"] - 1 if fd["tokens_per_s"] else None,
             "concurrency_ratio": rc["peak_running"] / max(1, fd["peak_running"]),
         }
