@@ -1019,6 +1019,16 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time tile / split / TMA variants instead")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter without a GPU)")
     ap.add_argument(
+        "--err-scan",
+        action="store_true",
+        help="portable kernels find bad table entries by one scan after the key loop (not in the loop)",
+    )
+    ap.add_argument(
+        "--direct-launch",
+        action="store_true",
+        help="launch compiled kernels directly (kernels/_launch.py DIRECT_LAUNCH, off by default)",
+    )
+    ap.add_argument(
         "--src",
         default=None,
         help="import fastdeploy_paddlefleet from this source tree instead (A/B against an older commit)",
@@ -1048,6 +1058,14 @@ def main(argv=None) -> int:
             os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
+    if args.direct_launch:
+        from fastdeploy_paddlefleet.kernels import _launch
+
+        _launch.DIRECT_LAUNCH = True
+    if args.err_scan:
+        from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
+
+        pa_mod.ERR_LOOP_PREFILL = pa_mod.ERR_LOOP_DECODE = False
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     t0 = time.time()
     with open(args.out, "w") as fh:

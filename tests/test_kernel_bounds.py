@@ -143,6 +143,28 @@ def test_negative_page_inside_the_visible_range_of_a_prefill(dtype):
     check_intact_requests(s, out, bad={1})
 
 
+@pytest.mark.parametrize("in_loop", [False, True])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_scan_after_the_loop_records_the_same_entries(monkeypatch, block_size, in_loop):
+    """Both ways to find the first bad entry (one scan of the visible table range after the key loop,
+    or the smallest bad block carried through the loop) name the same entries."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "ERR_LOOP_PREFILL", in_loop)
+    monkeypatch.setattr(pa, "ERR_LOOP_DECODE", in_loop)
+    s = make_step(REQS, hkv=2, group=2, dqk=16, dv=16, block_size=block_size, seed=1)
+    s.table[0, 1] = HUGE
+    flag = new_error_flag(s.q)
+    out = attend(s, flag)
+    expect_error(flag, code=1, req=0, blk=1, value=HUGE, kernel=3)
+    check_intact_requests(s, out, bad={0})
+    s = make_step(REQS, hkv=2, group=2, dqk=16, dv=16, block_size=block_size, seed=2)
+    s.table[1, 0] = -1
+    reset_kernel_errors(flag)
+    attend(s, flag)
+    expect_error(flag, code=2, req=1, blk=0, value=-1, kernel=2)
+
+
 def test_any_negative_value_is_refused_too():
     s = make_step(REQS, hkv=2, group=2, dqk=16, dv=16, block_size=8, seed=2)
     s.table[3, 2] = -(2**31)  # request 3, decode at position 33: block 2 visible

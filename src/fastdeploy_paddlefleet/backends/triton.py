@@ -109,6 +109,17 @@ def _capturing(x: Any) -> bool:
 
 
 _MAX_PLANS = 4096
+_FW = None  # kernels._framework, imported on the first forward (an import statement per call costs ~2 us)
+
+
+def _framework() -> Any:
+    global _FW
+    from ..kernels import _framework as fw
+
+    _FW = fw
+    return fw
+
+
 _STEP_ATTR = "_fdfleet_triton_step"
 
 
@@ -146,7 +157,7 @@ class _StepState:
     """One step's metadata as the kernels take it (int32, on q's device; torch views or paddle), shared
     by every layer of the step: derived once, kept on the ``BatchMeta``."""
 
-    __slots__ = ("bid", "cu", "dec", "fields", "tables", "torch_views")
+    __slots__ = ("bid", "cu", "dec", "fields", "layers", "tables", "torch_views")
 
     def __init__(self, meta: BatchMeta, q: Any, torch_views: bool, fields: tuple) -> None:
         self.fields, self.torch_views = fields, torch_views
@@ -154,6 +165,7 @@ class _StepState:
         self.dec = self._int32(meta.seq_lens_decoder, q)
         self.bid = self._int32(meta.batch_id_per_token, q)
         self.tables: dict[int, tuple[Any, Any]] = {}
+        self.layers: dict[int, tuple[Any, bool]] = {}  # layer index -> (table, head-wise)
 
     def _int32(self, x: Any, q: Any) -> Any:
         return _to_torch(x, q.device, int32=True) if self.torch_views else _paddle_int32(x)
@@ -174,15 +186,26 @@ class _StepState:
 
 def _step_state(meta: BatchMeta, q: Any, torch_views: bool) -> _StepState:
     """The step's :class:`_StepState`, derived on the first layer (again if a field was replaced)."""
-    fields = (meta.cu_seqlens_q, meta.seq_lens_decoder, meta.batch_id_per_token, meta.block_tables)
     st = meta.__dict__.get(_STEP_ATTR)
-    if (
-        st is None
-        or st.torch_views != torch_views
-        or any(a is not b for a, b in zip(st.fields, fields, strict=True))
-    ):
-        st = _StepState(meta, q, torch_views, fields)
-        meta.__dict__[_STEP_ATTR] = st
+    if st is not None and st.torch_views == torch_views:
+        f = st.fields
+        if (
+            f[0] is meta.cu_seqlens_q
+            and f[1] is meta.seq_lens_decoder
+            and f[2] is meta.batch_id_per_token
+            and f[3] is meta.block_tables
+            and f[4] is meta.block_tables_headwise
+        ):
+            return st
+    fields = (
+        meta.cu_seqlens_q,
+        meta.seq_lens_decoder,
+        meta.batch_id_per_token,
+        meta.block_tables,
+        meta.block_tables_headwise,
+    )
+    st = _StepState(meta, q, torch_views, fields)
+    meta.__dict__[_STEP_ATTR] = st
     return st
 
 
@@ -269,11 +292,10 @@ class TritonBackend(AttentionBackend):
         layer (cache geometry, tile shapes, compile-time constants, the Hopper kernel's descriptors) is
         a :class:`~..kernels.paged_attention.AttentionPlan` / :class:`~..kernels.cache_write.CacheWritePlan`
         kept per layer and cache; compiled kernels are launched directly (``kernels/_launch.py``)."""
-        from ..kernels import _framework as fw
-
+        fw = _FW or _framework()
         if self.validate:
             self._validate(q, k, v, layer, meta, kv_cache, sinks)
-        is_t = _is_torch(q)
+        is_t = type(q).__module__[:5] == "torch"
         if is_t or fw.torch is not None:
             if not is_t:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
                 tq = _to_torch(q)
@@ -292,7 +314,10 @@ class TritonBackend(AttentionBackend):
     def _run(self, q, k, v, layer, meta, kv_cache, sinks, torch_views: bool) -> Any:
         """The cache write and the attention launch (``q``/``k``/``v`` in the kernels' framework)."""
         step = _step_state(meta, q, torch_views)
-        table, headwise = step.table(meta, layer.index)
+        lt = step.layers.get(layer.index)
+        if lt is None:
+            lt = step.layers[layer.index] = step.table(meta, layer.index)
+        table, headwise = lt
         plan = self._plans.get((id(layer), id(kv_cache[0]), id(kv_cache[1]), headwise, q.dtype))
         if plan is None or plan.stale(kv_cache, sinks):
             plan = self._new_plan(q, layer, kv_cache, sinks, headwise, torch_views)

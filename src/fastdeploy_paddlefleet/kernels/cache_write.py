@@ -152,6 +152,7 @@ class CacheWritePlan:
         on_gpu = getattr(dev, "type", None) == "cuda" and is_torch(key_cache)
         index = (dev.index if dev.index is not None else 0) if on_gpu else None
         self.kernels = KernelCache(index if cached else None)
+        self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
         self.static_aligned = not ((key_cache.data_ptr() | value_cache.data_ptr()) & 15)
 
     def run(
@@ -182,7 +183,7 @@ class CacheWritePlan:
             block_tables, err_arg, ks[0], ks[1], vs[0], vs[1], *self.cache_strides,
             block_tables.stride(0), block_tables.shape[1], self.n_pages, cu_seqlens_q.shape[0] - 1,
         )  # fmt: skip
-        consts = dict(HAS_ERR=has_err, **self.consts)
+        consts = self._consts[has_err]
         cache = self.kernels
         key = None
         if cache.direct:

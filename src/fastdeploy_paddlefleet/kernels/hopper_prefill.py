@@ -526,6 +526,7 @@ class HopperPlan:
             NUM_STAGES=num_stages, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
             SINK_MODE=sink_mode, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4,
         )  # fmt: skip
+        self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
 
     def run(
         self,
@@ -557,7 +558,7 @@ class HopperPlan:
             block_tables.stride(0), block_tables.shape[1], self.n_pages, t,
             num_reqs, 2, *self.scalars, n_items,
         )  # fmt: skip
-        consts = dict(HAS_ERR=has_err, **self.consts)
+        consts = self._consts[has_err]
         if kernels is None:
             _hopper_prefill_kernel[grid](*args, **consts)
         else:

@@ -41,6 +41,14 @@ from .split_kv_reduce import split_kv_reduce
 LOG2E = 1.4426950408889634
 SINK_MODES = {"vanilla": 0, "learnable": 1, "off-by-one": 2}
 PAGE_CHUNK: tl.constexpr = tl.constexpr(16)  # key tiles whose pages are loaded at once
+BAD_NONE: tl.constexpr = tl.constexpr(1 << 30)  # "no bad table entry met"
+#: how the portable kernels find the first bad table entry: True, the key loop carries the smallest bad
+#: block and the kernel records it after the loop; False, one scan of the visible table range after the
+#: loop. Measured on the H200 against the unchecked kernels (benchmarks/NOTES.md): the loop costs the
+#: sliding-window prefill ~4-5 %, the scan costs the head-wise decode ~4 %; each kernel gets the one
+#: that costs it nothing measurable. Read when a plan first launches.
+ERR_LOOP_PREFILL = False
+ERR_LOOP_DECODE = True
 
 
 @triton.jit
@@ -186,7 +194,7 @@ def _tile(
 
 @triton.jit
 def _attend(
-    acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, req,
+    acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, req,
     start, stop, pos, lo_key, kv_len, window, qk_scale,
     stride_kp, stride_kr, stride_vp, stride_vr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -197,8 +205,10 @@ def _attend(
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
 
-    Table entries of keys in ``[lo_key, kv_len)`` must exist (``_pages`` records the first that does
-    not, for request ``req``); entries outside the cache are never dereferenced.
+    Table entries of keys in ``[lo_key, kv_len)`` must exist; entries outside the cache are never
+    dereferenced (``_pages`` masks them). ``HAS_ERR``: ``bad`` carries the smallest logical block whose
+    needed entry could not be used (``BAD_NONE`` if none); the kernel records it after the loop
+    (recording inside the loop cost the prefill kernel ~8 %: benchmarks/NOTES.md).
 
     ``MASK=False`` is only used for tiles every row sees entirely (no mask, no predicated loads
     beyond the page check). Keys below ``lo_key`` or at/after ``kv_len`` are never loaded.
@@ -213,8 +223,10 @@ def _attend(
             need = (tiles < stop) & (tiles < kv_len) & (tiles + BLOCK_N > lo_key)
             pages = _pages(
                 tbl_row, tiles // BS, n_blk, kvh, Err, n_pages, req, need,
-                HKV, HEADWISE, PAGE_H, HAS_ERR, KERNEL,
+                HKV, HEADWISE, PAGE_H, False, KERNEL,
             )  # fmt: skip
+            if HAS_ERR:
+                bad = tl.minimum(bad, tl.min(tl.where(need & (pages < 0), tiles // BS, BAD_NONE), 0))
             for s in range(c0, tl.minimum(c0 + CHUNK * BLOCK_N, stop), BLOCK_N):
                 page = tl.sum(tl.where(offs_c == (s - c0) // BLOCK_N, pages, 0))
                 ok = (page + offs_n * 0) >= 0  # a vector compare (the interpreter mis-splats scalar bools)
@@ -230,15 +242,17 @@ def _attend(
             need = (keys >= lo_key) & (keys < kv_len)
             page = _pages(
                 tbl_row, keys // BS, n_blk, kvh, Err, n_pages, req, need,
-                HKV, HEADWISE, PAGE_H, HAS_ERR, KERNEL,
+                HKV, HEADWISE, PAGE_H, False, KERNEL,
             )  # fmt: skip
+            if HAS_ERR:
+                bad = tl.minimum(bad, tl.min(tl.where(need & (page < 0), keys // BS, BAD_NONE), 0))
             acc, l_i, m_i = _tile(
                 acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                 BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
                 SOFTCAP,
             )  # fmt: skip
-    return acc, l_i, m_i
+    return acc, l_i, m_i, bad
 
 
 @triton.jit
@@ -285,7 +299,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
     HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
 ):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid = tl.program_id(0)
@@ -334,29 +348,35 @@ def _prefill_kernel(
 
     m_i, l_i = _init_state(Sinks, head, BLOCK_M, SINK_MODE)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    bad = tl.full([], BAD_NONE, tl.int32)  # HAS_ERR: smallest logical block with an unusable entry
     tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
-    acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, False, KERNEL_PREFILL,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
     )  # fmt: skip
-    acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         ul, uh, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, False, KERNEL_PREFILL,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
     )  # fmt: skip
-    acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, False, KERNEL_PREFILL,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
     )  # fmt: skip
-    if HAS_ERR:  # after the key loop (its table loads hit the cache): the keys these rows see
+    if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
+        if bad < BAD_NONE:
+            _scan_table(
+                Err, tbl_row, n_blk, n_pages, b, kvh, bad * BS, bad * BS + 1, BS, HEADWISE, KERNEL_PREFILL
+            )
+    elif HAS_ERR:  # one scan of the table entries of the keys these rows see
         _scan_table(Err, tbl_row, n_blk, n_pages, b, kvh, lo_key, p_last + 1, BS, HEADWISE, KERNEL_PREFILL)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -377,7 +397,7 @@ def _decode_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -412,29 +432,35 @@ def _decode_kernel(
     else:  # the sink joins once, in the reduce
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, 0)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    bad = tl.full([], BAD_NONE, tl.int32)  # HAS_ERR: smallest logical block with an unusable entry
     tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
-    acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         start, ul, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, False, KERNEL_DECODE,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
     )  # fmt: skip
-    acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         ul, uh, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, False, KERNEL_DECODE,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
     )  # fmt: skip
-    acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         uh, stop, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, False, KERNEL_DECODE,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
     )  # fmt: skip
-    if HAS_ERR:  # after the key loop (its table loads hit the cache): this split's visible keys
+    if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
+        if bad < BAD_NONE:
+            _scan_table(
+                Err, tbl_row, n_blk, n_pages, b, kvh, bad * BS, bad * BS + 1, BS, HEADWISE, KERNEL_DECODE
+            )
+    elif HAS_ERR:  # one scan of the table entries of this split's visible keys
         _scan_table(
             Err, tbl_row, n_blk, n_pages, b, kvh, tl.maximum(start, lo_key), stop, BS, HEADWISE, KERNEL_DECODE
         )
@@ -513,7 +539,7 @@ def choose_num_splits(num_requests: int, num_kv_heads: int, span: int, block_n: 
     per split; a power of two (fewer compiles)."""
     programs = max(1, num_requests * num_kv_heads)
     want = max(1, (SPLIT_TARGET * sms) // programs)
-    most = max(1, triton.cdiv(span, block_n) // MIN_TILES_PER_SPLIT)
+    most = max(1, (span + block_n - 1) // block_n // MIN_TILES_PER_SPLIT)  # plain ints: no triton.cdiv call
     splits = max(1, min(want, most, 64))
     return 1 << (splits.bit_length() - 1)
 
@@ -741,6 +767,9 @@ class AttentionPlan:
         on_gpu = getattr(q.device, "type", None) == "cuda" and is_torch(q)
         index = (q.device.index if q.device.index is not None else 0) if on_gpu else None
         self.kernels = KernelCache(index if cached else None)
+        self._consts: dict = {}  # per (kernel, has_err[, splits]): the launch's constexprs and options
+        self._splits: dict = {}  # (requests, key span) -> split count
+        self.torch_empty = torch.empty if is_torch(q) else None
         static_ptrs = (
             key_cache.data_ptr() | value_cache.data_ptr() | (sinks.data_ptr() if sinks is not None else 0)
         )
@@ -765,7 +794,10 @@ class AttentionPlan:
         ``stream``: the current CUDA stream when the caller read it already."""
         t = q.shape[0]
         if out is None:
-            out = empty((t, self.hq, self.dv), self.dtype, q)
+            if self.torch_empty is not None:
+                out = self.torch_empty((t, self.hq, self.dv), dtype=self.dtype, device=self.device)
+            else:
+                out = empty((t, self.hq, self.dv), self.dtype, q)
         num_reqs = cu_seqlens_q.shape[0] - 1
         if t == 0 or num_reqs <= 0:
             return out
@@ -782,7 +814,8 @@ class AttentionPlan:
             if self.static_aligned and not ptrs & 15:  # else Triton's path: it specialises on alignment
                 if stream is None:
                     stream = cache.stream()
-                key = (q.stride(), out.stride(), cu_seqlens_q.dtype, block_tables.dtype, has_err)
+                qs, os_ = q.stride(), out.stride()
+                key = (qs[0], qs[1], os_[0], os_[1], cu_seqlens_q.dtype, block_tables.dtype, has_err)
         # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
         run_prefill = max_q_len is None or max_q_len > 1
         run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
@@ -800,11 +833,14 @@ class AttentionPlan:
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.common, stride_tbl, n_blk,
                 self.n_pages, t, num_reqs, 2, self.qk_scale, self.window, self.win_h0, self.win_h1,
             )  # fmt: skip
-            consts = dict(
-                G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
-                USE_TMA=desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile, HAS_ERR=has_err,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
-            )  # fmt: skip
+            consts = self._consts.get(("prefill", has_err))
+            if consts is None:
+                consts = self._consts[("prefill", has_err)] = dict(
+                    G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
+                    USE_TMA=desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile, HAS_ERR=has_err,
+                    ERR_LOOP=ERR_LOOP_PREFILL,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
+                )  # fmt: skip
             cache.launch(
                 _prefill_kernel, None if key is None else ("prefill", *key), grid, args, consts, stream
             )
@@ -816,23 +852,31 @@ class AttentionPlan:
             span = max_context_len if max_context_len is not None else n_blk * self.bs
             if self.all_slide:
                 span = min(span, self.window + 1)
-            num_splits = choose_num_splits(num_reqs, self.hkv, span, cfg.block_n, self.sms)
+            num_splits = self._splits.get((num_reqs, span))
+            if num_splits is None:
+                if len(self._splits) > 4096:
+                    self._splits.clear()
+                num_splits = choose_num_splits(num_reqs, self.hkv, span, cfg.block_n, self.sms)
+                self._splits[(num_reqs, span)] = num_splits
         desc = self.decode_desc
         mid_o = mid_l = q  # unused unless split
         if num_splits > 1:
             mid_o = empty((num_reqs, self.hq, num_splits, self.dv), "float32", q)
             mid_l = empty((num_reqs, self.hq, num_splits), "float32", q)
+        ckey = ("decode", has_err, num_splits)
         args = (
             q, kc, vc, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg,
             cu_seqlens_q, seq_lens_decoder, block_tables, err_arg,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.common, stride_tbl, n_blk,
             self.n_pages, t, self.qk_scale, self.window, self.win_h0, self.win_h1,
         )  # fmt: skip
-        consts = dict(
-            G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
-            NUM_SPLITS=num_splits, USE_TMA=desc is not None, HAS_ERR=has_err,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
-        )  # fmt: skip
+        consts = self._consts.get(ckey)
+        if consts is None:
+            consts = self._consts[ckey] = dict(
+                G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
+                NUM_SPLITS=num_splits, USE_TMA=desc is not None, HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_DECODE,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
+            )  # fmt: skip
         dkey = None if key is None else ("decode", num_splits, *key)  # NUM_SPLITS is compiled in
         cache.launch(_decode_kernel, dkey, (num_reqs, self.hkv, num_splits), args, consts, stream)
         if num_splits > 1:
