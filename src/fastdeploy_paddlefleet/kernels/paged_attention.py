@@ -742,11 +742,13 @@ class AttentionPlan:
         elem = q.element_size()
         self.prefill = "portable"
         self.hopper = None
+        self._hopper_args = None
         if choose_prefill_impl(prefill_impl, prefill_config, q, key_cache, value_cache) == "hopper":
             self.prefill = "hopper"
-            self.hopper = HopperPlan(
-                key_cache, value_cache, hq, sinks, qk_scale=qk_scale, sink_mode=sink_mode,
-                headwise=bool(headwise), has_window=has_window, window=window, win_h0=win_h0, win_h1=win_h1,
+            # built on the first prefill (its TMA descriptors cost ~20 us: a decode-only plan skips them)
+            self._hopper_args = dict(
+                qk_scale=qk_scale, sink_mode=sink_mode, headwise=bool(headwise), has_window=has_window,
+                window=window, win_h0=win_h0, win_h1=win_h1,
             )  # fmt: skip
         cfg = prefill_config or default_prefill_config(dqk, dv, q.device, elem, has_window)
         self.prefill_cfg = cfg
@@ -819,7 +821,9 @@ class AttentionPlan:
         # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
         run_prefill = max_q_len is None or max_q_len > 1
         run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
-        if run_prefill and self.hopper is not None:
+        if run_prefill and self._hopper_args is not None:
+            if self.hopper is None:
+                self.hopper = HopperPlan(kc, vc, self.hq, self.sinks, **self._hopper_args)
             self.hopper.run(
                 q, out, cu_seqlens_q, seq_lens_decoder, block_tables, errors, cache,
                 None if key is None else ("hopper", *key), stream,
