@@ -33,11 +33,14 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+if HERE not in sys.path:  # also when loaded by file path (the tests)
+    sys.path.insert(0, HERE)
+from _outputs import output_path, plot_path, replacing  # noqa: E402
 
 BS, HQ, HKV, D = 64, 32, 8, 128
 # shapes of issue 4; ``--smoke`` shrinks them to check the script on CPU (interpreter) or a small GPU
@@ -1001,7 +1004,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--out",
         default=None,
-        help=f"JSON lines file (default: {DEFAULT_OUT}; with --smoke a file in the temporary directory)",
+        help="JSON lines file (default: a new temporary directory; the committed results "
+        f"{DEFAULT_OUT} only when named, never by --smoke)",
     )
     ap.add_argument(
         "--compare",
@@ -1009,7 +1013,7 @@ def main(argv=None) -> int:
         default=None,
         help="print each case's figure beside the same case in FILE (e.g. the committed results)",
     )
-    ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+    ap.add_argument("--plot", default=None, help="plot path, .png/.svg/.pdf (default: --out with .png)")
     ap.add_argument("--plot-only", metavar="FILE", help="draw the PNG from saved JSON lines and exit")
     ap.add_argument(
         "--cases", default="copy,decode,prefill,mixed,mla,host", help="comma list (default: %(default)s)"
@@ -1034,22 +1038,30 @@ def main(argv=None) -> int:
         help="import fastdeploy_paddlefleet from this source tree instead (A/B against an older commit)",
     )
     args = ap.parse_args(argv)
+    try:  # where this run writes: refused by name before any work (benchmarks/_outputs.py)
+        if args.plot_only:
+            out = Path(args.plot_only)
+            png = plot_path(args.plot, out, smoke=False)
+        else:
+            out = output_path(args.out, name="attention.jsonl", suffixes=(".jsonl",), what="JSON lines",
+                              smoke=args.smoke)  # fmt: skip
+            png = plot_path(args.plot, out, smoke=args.smoke)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.plot_only:
-        with open(args.plot_only) as f:
+        with open(out) as f:
             recs = [json.loads(line) for line in f if line.strip()]
-        path = args.plot or os.path.splitext(args.plot_only)[0] + ".png"
-        if not plot(recs, path):
+        if not write_plot(recs, png):
             print("matplotlib is not installed", file=sys.stderr)
             return 1
-        print(path)
+        print(png)
         return 0
 
     if args.src:
         sys.path.insert(0, os.path.abspath(args.src))
     import torch
 
-    if args.out is None:  # smoke runs never replace the committed results
-        args.out = os.path.join(tempfile.gettempdir(), "attention-smoke.jsonl") if args.smoke else DEFAULT_OUT
     if args.smoke:
         SH.update(SMOKE)
         if torch.cuda.is_available():
@@ -1066,9 +1078,8 @@ def main(argv=None) -> int:
         from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
 
         pa_mod.ERR_LOOP_PREFILL = pa_mod.ERR_LOOP_DECODE = False
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     t0 = time.time()
-    with open(args.out, "w") as fh:
+    with replacing(out) as tmp, open(tmp, "w") as fh:  # the previous file stays until the run completes
         on_gpu = SH["dev"] == "cuda"
         props = torch.cuda.get_device_properties(0) if on_gpu else None
         emit(
@@ -1122,11 +1133,22 @@ def main(argv=None) -> int:
         emit({"meta": True, "wall_s": round(time.time() - t0, 1)}, fh)
     if args.compare:
         print_comparison(RECORDS, args.compare)
-    if not args.sweep:
-        path = args.plot or os.path.splitext(args.out)[0] + ".png"
-        if plot(RECORDS, path):
-            print(path, file=sys.stderr)
+    print(out, file=sys.stderr)
+    if not args.sweep and write_plot(RECORDS, png):
+        print(png, file=sys.stderr)
     return 0
+
+
+def write_plot(records: list[dict], png: Path) -> bool:
+    """Draw ``records`` into ``png`` all or nothing; ``False`` (``png`` untouched) without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    with replacing(png) as tmp:
+        if not plot(records, str(tmp)):
+            raise RuntimeError(f"could not draw {png}")
+    return True
 
 
 if __name__ == "__main__":
