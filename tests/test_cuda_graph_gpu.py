@@ -32,7 +32,7 @@ pytestmark = [
 from fastdeploy_paddlefleet.backends.base import BatchMeta  # noqa: E402
 from fastdeploy_paddlefleet.backends.triton import TritonBackend  # noqa: E402
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
-from fastdeploy_paddlefleet.spec.layer import LayerAttention  # noqa: E402
+from fastdeploy_paddlefleet.plan.layer import LayerAttention  # noqa: E402
 
 BSZ, HKV, GROUP, DQK, DV, BS, MAX_BLOCKS = 4, 2, 4, 64, 64, 16, 32  # up to 512 tokens per request
 WIDE_H, WIDE_D = 4, 128  # the uniform cache the layer reads its leading heads / channels of
