@@ -318,3 +318,19 @@ def test_idle_step_with_expert_parallelism_runs_every_layer_on_scratch():
         np.testing.assert_array_equal(np.isnan(b), np.isnan(c.numpy()))
     logits = wrapper.compute_logits(out)
     assert list(logits.shape) == [0, 256]
+
+
+def test_served_model_dir_config_is_size_capped_before_reading(tmp_path):
+    """FastDeploy's model directory goes through the plan's capped reader: a multi-MiB config.json is
+    refused by file name, without reading it (a sparse file: no memory or time spent)."""
+    from types import SimpleNamespace
+
+    from fastdeploy_paddlefleet.plan.fields import MAX_CONFIG_BYTES
+    from fastdeploy_paddlefleet.serving.build import build_from_fd_config
+
+    config = tmp_path / "config.json"
+    with open(config, "wb") as f:
+        f.truncate(MAX_CONFIG_BYTES + 1)
+    fd_config = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path)), parallel_config=None)
+    with pytest.raises(ValueError, match="config.json.*bytes"):
+        build_from_fd_config(fd_config)

@@ -8,7 +8,6 @@ any other config needs the ``paddlefleet`` package (an ``ImportError`` naming it
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import paddle
 
 from ..backends import AttentionBackend, get_backend
+from ..plan.fields import read_json_file
 from ..plan.layer import AttentionPlan
 from ._fields import field as _get
 
@@ -38,8 +38,7 @@ def _read_model_config(model_dir: str) -> dict[str, Any]:
     path = model_dir if os.path.isfile(model_dir) else os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"fd_config.model_config.model={model_dir!r} has no config.json")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_file(path)  # size-capped before a byte is read, named errors
 
 
 def build_from_fd_config(fd_config: Any) -> tuple[paddle.nn.Layer, AttentionPlan, bool]:
