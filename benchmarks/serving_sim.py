@@ -57,8 +57,8 @@ MODELS_EXTRA = {
 PRESETS = ["gpt-oss-20b", "mimo-v2-flash-like", "gemma3-27b", "ernie-4.5-21b-a3b-headwise"]
 # (context, output tokens, requests)
 CONTEXTS = [(8192, 1024, 0), (32768, 1024, 0)]
-# decode-heavy: 1024-token prompts, the rest of the context generated; as many requests as the
-# recycling pools hold (a long run per request), for the two models with a throughput target
+# decode-heavy: 1024-token prompts, the rest of the context generated, for the two models with a
+# throughput target (saturated like the prefill-heavy workload: twice what the recycling pools hold)
 DECODE_HEAVY = {"presets": ["gpt-oss-20b", "mimo-v2-flash-like"], "context": 8192, "prompt": 1024}
 SMOKE = {"presets": ["gpt-oss-20b"], "contexts": [(2048, 64, 24)], "budget": 1 << 30}
 BLOCK, BATCHED, MAX_SEQS = 64, 8192, 512
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [("prefill-heavy", m, c, o, n) for m in presets for c, o, n in contexts]
     if args.workload in ("decode-heavy", "all") and not args.smoke:
         c = DECODE_HEAVY["context"]
-        jobs += [("decode-heavy", m, c, c - DECODE_HEAVY["prompt"], -1) for m in DECODE_HEAVY["presets"]]
+        jobs += [("decode-heavy", m, c, c - DECODE_HEAVY["prompt"], 0) for m in DECODE_HEAVY["presets"]]
     rows = json.loads(Path(args.merge).read_text())["rows"] if args.merge else []
     for r in rows:
         r.setdefault("workload", "prefill-heavy")
