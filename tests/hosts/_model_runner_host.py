@@ -94,6 +94,17 @@ def make_runner(cls, fd_config):
             create=True,
         )
     return cls(fd_config=fd_config, device="cpu", device_id=0, rank=0, local_rank=0)
+
+
+def poison_unit(caches, group, unit):
+    """NaN into one released unit of ``group`` (a layout group) in every one of its layers' K and V
+    caches: a whole block (one lane per block) or one ``(block, kv head)`` page (head-wise lanes)."""
+    for li in group.layers:
+        for t in caches[2 * li : 2 * li + 2]:
+            if group.unit == group.num_kv_heads:
+                t[unit] = float("nan")
+            else:
+                t[unit // group.num_kv_heads, unit % group.num_kv_heads] = float("nan")
 '''
 
 __all__ = ["RUNNER_PRELUDE"]

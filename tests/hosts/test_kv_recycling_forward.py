@@ -78,7 +78,6 @@ mgr = HeadwiseKVManager(plan, fleet.split.num_blocks, BLOCK, mode=layout.mode)
 assert tuple(mgr.groups) == tuple(layout.groups), (mgr.groups, layout.groups)
 table_ptrs = [t.data_ptr() for t in fleet.tables.tables]
 
-group_layers = {g.index: list(g.layers) for g in layout.groups}
 eos = [2] * cfg.model_config.eos_tokens_lens
 params = SamplingParams(
     top_p=1.0, top_k=0, min_p=0.0, temperature=1.0, repetition_penalty=1.0, frequency_penalty=0.0,
@@ -87,14 +86,7 @@ params = SamplingParams(
 
 
 def poison(group, unit):
-    # a released unit: a whole block (one lane) or one page (head-wise lanes) of every layer of the group
-    g = layout.groups[group]
-    for li in group_layers[group]:
-        for t in caches[2 * li : 2 * li + 2]:
-            if g.unit == g.num_kv_heads:
-                t[unit] = float("nan")
-            else:
-                t[unit // g.num_kv_heads, unit % g.num_kv_heads] = float("nan")
+    poison_unit(caches, layout.groups[group], unit)
 
 
 def lanes_of(rid):
@@ -392,13 +384,7 @@ served, stats = {}, {"released": 0, "poisoned_rows": 0, "forwards": 0, "tokens":
 
 
 def poison(g, unit):
-    group = groups[g]
-    for li in group.layers:
-        for t in caches[2 * li : 2 * li + 2]:
-            if group.unit == group.num_kv_heads:
-                t[unit] = float("nan")
-            else:
-                t[unit // group.num_kv_heads, unit % group.num_kv_heads] = float("nan")
+    poison_unit(caches, groups[g], unit)
 
 
 def poison_rows(rid):
