@@ -96,6 +96,21 @@ def make_runner(cls, fd_config):
     return cls(fd_config=fd_config, device="cpu", device_id=0, rank=0, local_rank=0)
 
 
+def fill_step_inputs(runner, this, enc, dec, ids):
+    """One packed step into the runner's ``share_inputs`` the way FastDeploy's preprocessing leaves it
+    (``this``/``enc``/``dec``: per slot; ``ids``: the packed token ids); returns ``ids`` as a tensor."""
+    si = runner.share_inputs
+    si["seq_lens_this_time"] = paddle.to_tensor(np.array(this, "int32"))
+    si["seq_lens_encoder"] = paddle.to_tensor(np.array(enc, "int32")[:, None])
+    si["seq_lens_decoder"] = paddle.to_tensor(np.array(dec, "int32")[:, None])
+    si["cu_seqlens_q"] = paddle.to_tensor(np.concatenate([[0], np.cumsum(this)]).astype("int32"))
+    si["batch_id_per_token"] = paddle.to_tensor(np.repeat(np.arange(len(this)), this).astype("int32"))
+    ids_t = paddle.to_tensor(np.array(ids, "int64"))
+    si["ids_remove_padding"] = ids_t
+    runner.exist_prefill_flag = any(e > 0 for e in enc)
+    return ids_t
+
+
 def poison_unit(caches, group, unit):
     """NaN into one released unit of ``group`` (a layout group) in every one of its layers' K and V
     caches: a whole block (one lane per block) or one ``(block, kv head)`` page (head-wise lanes)."""

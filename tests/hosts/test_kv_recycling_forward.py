@@ -221,15 +221,7 @@ while waiting or any(slots):
         if n:
             ids += req["tokens"][req["done"] : req["done"] + n]
             rows += [(req["id"], req["done"] + k) for k in range(n)]
-    si = runner.share_inputs
-    si["seq_lens_this_time"] = paddle.to_tensor(np.array(this, "int32"))
-    si["seq_lens_encoder"] = paddle.to_tensor(np.array(enc, "int32")[:, None])
-    si["seq_lens_decoder"] = paddle.to_tensor(np.array(dec, "int32")[:, None])
-    si["cu_seqlens_q"] = paddle.to_tensor(np.concatenate([[0], np.cumsum(this)]).astype("int32"))
-    si["batch_id_per_token"] = paddle.to_tensor(np.repeat(np.arange(SLOTS), this).astype("int32"))
-    ids_t = paddle.to_tensor(np.array(ids, "int64"))
-    si["ids_remove_padding"] = ids_t
-    runner.exist_prefill_flag = any(e > 0 for e in enc)
+    ids_t = fill_step_inputs(runner, this, enc, dec, ids)
     runner.initialize_forward_meta()
     fm = runner.forward_meta
     assert set(fm.block_tables_headwise) == {layer.index for layer in plan}
@@ -449,15 +441,7 @@ class RunnerWorker(sim.SimWorker):
             enc.append(e - s if rid in prefill else 0)
             ids += [token(rid, p) for p in range(s, e)]
             rows += [(rid, p) for p in range(s, e)]
-        si = runner.share_inputs
-        si["seq_lens_this_time"] = paddle.to_tensor(np.array(this, "int32"))
-        si["seq_lens_encoder"] = paddle.to_tensor(np.array(enc, "int32")[:, None])
-        si["seq_lens_decoder"] = paddle.to_tensor(np.array(dec, "int32")[:, None])
-        si["cu_seqlens_q"] = paddle.to_tensor(np.concatenate([[0], np.cumsum(this)]).astype("int32"))
-        si["batch_id_per_token"] = paddle.to_tensor(np.repeat(np.arange(SLOTS), this).astype("int32"))
-        ids_t = paddle.to_tensor(np.array(ids, "int64"))
-        si["ids_remove_padding"] = ids_t
-        runner.exist_prefill_flag = any(enc)
+        ids_t = fill_step_inputs(runner, this, enc, dec, ids)
         runner.initialize_forward_meta()
         fm = runner.forward_meta
         hidden = runner.model({"ids_remove_padding": ids_t}, fm)
