@@ -116,6 +116,16 @@ class LayerGroup:
         slides = [w is not None for w in self.windows]
         return "sliding" if all(slides) else ("full" if not any(slides) else "headwise")
 
+    def describe(self) -> dict[str, Any]:
+        """The group's identity for logs and JSON: index, kind, layers, kv heads, allocation unit."""
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "layers": list(self.layers),
+            "num_kv_heads": self.num_kv_heads,
+            "unit": self.unit,
+        }
+
 
 def groups_from_plan(plan: AttentionPlan, mode: RecycleMode = "headwise") -> list[LayerGroup]:
     """Group ``plan``'s layers by (kv heads, per-head windows); order of first appearance."""
@@ -518,11 +528,7 @@ class HeadwiseKVManager:
             "requests": len(self._reqs),
             "groups": [
                 {
-                    "index": g.index,
-                    "kind": g.kind,
-                    "layers": list(g.layers),
-                    "num_kv_heads": g.num_kv_heads,
-                    "unit": g.unit,
+                    **g.describe(),
                     "total_pages": self.group_total_pages(g.index),
                     "free_pages": self.group_free_pages(g.index),
                 }

@@ -144,17 +144,7 @@ class RecyclingLayout:
             "block_size": self.block_size,
             "mode": self.mode,
             "layout_id": self.layout_id,
-            "groups": [
-                {
-                    "index": g.index,
-                    "kind": g.kind,
-                    "layers": list(g.layers),
-                    "num_kv_heads": g.num_kv_heads,
-                    "unit": g.unit,
-                    "lanes": list(g.lanes),
-                }
-                for g in self.groups
-            ],
+            "groups": [{**g.describe(), "lanes": list(g.lanes)} for g in self.groups],
         }
 
 

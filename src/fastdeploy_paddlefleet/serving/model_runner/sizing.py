@@ -17,6 +17,7 @@ KV budget both sides split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,15 +56,8 @@ class WorkerCaches:
     @property
     def nbytes(self) -> int:
         """Bytes of every layer's K and V cache."""
-        n = dtype_bytes(self.dtype)
-        total = 0
-        for c in self.layers:
-            for shape in (c.key_shape, c.value_shape):
-                size = 1
-                for s in shape:
-                    size *= s
-                total += size * n
-        return total
+        elements = sum(math.prod(c.key_shape) + math.prod(c.value_shape) for c in self.layers)
+        return elements * dtype_bytes(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {
