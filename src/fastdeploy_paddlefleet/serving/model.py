@@ -57,11 +57,10 @@ from ..plan.layer import AttentionPlan
 from ._fields import field as _get
 from .build import build_from_fd_config, resolve_backend
 from .forward_meta import batch_meta_from_forward_meta, layer_caches, packed_positions
+from .registration import ARCHITECTURE
 from .weights import assign_weights
 
 logger = logging.getLogger(__name__)
-
-ARCHITECTURE = "PaddleFleetForCausalLM"
 
 _GRAPH_STEP_CLASS: Any = None
 

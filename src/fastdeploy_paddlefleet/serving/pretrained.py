@@ -16,7 +16,7 @@ from typing import Any
 
 from paddleformers.transformers import PretrainedConfig, PretrainedModel
 
-ARCHITECTURE = "PaddleFleetForCausalLM"
+from .registration import ARCHITECTURE
 
 
 class PaddleFleetPretrainedModel(PretrainedModel):
