@@ -245,6 +245,9 @@ def test_gpu_misaligned_views_take_tritons_path_and_stay_right(direct_launch):
         view.copy_(x)
         shifted.append(view)
     assert shifted[0].data_ptr() % 16 == 2
+    # same cache tensors (the plan keeps them), s2's contents: s2's table points at s2's pages
+    s.key_cache.copy_(s2.key_cache)
+    s.value_cache.copy_(s2.value_cache)
     kc, vc = s.key_cache.clone(), s.value_cache.clone()
     out = backend.forward(*shifted, layer, _meta(s2, REAL["block_size"]), (s.key_cache, s.value_cache))
     write_kv_cache(s2.k, s2.v, kc, vc, s2.bid, s2.cu, s2.dec, s2.table)
