@@ -13,15 +13,51 @@ The attention roofline is checked against the measured H200 decode bandwidth in
 
 Workload per (model, context): every request arrives at time 0 (saturated), prompt
 ``context - output`` tokens, ``output`` tokens generated; FastDeploy settings: block 64,
-``max_num_batched_tokens`` 8192, ``max_num_seqs`` 512. KV budget: 0.9 x an H200's memory minus
-bf16 weights minus 4 GB, the same for both modes (FastDeploy's ``num_gpu_blocks`` at per-layer
-block bytes). Reported: peak concurrent running requests, output tokens/s over the run, TTFT p50 /
-p99 (queueing included).
+``max_num_batched_tokens`` 8192. KV budget: 0.9 x an H200's memory minus bf16 weights minus 4 GB,
+the same for both modes (FastDeploy's ``num_gpu_blocks`` at per-layer block bytes). Reported: peak
+concurrent running requests, output tokens/s over the run, TTFT p50 / p99 (queueing included).
+
+``max_num_seqs`` (a FastDeploy user setting), two settings, each row saying which (``seqs``) and
+the value (``max_num_seqs``, ``cap_reached`` = peak running hit it):
+
+* ``512``: the most FastDeploy accepts (``FDConfig.check`` refuses more: c1b7c083d
+  ``config.py:2306``), so what a user serving for throughput sets. In the decode-heavy workload
+  gpt-oss-20b reaches it in both modes: the cap, not KV memory, decides its concurrency there.
+* ``non-binding``: 1.25 x the most requests either mode's pools could hold at once at the
+  workload's prompt length (its shortest context, ``split_kv_pools(plan, budget, 64, prompt)``:
+  ``fastdeploy_max_requests`` and ``max_requests``). Running requests only grow from there, so KV
+  memory binds before the cap in both modes. Above 512 this is a what-if beyond what FastDeploy
+  accepts (``beyond_fastdeploy_limit``): the config is built at 512 and the value set after
+  FastDeploy's check, for the scheduler and the hook alike.
 
 Model sizes (weights): gpt-oss-20b and ERNIE-4.5-21B-A3B as in ``headwise_sim.py``; Gemma-3-27B
 27.4B dense; MiMo-V2-Flash-like is one GPU's share of an 8-way expert-parallel deployment (each GPU
 serves its own requests with every attention head; 1/8 of the 256 experts, top-8): 5.3B dense +
-38.6B of experts, 15B active per token. These are stated assumptions, not measurements.
+38.6B of experts, 15B active per token. These are stated assumptions, not measurements. All
+weights are bf16, gpt-oss-20b's too: its checkpoint ships MXFP4 experts (about 12.8 GB in all), but
+the plugin refuses a checkpoint's ``quantization_config`` at load (``serving/checks.py``), so what
+it serves is the bf16 model (41.8 GB). ``decode_bounds`` also prices the MXFP4 case (``mxfp4``).
+
+NOTES: the most recycling can give (``decode_bounds``, in the JSON as ``bounds``). In a saturated
+decode phase of ``B`` requests at context ``c`` one step costs ``t_w + B * t_kv``: ``t_w`` the
+per-step fixed cost (overhead + weight bytes / BW; all experts are touched at these batch sizes),
+``t_kv`` one request's attention bytes / BW (its full layers read ``c`` keys, its sliding ones
+``W + 1``; both modes read the same keys: a window-aware kernel skips the rest whether or not the
+pages were recycled). So tokens/s = ``B / (t_w + B * t_kv)``, and running ``r`` times as many
+requests in the same memory gives at most::
+
+    gain(r) = r * (t_w + B * t_kv) / (t_w + r * B * t_kv)   ->  1 + t_w / (B * t_kv)  as r -> inf
+
+Recycling shrinks a request's cache, not its reads: a model whose full layers make ``B * t_kv``
+comparable to ``t_w`` (gpt-oss-20b: 12 of 24 layers full, 8 kv heads) cannot turn concurrency into
+throughput; one dominated by ``t_w`` (MiMo-like's experts, Gemma's dense 27B) can. ``B`` is
+FastDeploy's concurrency at the decode phase's mean context ``c = prompt + output / 2``
+(``num_gpu_blocks // blocks(c + look-ahead)``), ``r`` the plan's ratio at ``c``
+(``split_kv_pools(..., c).ratio``, a split sized for that length), ``r * B`` capped at
+``max_num_seqs`` for the ``512`` setting. ``exact`` prices both batches with ``step_time`` itself
+(expert reads that grow with ``B`` included). The prefill-heavy workload also pays each prompt's
+prefill (the same compute in both modes): ``end_to_end`` adds it per request (phases apart:
+``(t_pf + out * T(B)/B) / (t_pf + out * T(rB)/(rB))``).
 
 Run ``python benchmarks/serving_sim.py --out benchmarks/results/serving_sim.json`` (minutes) or
 ``--smoke`` (seconds, tiny workload, written to a temporary directory: never the committed results).
@@ -62,6 +98,13 @@ CONTEXTS = [(8192, 1024, 0), (32768, 1024, 0)]
 DECODE_HEAVY = {"presets": ["gpt-oss-20b", "mimo-v2-flash-like"], "context": 8192, "prompt": 1024}
 SMOKE = {"presets": ["gpt-oss-20b"], "contexts": [(2048, 64, 24)], "budget": 1 << 30}
 BLOCK, BATCHED, MAX_SEQS = 64, 8192, 512
+# max_num_seqs settings (module docstring): the fixed 512, and 1.25 x what the pools hold at the prompt
+SEQS = ("512", "non-binding")
+SEQS_MARGIN = 1.25
+# FastDeploy refuses max_num_seqs above this (c1b7c083d config.py:2306, FDConfig.check)
+FD_MAX_SEQS_LIMIT = 512
+# gpt-oss-20b's checkpoint: MXFP4 experts, 4 bits + one 8-bit scale per 32 values (4.25 bits)
+MXFP4_BYTES = 4.25 / 8
 
 
 def _host_path() -> None:
@@ -84,7 +127,40 @@ def measured_decode_gbps(path: Path = HERE / "results" / "attention-h200.jsonl")
 
 
 def _key(row: dict[str, Any]) -> tuple:
-    return (row.get("workload", "prefill-heavy"), row["model"], row["context"], row["mode"])
+    return (
+        row.get("workload", "prefill-heavy"),
+        row["model"],
+        row["context"],
+        row.get("seqs", "512"),
+        row["mode"],
+    )
+
+
+def _extend_models() -> None:
+    import headwise_sim as hs
+
+    for key, value in MODELS_EXTRA.items():
+        hs.MODELS.setdefault(key, value)
+
+
+def _plan(name: str) -> Any:
+    from fastdeploy_paddlefleet.plan import plan_from_config
+    from fastdeploy_paddlefleet.presets import load_preset
+
+    return plan_from_config(load_preset(name))
+
+
+def max_num_seqs_for(setting: str, name: str, prompt: int, kv_bytes: int) -> int:
+    """``max_num_seqs`` of a setting (module docstring): ``512``, or ``non-binding`` = 1.25 x the
+    most requests either mode's pools hold at once at ``prompt`` tokens."""
+    if setting == "512":
+        return MAX_SEQS
+    if setting != "non-binding":
+        raise ValueError(f"max_num_seqs setting must be one of {SEQS}, got {setting!r}")
+    from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
+
+    split = split_kv_pools(_plan(name), kv_bytes, BLOCK, prompt, None, max_num_batched_tokens=BATCHED)
+    return math.ceil(SEQS_MARGIN * max(split.max_requests, split.fastdeploy_max_requests))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -95,7 +171,14 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run_one(
-    name: str, ctx: int, out: int, n_req: int, mode: str, budget: int | None, work: Path
+    name: str,
+    ctx: int,
+    out: int,
+    n_req: int,
+    mode: str,
+    budget: int | None,
+    work: Path,
+    max_seqs: int = MAX_SEQS,
 ) -> dict[str, Any]:
     import headwise_sim as hs
     from _scheduler_sim import Sim, make_config, make_manager, make_trace, recycler_of
@@ -105,8 +188,7 @@ def run_one(
     from fastdeploy_paddlefleet.presets import load_preset
     from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
 
-    for key, value in MODELS_EXTRA.items():
-        hs.MODELS.setdefault(key, value)
+    _extend_models()
     model = hs.build_model(name)
     kv_bytes = hs.kv_budget_bytes(model) if budget is None else budget
     d = work / name
@@ -122,11 +204,14 @@ def run_one(
     cfg = make_config(
         str(tiny),
         max_model_len=ctx + 512,
-        max_num_seqs=MAX_SEQS,
+        max_num_seqs=min(max_seqs, FD_MAX_SEQS_LIMIT),
         max_num_batched_tokens=BATCHED,
         block_size=BLOCK,
         num_blocks=int(num_blocks),
     )
+    # beyond FastDeploy's limit (FDConfig.check refuses more than 512): a what-if, set after the
+    # check; the scheduler and the hook read it from here (slots, the pools' concurrency)
+    cfg.scheduler_config.max_num_seqs = max_seqs
     rm = make_manager(cfg, str(d))
     if (recycler_of(rm) is not None) != (mode == "recycling"):
         raise RuntimeError(f"{name}: mode {mode} but recycler {recycler_of(rm)!r}")
@@ -139,6 +224,9 @@ def run_one(
         "output": out,
         "requests": n_req,
         "mode": mode,
+        "max_num_seqs": max_seqs,
+        "beyond_fastdeploy_limit": max_seqs > FD_MAX_SEQS_LIMIT,
+        "cap_reached": st.peak_running >= max_seqs,
         "kv_bytes": kv_bytes,
         "num_gpu_blocks": int(num_blocks),
         "pools": recycler_of(rm).split.num_blocks if recycler_of(rm) else [int(num_blocks)],
@@ -152,6 +240,98 @@ def run_one(
         "preempted": st.preempted,
         "wall_s": round(time.time() - t0, 2),
     }
+
+
+def decode_bound(
+    name: str, prompt: int, out: int, max_seqs: int | None = None, weights: str = "bf16"
+) -> dict[str, Any]:
+    """The most recycling can raise tokens/s in the step model (module docstring, NOTES).
+
+    ``prompt`` / ``out``: the workload's prompt and output tokens (the decode phase is priced at
+    the mean context ``c = prompt + out // 2``); ``max_seqs``: the ``max_num_seqs`` cap on both
+    modes' concurrency (None: none); ``weights``: ``bf16`` (what the plugin serves) or ``mxfp4``
+    (the routed experts at 4.25 bits, the KV budget grown by what that frees)."""
+    import dataclasses
+
+    import headwise_sim as hs
+
+    from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
+
+    if weights not in ("bf16", "mxfp4"):
+        raise ValueError(f"weights must be 'bf16' or 'mxfp4', got {weights!r}")
+    _extend_models()
+    model = hs.build_model(name)
+    if weights == "mxfp4":
+        model = dataclasses.replace(model, expert_bytes=model.expert_bytes / hs.WEIGHT_BYTES * MXFP4_BYTES)
+    kv_bytes = hs.kv_budget_bytes(model)
+    c = prompt + out // 2
+    split = split_kv_pools(model.plan, kv_bytes, BLOCK, c, None, max_num_batched_tokens=BATCHED)
+    cap = max_seqs if max_seqs is not None else 1 << 30
+    b_fd = min(split.fastdeploy_max_requests, cap)
+    b_rc = min(split.max_requests, cap)
+    # one request's attention bytes per decode step: full lanes read c keys, sliding ones W + 1,
+    # plus the new token's K/V written
+    kv_req = model.full_kv * c + sum(b * min(c, w + 1) for w, b in model.sliding_kv.items())
+    t_kv = (kv_req + model.bytes_per_token) / hs.BW
+    t_fd = hs.step_time(model, [c] * b_fd, [])
+    t_rc = hs.step_time(model, [c] * b_rc, [])
+    t_w = t_fd - b_fd * t_kv  # overhead + weights (attention is bandwidth-bound at these sizes)
+    r = b_rc / b_fd
+    formula = r * (t_w + b_fd * t_kv) / (t_w + r * b_fd * t_kv)
+    # prefill of one prompt (the same compute in both modes), chunked at max_num_batched_tokens
+    chunks = [(s, min(BATCHED, prompt - s)) for s in range(0, prompt, BATCHED)]
+    t_pf = sum(hs.step_time(model, [], [ch]) - hs.OVERHEAD_S for ch in chunks)
+    return {
+        "model": name,
+        "prompt": prompt,
+        "output": out,
+        "mean_context": c,
+        "max_num_seqs": max_seqs,
+        "weights": weights,
+        "weight_bytes": model.dense_bytes + model.expert_bytes,
+        "kv_bytes": kv_bytes,
+        "fastdeploy_requests": b_fd,
+        "recycling_requests": b_rc,
+        "r": r,
+        "t_w_ms": t_w * 1e3,
+        "t_kv_us": t_kv * 1e6,
+        "B_t_kv_ms": b_fd * t_kv * 1e3,
+        "gain_bound": formula,
+        "gain_bound_exact": (b_rc / t_rc) / (b_fd / t_fd),
+        "gain_bound_r_inf": 1 + t_w / (b_fd * t_kv),
+        "prefill_s": t_pf,
+        "gain_estimate_end_to_end": (t_pf + out * t_fd / b_fd) / (t_pf + out * t_rc / b_rc),
+    }
+
+
+def decode_bounds(presets: list[str]) -> list[dict[str, Any]]:
+    """:func:`decode_bound` for every workload and ``max_num_seqs`` setting of ``presets``, and
+    gpt-oss-20b with MXFP4 experts."""
+    kv = {}
+    rows = []
+    import headwise_sim as hs
+
+    _extend_models()
+    for name in presets:
+        kv[name] = hs.kv_budget_bytes(hs.build_model(name))
+        shapes = [("prefill-heavy", ctx, ctx - o, o) for ctx, o, _ in CONTEXTS]
+        if name in DECODE_HEAVY["presets"]:
+            c = DECODE_HEAVY["context"]
+            shapes.append(("decode-heavy", c, DECODE_HEAVY["prompt"], c - DECODE_HEAVY["prompt"]))
+        for workload, ctx, prompt, out in shapes:
+            for seqs in SEQS:
+                cap = max_num_seqs_for(seqs, name, prompt, kv[name])
+                variants = ("bf16", "mxfp4") if name == "gpt-oss-20b" else ("bf16",)
+                for w in variants:
+                    rows.append(
+                        {
+                            "workload": workload,
+                            "context": ctx,
+                            "seqs": seqs,
+                            **decode_bound(name, prompt, out, cap, w),
+                        }
+                    )
+    return rows
 
 
 SHORT = {
@@ -171,12 +351,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     order = {m: i for i, m in enumerate(PRESETS)}
     keys = sorted(
-        {(r.get("workload", "prefill-heavy"), r["model"], r["context"]) for r in rows},
-        key=lambda k: (k[0] != "prefill-heavy", order.get(k[1], 9), k[2]),
+        {_key(r)[:4] for r in rows},
+        key=lambda k: (k[0] != "prefill-heavy", order.get(k[1], 9), k[2], k[3] != "512"),
     )
     by = {_key(r): r for r in rows}
-    labels = [f"{SHORT.get(m, m)} {c // 1024}k" + (" dec" if w == "decode-heavy" else "") for w, m, c in keys]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    labels = [
+        f"{SHORT.get(m, m)} {c // 1024}k"
+        + (" dec" if w == "decode-heavy" else "")
+        + (f" seqs {by[(w, m, c, q, 'fastdeploy')]['max_num_seqs']}" if q != "512" else " seqs 512")
+        for w, m, c, q in keys
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(max(15, 0.55 * len(keys) * 3), 5.2))
     panels = (
         ("tokens_per_s", "output tokens/s, recycling / FastDeploy", 1.6),
         ("peak_running", "peak running requests, recycling / FastDeploy", None),
@@ -184,8 +369,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     )
     for ax, (metric, title, target) in zip(axes, panels, strict=True):
         vals = [
-            by[(w, m, c, "recycling")][metric] / max(1e-12, by[(w, m, c, "fastdeploy")][metric])
-            for w, m, c in keys
+            by[(w, m, c, q, "recycling")][metric] / max(1e-12, by[(w, m, c, q, "fastdeploy")][metric])
+            for w, m, c, q in keys
         ]
         bars = ax.bar(range(len(keys)), vals, color="tab:orange")
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
@@ -223,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         help="prefill-heavy: prompt = context - 1024, 1024 generated (4 models, 8k and 32k); "
         "decode-heavy: 1024-token prompts, the rest generated (gpt-oss, MiMo-like at 8k); default all",
     )
+    p.add_argument(
+        "--seqs",
+        choices=(*SEQS, "all"),
+        default="all",
+        help="max_num_seqs setting: 512, or non-binding (1.25 x what the pools hold at the prompt length); "
+        "default all",
+    )
     p.add_argument("--merge", metavar="JSON", help="keep an earlier run's rows that this run does not redo")
     args = p.parse_args(argv)
     if args.replot:
@@ -248,60 +440,65 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="fdfleet-serving-sim-"))
+    settings = SEQS if args.seqs == "all" else (args.seqs,)
+    if args.smoke:
+        settings = ("512",)
     jobs = []
     if args.workload in ("prefill-heavy", "all"):
-        jobs += [("prefill-heavy", m, c, o, n) for m in presets for c, o, n in contexts]
+        jobs += [("prefill-heavy", m, c, o, n, q) for m in presets for c, o, n in contexts for q in settings]
     if args.workload in ("decode-heavy", "all") and not args.smoke:
         c = DECODE_HEAVY["context"]
-        jobs += [("decode-heavy", m, c, c - DECODE_HEAVY["prompt"], 0) for m in DECODE_HEAVY["presets"]]
+        jobs += [
+            ("decode-heavy", m, c, c - DECODE_HEAVY["prompt"], 0, q)
+            for m in DECODE_HEAVY["presets"]
+            for q in settings
+        ]
     rows = json.loads(Path(args.merge).read_text())["rows"] if args.merge else []
-    for r in rows:
+    for r in rows:  # rows of runs before the settings existed: max_num_seqs 512
         r.setdefault("workload", "prefill-heavy")
+        r.setdefault("seqs", "512")
+        r.setdefault("max_num_seqs", MAX_SEQS)
+        r.setdefault("cap_reached", r["peak_running"] >= r["max_num_seqs"])
+    import headwise_sim as hs
+
     from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
-    from fastdeploy_paddlefleet.plan import plan_from_config
-    from fastdeploy_paddlefleet.presets import load_preset
 
-    for workload, name, ctx, o, n in tqdm(jobs, desc="serving sim", disable=args.json):
+    _extend_models()
+    for workload, name, ctx, o, n, seqs in tqdm(jobs, desc="serving sim", disable=args.json):
+        kv_bytes = hs.kv_budget_bytes(hs.build_model(name)) if budget is None else budget
+        cap = max_num_seqs_for(seqs, name, ctx - o, kv_bytes)
         if n <= 0:  # 0: twice what the recycling pools hold at this context (saturated); -1: once
-            import headwise_sim as hs
-
-            for key, value in MODELS_EXTRA.items():
-                hs.MODELS.setdefault(key, value)
             split = split_kv_pools(
-                plan_from_config(load_preset(name)),
-                hs.kv_budget_bytes(hs.build_model(name)),
-                BLOCK,
-                ctx + 512,
-                MAX_SEQS,
-                max_num_batched_tokens=BATCHED,
+                _plan(name), kv_bytes, BLOCK, ctx + 512, cap, max_num_batched_tokens=BATCHED
             )
-            n = max(16, min((2 if n == 0 else 1) * split.max_requests, 2 * MAX_SEQS))
+            n = max(16, min((2 if n == 0 else 1) * split.max_requests, 2 * cap))
         for mode in ("fastdeploy", "recycling"):
-            row = {"workload": workload, **run_one(name, ctx, o, n, mode, budget, work)}
+            row = {"workload": workload, "seqs": seqs, **run_one(name, ctx, o, n, mode, budget, work, cap)}
             rows = [r for r in rows if _key(r) != _key(row)] + [row]
     gains = {}
-    for workload, name, ctx in sorted({(r["workload"], r["model"], r["context"]) for r in rows}):
-        fd = next(r for r in rows if _key(r) == (workload, name, ctx, "fastdeploy"))
-        rc = next(r for r in rows if _key(r) == (workload, name, ctx, "recycling"))
-        suffix = "" if workload == "prefill-heavy" else f" {workload}"
+    for workload, name, ctx, seqs in sorted({_key(r)[:4] for r in rows}):
+        fd = next(r for r in rows if _key(r) == (workload, name, ctx, seqs, "fastdeploy"))
+        rc = next(r for r in rows if _key(r) == (workload, name, ctx, seqs, "recycling"))
+        suffix = ("" if workload == "prefill-heavy" else f" {workload}") + f" max_num_seqs={seqs}"
         gains[f"{name}@{ctx}{suffix}"] = {
             "tokens_per_s_gain": rc["tokens_per_s"] / fd["tokens_per_s"] - 1 if fd["tokens_per_s"] else None,
             "concurrency_ratio": rc["peak_running"] / max(1, fd["peak_running"]),
+            "max_num_seqs": [fd["max_num_seqs"], rc["max_num_seqs"]],
         }
-    import headwise_sim as hs
-
     result = {
         "meta": {
             "smoke": args.smoke,
             "block_size": BLOCK,
             "max_num_batched_tokens": BATCHED,
-            "max_num_seqs": MAX_SEQS,
+            "max_num_seqs": {"512": MAX_SEQS, "non-binding": f"{SEQS_MARGIN} x max requests at the prompt"},
             "bw_model_gbps": hs.BW / 1e9,
             "attention_h200_decode_gbps_measured": measured_decode_gbps(),
             "models_extra": MODELS_EXTRA,
+            "weights": "bf16 (gpt-oss-20b's MXFP4 checkpoint is refused by the plugin; bounds price it too)",
         },
         "rows": rows,
         "gains": gains,
+        "bounds": [] if args.smoke else decode_bounds(sorted({r["model"] for r in rows}, key=PRESETS.index)),
     }
     with replacing(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
@@ -311,6 +508,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for key, g in gains.items():
             print(f"{key}: tokens/s {g['tokens_per_s_gain']:+.0%}, concurrency x{g['concurrency_ratio']:.2f}")
+        for b in result["bounds"]:
+            print(
+                f"bound {b['model']} {b['workload']} {b['context']} max_num_seqs={b['seqs']} {b['weights']}: "
+                f"B {b['fastdeploy_requests']} -> {b['recycling_requests']}, t_w {b['t_w_ms']:.2f} ms, "
+                f"B*t_kv {b['B_t_kv_ms']:.2f} ms, decode x{b['gain_bound_exact']:.3f}, "
+                f"end to end x{b['gain_estimate_end_to_end']:.3f}"
+            )
         print(f"wrote {out} and {png}")
     return 0
 

@@ -76,3 +76,42 @@ def test_attention_benchmark_refuses_outputs_before_any_work(args, named, tmp_pa
     assert named in proc.stderr
     assert committed.read_bytes() == before
     assert list(tmp_path.iterdir()) == []
+
+
+def _serving_sim():
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serving_sim
+
+    return serving_sim
+
+
+def test_serving_sim_decode_bound_matches_a_hand_count_for_gpt_oss():
+    """The step-model bound of benchmarks/serving_sim.py against numbers counted from the
+    gpt-oss-20b preset by hand: 24 layers (12 full, 12 sliding that read 128 keys, the current one included),
+    8 kv heads of 64 (K and V), bf16; 20.9B bf16 weights; an H200's budget; block 64."""
+    ss = _serving_sim()
+    bw, hbm = 4231.1e9, 143771 * 2**20
+    weights = 20.9e9 * 2
+    kv_budget = int(0.9 * hbm - weights - 4e9)
+    per_token_layer = 8 * (64 + 64) * 2  # bytes of one layer's K and V for one token
+    block = 64 * 24 * per_token_layer  # FastDeploy's block: every layer
+    prompt, out = 7168, 1024
+    c = prompt + out // 2
+    b_fd = (kv_budget // block) // -(-(c + 2 * 64 + 12) // 64)  # FastDeploy's blocks per request
+    t_kv = (12 * per_token_layer * c + 12 * per_token_layer * 128 + 24 * per_token_layer) / bw
+    t_w = 1e-3 + weights / bw  # overhead + every weight once (every expert is hit at this batch)
+
+    b = ss.decode_bound("gpt-oss-20b", prompt, out, None)
+    assert b["kv_bytes"] == kv_budget and b["fastdeploy_requests"] == b_fd
+    assert b["t_kv_us"] == pytest.approx(t_kv * 1e6, rel=1e-9)
+    assert b["t_w_ms"] == pytest.approx(t_w * 1e3, rel=1e-6)
+    r = b["recycling_requests"] / b_fd
+    assert 1.85 < r < 2.0  # the plan's ratio at this length (G = 1.95 at 8k)
+    expected = r * (t_w + b_fd * t_kv) / (t_w + r * b_fd * t_kv)
+    assert b["gain_bound"] == pytest.approx(expected, rel=1e-6)
+    assert b["gain_bound_exact"] == pytest.approx(expected, rel=1e-3)
+    assert b["gain_bound_r_inf"] == pytest.approx(1 + t_w / (b_fd * t_kv), rel=1e-6)
+    # a cap both modes reach leaves nothing to gain
+    capped = ss.decode_bound("gpt-oss-20b", prompt, out, b_fd)
+    assert capped["r"] == 1.0 and capped["gain_bound"] == pytest.approx(1.0)
