@@ -107,3 +107,17 @@ def test_check_all_names_the_bad_switch(monkeypatch):
     monkeypatch.setenv("FDFLEET_MODEL_IMPL", "fastdeploy")
     with pytest.raises(ValueError, match="FDFLEET_MODEL_IMPL='fastdeploy'"):
         envs.check_all()
+
+
+def test_direct_launch(monkeypatch):
+    monkeypatch.delenv("FDFLEET_DIRECT_LAUNCH", raising=False)
+    assert envs.direct_launch() is True  # on by default
+    monkeypatch.setenv("FDFLEET_DIRECT_LAUNCH", " Off ")
+    assert envs.direct_launch() is False
+    monkeypatch.setenv("FDFLEET_DIRECT_LAUNCH", "")
+    assert envs.direct_launch() is True  # empty counts as unset
+    monkeypatch.setenv("FDFLEET_DIRECT_LAUNCH", "fast")
+    with pytest.raises(ValueError, match="FDFLEET_DIRECT_LAUNCH='fast'"):
+        envs.direct_launch()
+    with pytest.raises(ValueError, match="FDFLEET_DIRECT_LAUNCH"):
+        envs.check_all()  # the CLI refuses it before any command

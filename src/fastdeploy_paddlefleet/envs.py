@@ -7,6 +7,7 @@ a launcher may set a variable after the package was imported.
 * ``FDFLEET_HEADWISE_KV``: boolean, default ``False``
 * ``FDFLEET_PREFILL_KERNEL``: ``auto`` (default) | ``hopper`` | ``portable``
 * ``FDFLEET_KV_RECYCLE``: ``auto`` (default) | ``off``
+* ``FDFLEET_DIRECT_LAUNCH``: boolean, default ``True``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
   ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
@@ -137,5 +138,20 @@ def kv_recycle() -> str:
     return _choice("FDFLEET_KV_RECYCLE", KV_RECYCLE_MODES, "auto")
 
 
+def direct_launch() -> bool:
+    """``FDFLEET_DIRECT_LAUNCH``: launch the Triton kernels' compiled launchers directly after their first
+    call, skipping Triton's per-call argument binding (default on; ``kernels/_launch.py``). Off: every
+    launch goes through ``kernel[grid](...)``."""
+    return get_bool("FDFLEET_DIRECT_LAUNCH", True)
+
+
 #: every switch's getter (check_all runs them all)
-_GETTERS = (backend_name, headwise_kv, kv_recycle, log_level, model_impl_is_paddlefleet, prefill_kernel)
+_GETTERS = (
+    backend_name,
+    direct_launch,
+    headwise_kv,
+    kv_recycle,
+    log_level,
+    model_impl_is_paddlefleet,
+    prefill_kernel,
+)

@@ -45,6 +45,7 @@ import logging
 import os
 from typing import Any
 
+from ..kernels._launch import tensor_version
 from ..plan.layer import LayerAttention
 from .base import AttentionBackend, BatchMeta
 
@@ -124,54 +125,63 @@ _STEP_ATTR = "_fdfleet_triton_step"
 
 
 class _LayerPlan:
-    """One layer's launch plans for one pair of caches (and sinks tensor), with the device error flag."""
+    """One layer's launch plans for one pair of caches (and sinks tensor), with the device error flag.
+    ``kernels``: the attention plan's :class:`~..kernels._launch.KernelCache` (its stream is read once
+    per layer for both launches), ``direct`` whether it launches directly."""
 
-    __slots__ = ("attend", "flag", "kv_cache", "layer", "ptrs", "sinks", "sinks_version", "write")
+    __slots__ = (
+        "attend",
+        "direct",
+        "flag",
+        "kernels",
+        "kv_cache",
+        "layer",
+        "ptrs",
+        "sinks",
+        "sinks_version",
+        "write",
+    )
 
     def __init__(self, layer, kv_cache, sinks, write, attend, flag) -> None:
         self.layer, self.kv_cache, self.sinks = layer, kv_cache, sinks  # kept: ids stay unique
         self.write, self.attend, self.flag = write, attend, flag
+        self.kernels = attend.kernels
+        self.direct = attend.kernels.direct
         self.ptrs = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
-        self.sinks_version = _version(sinks)
+        self.sinks_version = tensor_version(sinks)
 
     def stale(self, kv_cache, sinks) -> bool:
         """Whether the caches moved (same objects, other storage), another sinks tensor came, or the
         sinks were written in place (the plan holds their float32 copy)."""
-        if sinks is not self.sinks or (sinks is not None and _version(sinks) != self.sinks_version):
+        if sinks is not self.sinks or (sinks is not None and tensor_version(sinks) != self.sinks_version):
             return True
-        return (kv_cache[0].data_ptr(), kv_cache[1].data_ptr()) != self.ptrs
-
-
-def _version(x: Any) -> int:
-    """In-place modification counter of a torch / paddle tensor (-1 for None or unknown)."""
-    if x is None:
-        return -1
-    v = getattr(x, "_version", None)
-    if isinstance(v, int):
-        return v
-    f = getattr(x, "_inplace_version", None)
-    return int(f()) if callable(f) else -1
+        ptrs = self.ptrs
+        return kv_cache[0].data_ptr() != ptrs[0] or kv_cache[1].data_ptr() != ptrs[1]
 
 
 class _StepState:
     """One step's metadata as the kernels take it (int32, on q's device; torch views or paddle), shared
-    by every layer of the step: derived once, kept on the ``BatchMeta``."""
+    by every layer of the step: derived once, kept on the ``BatchMeta``. ``layers``: layer index ->
+    (its table's :class:`~..kernels._launch.LaunchStep`, head-wise)."""
 
-    __slots__ = ("bid", "cu", "dec", "fields", "layers", "tables", "torch_views")
+    __slots__ = ("bid", "cu", "dec", "fields", "launch", "layers", "tables", "torch_views")
 
     def __init__(self, meta: BatchMeta, q: Any, torch_views: bool, fields: tuple) -> None:
         self.fields, self.torch_views = fields, torch_views
         self.cu = self._int32(meta.cu_seqlens_q, q)
         self.dec = self._int32(meta.seq_lens_decoder, q)
         self.bid = self._int32(meta.batch_id_per_token, q)
-        self.tables: dict[int, tuple[Any, Any]] = {}
-        self.layers: dict[int, tuple[Any, bool]] = {}  # layer index -> (table, head-wise)
+        self.tables: dict[int, tuple[Any, Any]] = {}  # id(raw table) -> (raw table, LaunchStep)
+        self.layers: dict[int, tuple[Any, bool]] = {}
 
     def _int32(self, x: Any, q: Any) -> Any:
         return _to_torch(x, q.device, int32=True) if self.torch_views else _paddle_int32(x)
 
     def table(self, meta: BatchMeta, layer_index: int) -> tuple[Any, bool]:
-        """The table layer ``layer_index`` reads (int32) and whether it is head-wise."""
+        """The :class:`~..kernels._launch.LaunchStep` over the table layer ``layer_index`` reads (int32)
+        and whether that table is head-wise."""
+        from ..kernels._launch import LaunchStep
+
         raw = meta.headwise_table(layer_index)
         headwise = raw is not None
         if not headwise:
@@ -180,7 +190,10 @@ class _StepState:
         if hit is None or hit[0] is not raw:
             dev = self.cu.device if self.torch_views else None
             conv = _to_torch(raw, dev, int32=True) if self.torch_views else _paddle_int32(raw)
-            hit = self.tables[id(raw)] = (raw, conv)
+            launch = LaunchStep(
+                self.cu, self.dec, conv, self.bid, max_q_len=self.fields[5], max_context_len=self.fields[6]
+            )
+            hit = self.tables[id(raw)] = (raw, launch)
         return hit[1], headwise
 
 
@@ -195,6 +208,8 @@ def _step_state(meta: BatchMeta, q: Any, torch_views: bool) -> _StepState:
             and f[2] is meta.batch_id_per_token
             and f[3] is meta.block_tables
             and f[4] is meta.block_tables_headwise
+            and f[5] == meta.max_seq_len_this_time
+            and f[6] == meta.max_context_len
         ):
             return st
     fields = (
@@ -203,6 +218,8 @@ def _step_state(meta: BatchMeta, q: Any, torch_views: bool) -> _StepState:
         meta.batch_id_per_token,
         meta.block_tables,
         meta.block_tables_headwise,
+        meta.max_seq_len_this_time,
+        meta.max_context_len,
     )
     st = _StepState(meta, q, torch_views, fields)
     meta.__dict__[_STEP_ATTR] = st
@@ -295,38 +312,33 @@ class TritonBackend(AttentionBackend):
         fw = _FW or _framework()
         if self.validate:
             self._validate(q, k, v, layer, meta, kv_cache, sinks)
-        is_t = type(q).__module__[:5] == "torch"
-        if is_t or fw.torch is not None:
-            if not is_t:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
-                tq = _to_torch(q)
-                dev = tq.device
-                tk, tv = _to_torch(k, dev), _to_torch(v, dev)
-                with fw.paddle_stream(dev):
-                    out = self._run(tq, tk, tv, layer, meta, kv_cache, sinks, True)
-                return _to_paddle(out.view(out.shape[0], -1))
-            out = self._run(q, k, v, layer, meta, kv_cache, sinks, True)
-            return out.view(out.shape[0], -1)
+        if type(q).__module__[:5] == "torch":
+            return self._run(q, k, v, layer, meta, kv_cache, sinks, True)
+        if fw.torch is not None:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
+            tq = _to_torch(q)
+            dev = tq.device
+            tk, tv = _to_torch(k, dev), _to_torch(v, dev)
+            with fw.paddle_stream(dev):
+                out = self._run(tq, tk, tv, layer, meta, kv_cache, sinks, True)
+            return _to_paddle(out)
         # paddle tensors, no torch: FastDeploy's way (Triton on Paddle's torch proxy)
         fw.ensure_paddle_compat()
-        out = self._run(q, k, v, layer, meta, kv_cache, sinks, False)
-        return out.reshape([int(out.shape[0]), -1])
+        return self._run(q, k, v, layer, meta, kv_cache, sinks, False)
 
     def _run(self, q, k, v, layer, meta, kv_cache, sinks, torch_views: bool) -> Any:
-        """The cache write and the attention launch (``q``/``k``/``v`` in the kernels' framework)."""
+        """The cache write and the attention launch (``q``/``k``/``v`` in the kernels' framework);
+        returns ``[T, Hq * Dv]``."""
         step = _step_state(meta, q, torch_views)
         lt = step.layers.get(layer.index)
         if lt is None:
             lt = step.layers[layer.index] = step.table(meta, layer.index)
-        table, headwise = lt
+        launch, headwise = lt
         plan = self._plans.get((id(layer), id(kv_cache[0]), id(kv_cache[1]), headwise, q.dtype))
         if plan is None or plan.stale(kv_cache, sinks):
             plan = self._new_plan(q, layer, kv_cache, sinks, headwise, torch_views)
-        stream = plan.attend.kernels.stream() if plan.attend.kernels.direct else None
-        plan.write.run(k, v, step.bid, step.cu, step.dec, table, errors=plan.flag, stream=stream)
-        return plan.attend.run(
-            q, step.cu, step.dec, table, max_q_len=meta.max_seq_len_this_time,
-            max_context_len=meta.max_context_len, errors=plan.flag, stream=stream,
-        )  # fmt: skip
+        stream = plan.kernels.stream() if plan.direct else None
+        plan.write.run_step(k, v, launch, errors=plan.flag, stream=stream)
+        return plan.attend.run_step(q, launch, flat=True, errors=plan.flag, stream=stream)
 
     def _new_plan(self, q, layer, kv_cache, sinks, headwise, torch_views) -> _LayerPlan:
         """Check the layer against the backend and the caches, and derive its launch plans (once per

@@ -3,16 +3,22 @@
 ``kernel[grid](*args, **constexprs)`` costs ~20 us of host time on an H200's host for a kernel of 40
 arguments (benchmarks/NOTES.md): Triton binds every argument, derives its specialisation (dtype,
 16-byte alignment, ``== 1`` / divisible by 16), hashes the key and looks the kernel up. The compiled
-kernel's own launcher (``CompiledKernel.run``) takes 6.5 us for the same call.
+kernel's own launcher (``CompiledKernel.run``) takes ~6 us for the same call.
 
 :class:`KernelCache` keeps the compiled kernels of *one* launch plan (one layer's static setup:
 caches, dims, tile shapes) under a key the plan computes from what can change between its calls:
-tensor dtypes are fixed by the plan; the strides it reads per call are in the key; every integer that
-changes per step (token and request counts, table widths) is ``do_not_specialize`` in the kernels;
-and the key holds one bit for "every pointer 16-byte aligned". The first call with a key goes through
-Triton's normal path (compiling if needed) and keeps the returned kernel; later calls launch it
-directly. The normal path is always taken under the interpreter, off torch, while Triton's launch
-hooks (profilers) are set, and unless :data:`DIRECT_LAUNCH` is set.
+tensor dtypes are fixed by the plan or in the key; the strides it reads per call are in the key; every
+integer that changes per step (token and request counts, table widths) is ``do_not_specialize`` in
+the kernels; and a call whose pointers are not all 16-byte aligned gets no key (Triton's path). The
+first call with a key goes through Triton's normal path (compiling if needed) and keeps the returned
+kernel; later calls launch it directly. On by default (``FDFLEET_DIRECT_LAUNCH``, or
+:data:`DIRECT_LAUNCH` set by tests and benchmarks): on the H200 the direct launches ran bitwise equal
+to Triton's own path (decode, mixed batches, head-wise windows; tests/test_launch_cost.py). The normal
+path is always taken under the interpreter, off torch, and while Triton's launch hooks (profilers)
+are set when the plan is built.
+
+:class:`LaunchStep`: one step's metadata as every launch of the step takes it (request and table
+sizes, dtypes, alignment), derived once and shared by the layers that read the same table.
 """
 
 from __future__ import annotations
@@ -24,10 +30,18 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-#: Off by default: direct launches are exercised on CPU with fakes (tests/test_launch_cost.py) but were
-#: not yet run on a GPU (the session's device time ran out; benchmarks/NOTES.md). Set True to opt in:
-#: the ``gpu`` tests of tests/test_launch_cost.py do, and check them bitwise against Triton's path.
-DIRECT_LAUNCH = False
+#: ``None``: ``FDFLEET_DIRECT_LAUNCH`` decides (default on). ``True`` / ``False`` override it (tests,
+#: ``benchmarks/attention.py --no-direct-launch``). Read when a plan is built.
+DIRECT_LAUNCH: bool | None = None
+
+
+def direct_wanted() -> bool:
+    """Whether direct launches are asked for: :data:`DIRECT_LAUNCH`, else ``FDFLEET_DIRECT_LAUNCH``."""
+    if DIRECT_LAUNCH is not None:
+        return bool(DIRECT_LAUNCH)
+    from .. import envs
+
+    return envs.direct_launch()
 
 
 def _no_hooks(hook: Any) -> bool:
@@ -36,7 +50,7 @@ def _no_hooks(hook: Any) -> bool:
 
 
 def _direct_ok() -> bool:
-    if not DIRECT_LAUNCH or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or not direct_wanted():
         return False
     try:
         from triton import knobs
@@ -52,12 +66,15 @@ class KernelCache:
     ``launch(fn, key, grid, args, consts, stream)``: ``args`` are ``fn``'s leading (runtime)
     arguments in order, ``consts`` its remaining parameters by name (constexprs and launch options
     ``num_warps`` / ``num_stages``), ``key`` everything about this call that can change the compiled
-    kernel beyond ``fn`` and the plan's static setup."""
+    kernel beyond ``fn`` and the plan's static setup (``None``: Triton's path, nothing kept)."""
+
+    __slots__ = ("_get_stream", "_kernels", "device_index", "direct")
 
     def __init__(self, device_index: int | None) -> None:
         self.device_index = device_index
         self.direct = device_index is not None and _direct_ok()
-        self._kernels: dict[Any, tuple[Any, tuple]] = {}
+        # key -> (launcher, function handle, packed metadata, trailing parameters): read once per hit
+        self._kernels: dict[Any, tuple[Any, Any, Any, tuple]] = {}
         self._get_stream = None
 
     def stream(self) -> int:
@@ -69,25 +86,144 @@ class KernelCache:
         return self._get_stream(self.device_index)
 
     def launch(self, fn: Any, key: Any, grid: tuple, args: tuple, consts: dict, stream: int | None) -> None:
-        direct = self.direct and key is not None
-        hit = self._kernels.get(key) if direct else None
+        hit = self._kernels.get(key) if key is not None and self.direct else None
         if hit is None:
             kernel = fn[grid](*args, **consts)
-            if direct and kernel is not None and hasattr(kernel, "packed_metadata"):
+            if key is not None and self.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
                 names = fn.arg_names[len(args) :]
                 tail = tuple(
                     consts.get(n, p.default) for n, p in zip(names, fn.params[len(args) :], strict=True)
                 )
-                self._kernels[key] = (kernel, tail)
+                self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
             return
-        kernel, tail = hit
-        g = grid + (1, 1)
-        kernel.run(
-            g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail
-        )
+        run, function, packed, tail = hit
+        n = len(grid)
+        if n == 1:
+            run(grid[0], 1, 1, stream, function, packed, None, None, None, *args, *tail)
+        elif n == 2:
+            run(grid[0], grid[1], 1, stream, function, packed, None, None, None, *args, *tail)
+        else:
+            run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *tail)
 
     def __len__(self) -> int:
         return len(self._kernels)
 
 
-__all__ = ["KernelCache"]
+class LaunchStep:
+    """One step's metadata as the kernels take it: ``cu_seqlens_q [bsz + 1]``, ``seq_lens_decoder
+    [bsz]``, ``block_tables [rows, width]`` and (cache writes) ``batch_id_per_token [T]``, integer
+    tensors on the kernels' device, plus the host maxima ``max_q_len`` / ``max_context_len`` (or
+    ``None``). Derived once per step (sizes, strides, dtypes for a direct launch's key, whether every
+    pointer is 16-byte aligned) and shared by every launch that reads the same table."""
+
+    __slots__ = (
+        "aligned",
+        "bid",
+        "cu",
+        "dec",
+        "max_context_len",
+        "max_q_len",
+        "n_blk",
+        "num_reqs",
+        "sig",
+        "stride_tbl",
+        "table",
+    )
+
+    def __init__(
+        self,
+        cu_seqlens_q: Any,
+        seq_lens_decoder: Any,
+        block_tables: Any,
+        batch_id_per_token: Any = None,
+        *,
+        max_q_len: int | None = None,
+        max_context_len: int | None = None,
+    ) -> None:
+        if block_tables.dim() != 2:
+            raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
+        self.cu, self.dec, self.table = cu_seqlens_q, seq_lens_decoder, block_tables
+        self.bid = batch_id_per_token
+        self.max_q_len, self.max_context_len = max_q_len, max_context_len
+        self.num_reqs = cu_seqlens_q.shape[0] - 1
+        self.n_blk, self.stride_tbl = block_tables.shape[1], block_tables.stride(0)
+        ptrs = cu_seqlens_q.data_ptr() | seq_lens_decoder.data_ptr() | block_tables.data_ptr()
+        bid_dtype = None
+        if batch_id_per_token is not None:
+            ptrs |= batch_id_per_token.data_ptr()
+            bid_dtype = batch_id_per_token.dtype
+        self.aligned = not ptrs & 15
+        #: the metadata's part of a direct launch's key (Triton compiles per pointer dtype)
+        self.sig = (cu_seqlens_q.dtype, seq_lens_decoder.dtype, block_tables.dtype, bid_dtype)
+
+
+def tensor_version(x: Any) -> int:
+    """In-place modification counter of a torch / paddle tensor (-1 for None or unknown)."""
+    if x is None:
+        return -1
+    v = getattr(x, "_version", None)
+    if isinstance(v, int):
+        return v
+    f = getattr(x, "_inplace_version", None)
+    return int(f()) if callable(f) else -1
+
+
+def tensor_key(x: Any) -> tuple:
+    """What a launch plan may derive from tensor ``x`` (not its contents): address, shape, strides,
+    dtype, framework and device. Two live tensors with equal keys are the same memory read the same way."""
+    device = x.device if type(x).__module__.startswith("torch") else str(getattr(x, "place", x.device))
+    return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, type(x), device)
+
+
+class PlanMemo:
+    """The launch plans of a one-shot wrapper (``paged_attention``, ``write_kv_cache``) for its last
+    ``size`` distinct setups, by a key of everything a plan derives from (:func:`tensor_key` of the
+    caches, dims, scalars, flags), so eager calls with the same caches reuse one plan and its compiled
+    kernels (direct launches) instead of deriving them again.
+
+    A plan is *taken* out for a call and *given* back after it (two threads never share one), and the
+    wrapper unbinds the caller's caches before giving it back: the memo keeps no cache alive. Values
+    are ``(plan, keep)``: ``keep`` holds what must outlive the plan for its key to stay unique (e.g. a
+    sinks tensor keyed by ``id``)."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._plans: dict[Any, tuple[Any, Any]] = {}
+
+    def take(self, key: Any) -> Any:
+        """The plan kept under ``key`` (removed until :meth:`give`), or ``None``."""
+        hit = self._plans.pop(key, None)
+        return None if hit is None else hit[0]
+
+    def give(self, key: Any, plan: Any, keep: Any = None) -> None:
+        """Keep ``plan`` under ``key`` as the most recent; drop the least recent past ``size``."""
+        self._plans[key] = (plan, keep)
+        while len(self._plans) > self.size:
+            self._plans.pop(next(iter(self._plans)), None)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def hashable(key: tuple) -> tuple | None:
+    """``key`` if it can key a dict, else ``None`` (an argument of an unhashable type: no memo)."""
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+__all__ = [
+    "DIRECT_LAUNCH",
+    "KernelCache",
+    "LaunchStep",
+    "PlanMemo",
+    "direct_wanted",
+    "hashable",
+    "tensor_key",
+    "tensor_version",
+]

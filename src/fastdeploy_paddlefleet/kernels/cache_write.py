@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._framework import is_torch, torch
-from ._launch import KernelCache
+from ._launch import KernelCache, LaunchStep, PlanMemo, direct_wanted, hashable, tensor_key
 from .errors import KERNEL_CACHE_WRITE, check_entries
 
 
@@ -99,8 +99,24 @@ def write_kv_cache(
         raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")
     if k.shape[0] == 0:
         return
-    plan = CacheWritePlan(key_cache, value_cache, headwise=headwise, cached=False)
-    plan.run(k, v, batch_id_per_token, cu_seqlens_q, seq_lens_decoder, block_tables, errors=errors)
+    # the plan of an earlier call with the same caches (_PLANS), else a new one
+    key = hashable((tensor_key(key_cache), tensor_key(value_cache), bool(headwise), direct_wanted()))
+    plan = None if key is None else _PLANS.take(key)
+    if plan is None:
+        plan = CacheWritePlan(key_cache, value_cache, headwise=headwise)
+    else:
+        plan.bind(key_cache, value_cache)
+    try:
+        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token)
+        plan.run_step(k, v, step, errors=errors)
+    finally:
+        if key is not None:
+            plan.bind(None, None)  # the memo keeps no cache alive
+            _PLANS.give(key, plan)
+
+
+#: one-shot plans of :func:`write_kv_cache` (``kernels/_launch.py`` :class:`PlanMemo`)
+_PLANS = PlanMemo()
 
 
 class CacheWritePlan:
@@ -155,6 +171,11 @@ class CacheWritePlan:
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
         self.static_aligned = not ((key_cache.data_ptr() | value_cache.data_ptr()) & 15)
 
+    def bind(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
+        """Point the plan at ``key_cache`` / ``value_cache``: tensors equal to the ones it was built for
+        in :func:`~._launch.tensor_key`, or ``None`` to hold none between calls (a memoised plan)."""
+        self.key_cache, self.value_cache = key_cache, value_cache
+
     def run(
         self,
         k: torch.Tensor,
@@ -170,6 +191,20 @@ class CacheWritePlan:
         """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` (this plan's heads and dims) for one step's
         metadata (as in :func:`write_kv_cache`). ``stream``: the current stream when the caller read
         it already (saves a lookup)."""
+        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token)
+        self.run_step(k, v, step, errors=errors, stream=stream)
+
+    def run_step(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        step: LaunchStep,
+        *,
+        errors: torch.Tensor | None = None,
+        stream: int | None = None,
+    ) -> None:
+        """:meth:`run` on a step's :class:`~._launch.LaunchStep` (with ``batch_id_per_token``), derived
+        once per step and shared by every layer."""
         t = k.shape[0]
         if t == 0:
             return
@@ -177,20 +212,18 @@ class CacheWritePlan:
         if ks[2] != 1 or vs[2] != 1:
             raise ValueError(f"k and v need a contiguous last dim, got strides {ks} and {vs}")
         has_err = errors is not None
-        err_arg = errors if has_err else block_tables
+        table = step.table
+        err_arg = errors if has_err else table
         args = (
-            k, v, self.key_cache, self.value_cache, batch_id_per_token, cu_seqlens_q, seq_lens_decoder,
-            block_tables, err_arg, ks[0], ks[1], vs[0], vs[1], *self.cache_strides,
-            block_tables.stride(0), block_tables.shape[1], self.n_pages, cu_seqlens_q.shape[0] - 1,
+            k, v, self.key_cache, self.value_cache, step.bid, step.cu, step.dec, table, err_arg,
+            ks[0], ks[1], vs[0], vs[1], *self.cache_strides, step.stride_tbl, step.n_blk, self.n_pages,
+            step.num_reqs,
         )  # fmt: skip
-        consts = self._consts[has_err]
         cache = self.kernels
         key = None
-        if cache.direct:
-            ptrs = k.data_ptr() | v.data_ptr() | batch_id_per_token.data_ptr() | cu_seqlens_q.data_ptr()
-            ptrs |= seq_lens_decoder.data_ptr() | block_tables.data_ptr() | err_arg.data_ptr()
-            if self.static_aligned and not ptrs & 15:  # else Triton's path: it specialises on alignment
-                key = (ks, vs, k.dtype, block_tables.dtype, has_err)
+        if cache.direct and step.aligned and self.static_aligned:
+            if not (k.data_ptr() | v.data_ptr() | err_arg.data_ptr()) & 15:  # else Triton's path
+                key = (ks, vs, k.dtype, v.dtype, step.sig, has_err)
                 if stream is None:
                     stream = cache.stream()
-        cache.launch(_write_kv_kernel, key, (t,), args, consts, stream)
+        cache.launch(_write_kv_kernel, key, (t,), args, self._consts[has_err], stream)

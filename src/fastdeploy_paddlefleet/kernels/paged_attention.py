@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from .. import envs
 from ._framework import empty, is_torch, num_sms, to_float32, torch
-from ._launch import KernelCache
+from ._launch import KernelCache, LaunchStep, PlanMemo, direct_wanted, hashable, tensor_key, tensor_version
 from .errors import KERNEL_DECODE, KERNEL_PREFILL, check_entries
 from .hopper_prefill import HopperPlan, choose_prefill_impl
 from .split_kv_reduce import split_kv_reduce
@@ -633,24 +634,50 @@ def paged_attention(
     """
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q must be [T, Hq, Dqk] with a contiguous last dim, got shape {list(q.shape)}")
-    plan = AttentionPlan(
-        key_cache, value_cache, q, scale=scale, headwise=headwise, window_left=window_left,
-        sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks, prefill_config=prefill_config,
-        decode_config=decode_config, prefill_impl=prefill_impl, logits_soft_cap=logits_soft_cap, cached=False,
-    )  # fmt: skip
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
-    if out is not None and (tuple(out.shape) != (q.shape[0], plan.hq, plan.dv) or out.stride(2) != 1):
+    if out is not None and (out.dtype != q.dtype or out.dim() != 3 or out.stride(2) != 1):
         raise ValueError(
-            f"out must be [{q.shape[0]}, {plan.hq}, {plan.dv}] with a contiguous last dim, "
-            f"got {list(out.shape)}"
+            f"out must be a [T, Hq, Dv] {q.dtype} tensor with a contiguous last dim, got {out.dtype} "
+            f"{list(out.shape)}"
         )
-    return plan.run(
-        q, cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len, max_context_len=max_context_len,
-        out=out, num_splits=num_splits, errors=errors,
+    # the plan of an earlier call with the same setup (_PLANS), else a new one
+    key = hashable(
+        (
+            tensor_key(key_cache), tensor_key(value_cache), q.shape[1], q.shape[2], q.dtype, q.device, scale,
+            bool(headwise), window_left, None if sliding_heads is None else tuple(sliding_heads), sink_kind,
+            None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
+            decode_config, prefill_impl if prefill_impl is not None else envs.prefill_kernel(),
+            logits_soft_cap, direct_wanted(),
+        )
     )  # fmt: skip
+    plan = None if key is None else _PLANS.take(key)
+    if plan is None:
+        plan = AttentionPlan(
+            key_cache, value_cache, q, scale=scale, headwise=headwise, window_left=window_left,
+            sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks, prefill_config=prefill_config,
+            decode_config=decode_config, prefill_impl=prefill_impl, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
+    else:
+        plan.bind(key_cache, value_cache)
+    if out is not None and tuple(out.shape) != (q.shape[0], plan.hq, plan.dv):
+        raise ValueError(f"out must be [{q.shape[0]}, {plan.hq}, {plan.dv}], got {list(out.shape)}")
+    try:
+        return plan.run(
+            q, cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
+            max_context_len=max_context_len, out=out, num_splits=num_splits, errors=errors,
+        )  # fmt: skip
+    finally:
+        # portable TMA descriptors (a tuning config) are built over views of the caches: not kept
+        if key is not None and plan.prefill_desc is None and plan.decode_desc is None:
+            plan.bind(None, None)  # the memo keeps no cache alive
+            _PLANS.give(key, plan, sinks)
+
+
+#: one-shot plans of :func:`paged_attention` (``kernels/_launch.py`` :class:`PlanMemo`)
+_PLANS = PlanMemo()
 
 
 class AttentionPlan:
@@ -717,11 +744,7 @@ class AttentionPlan:
                 raise ValueError(
                     f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}"
                 )
-            if prefill_impl == "hopper":
-                raise ValueError(
-                    "prefill_impl='hopper' has no soft-capping; use 'portable' with logits_soft_cap"
-                )
-            qk_scale, softcap, prefill_impl = float(scale) / cap, cap * LOG2E, "portable"
+            qk_scale, softcap = float(scale) / cap, cap * LOG2E
         self.hq, self.hkv, self.dqk, self.dv, self.bs, self.g = hq, hkv, dqk, dv, bs, g
         self.dtype, self.device = q.dtype, q.device
         self.key_cache, self.value_cache, self.sinks, self.sink_mode = (
@@ -748,7 +771,7 @@ class AttentionPlan:
             # built on the first prefill (its TMA descriptors cost ~20 us: a decode-only plan skips them)
             self._hopper_args = dict(
                 qk_scale=qk_scale, sink_mode=sink_mode, headwise=bool(headwise), has_window=has_window,
-                window=window, win_h0=win_h0, win_h1=win_h1,
+                window=window, win_h0=win_h0, win_h1=win_h1, softcap=softcap,
             )  # fmt: skip
         cfg = prefill_config or default_prefill_config(dqk, dv, q.device, elem, has_window)
         self.prefill_cfg = cfg
@@ -776,6 +799,17 @@ class AttentionPlan:
             key_cache.data_ptr() | value_cache.data_ptr() | (sinks.data_ptr() if sinks is not None else 0)
         )
         self.static_aligned = not (static_ptrs & 15)
+        self.out_strides = (hq * dv, dv)  # of an output the plan allocates ([T, Hq, Dv] or [T, Hq * Dv])
+
+    def bind(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
+        """Point the plan at ``key_cache`` / ``value_cache``: tensors equal to the ones it was built for
+        in :func:`~._launch.tensor_key` (same memory, same layout), or ``None`` to hold none between
+        calls (a memoised one-shot plan)."""
+        self.key_cache, self.value_cache = key_cache, value_cache
+        hop = self.hopper
+        if hop is not None:  # its TMA descriptors read the caches' addresses at each launch
+            hop.value_cache = value_cache
+            hop.k_desc.base, hop.v_desc.base = key_cache, value_cache
 
     def run(
         self,
@@ -794,47 +828,78 @@ class AttentionPlan:
         """Attention of ``q [T, Hq, Dqk]`` (this plan's heads, dims and dtype) over the plan's caches
         for one step's metadata (as in :func:`paged_attention`); returns ``out [T, Hq, Dv]``.
         ``stream``: the current CUDA stream when the caller read it already."""
+        step = LaunchStep(
+            cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len, max_context_len=max_context_len
+        )
+        return self.run_step(q, step, out=out, num_splits=num_splits, errors=errors, stream=stream)
+
+    def run_step(
+        self,
+        q: torch.Tensor,
+        step: LaunchStep,
+        *,
+        out: torch.Tensor | None = None,
+        flat: bool = False,
+        num_splits: int | None = None,
+        errors: torch.Tensor | None = None,
+        stream: int | None = None,
+    ) -> torch.Tensor:
+        """:meth:`run` on a step's :class:`~._launch.LaunchStep` (derived once per step, shared by every
+        layer). ``flat``: a new output is ``[T, Hq * Dv]`` (the backend's shape; no view per call),
+        else ``[T, Hq, Dv]``; a given ``out`` is ``[T, Hq, Dv]``."""
         t = q.shape[0]
+        qs = q.stride()
+        if qs[2] != 1:
+            raise ValueError(f"q needs a contiguous last dim, got strides {qs}")
+        hq, dv = self.hq, self.dv
         if out is None:
+            shape = (t, hq * dv) if flat else (t, hq, dv)
             if self.torch_empty is not None:
-                out = self.torch_empty((t, self.hq, self.dv), dtype=self.dtype, device=self.device)
+                out = self.torch_empty(shape, dtype=self.dtype, device=self.device)
             else:
-                out = empty((t, self.hq, self.dv), self.dtype, q)
-        num_reqs = cu_seqlens_q.shape[0] - 1
+                out = empty(shape, self.dtype, q)
+            out3 = None if flat else out
+            ost = self.out_strides  # a fresh allocation: contiguous, 16-byte aligned
+            ptrs = 0
+        else:
+            out3, flat = out, False
+            ost = out.stride()
+            ptrs = out.data_ptr()
+        num_reqs = step.num_reqs
         if t == 0 or num_reqs <= 0:
             return out
         kc, vc = self.key_cache, self.value_cache
-        n_blk, stride_tbl = block_tables.shape[1], block_tables.stride(0)
+        table = step.table
         has_err = errors is not None
-        err_arg = errors if has_err else block_tables  # any pointer when unused
+        err_arg = errors if has_err else table  # any pointer when unused
         sink_arg = self.sinks if self.sink_mode == 1 else q  # any pointer when unused
         cache = self.kernels
         key = None
-        if cache.direct:
-            ptrs = q.data_ptr() | out.data_ptr() | cu_seqlens_q.data_ptr() | seq_lens_decoder.data_ptr()
-            ptrs |= block_tables.data_ptr() | err_arg.data_ptr()
-            if self.static_aligned and not ptrs & 15:  # else Triton's path: it specialises on alignment
+        if cache.direct and step.aligned and self.static_aligned:
+            ptrs |= q.data_ptr() | err_arg.data_ptr()
+            if not ptrs & 15:  # else Triton's path: it specialises on alignment
                 if stream is None:
                     stream = cache.stream()
-                qs, os_ = q.stride(), out.stride()
-                key = (qs[0], qs[1], os_[0], os_[1], cu_seqlens_q.dtype, block_tables.dtype, has_err)
+                key = (qs[0], qs[1], ost[0], ost[1], step.sig, has_err)
         # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
+        max_q_len = step.max_q_len
         run_prefill = max_q_len is None or max_q_len > 1
         run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
+        cu, dec = step.cu, step.dec
         if run_prefill and self._hopper_args is not None:
             if self.hopper is None:
                 self.hopper = HopperPlan(kc, vc, self.hq, self.sinks, **self._hopper_args)
+            if out3 is None:
+                out3 = out.view(t, hq, dv)
             self.hopper.run(
-                q, out, cu_seqlens_q, seq_lens_decoder, block_tables, errors, cache,
-                None if key is None else ("hopper", *key), stream,
-            )  # fmt: skip
+                q, out3, cu, dec, table, errors, cache, None if key is None else ("hopper", key), stream
+            )
         elif run_prefill:
             cfg, desc = self.prefill_cfg, self.prefill_desc
             grid = ((t // self.block_q + num_reqs) * self.hkv,)
             args = (
-                q, kc, vc, out, desc and desc[0], desc and desc[1], sink_arg,
-                cu_seqlens_q, seq_lens_decoder, block_tables, err_arg,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.common, stride_tbl, n_blk,
+                q, kc, vc, out, desc and desc[0], desc and desc[1], sink_arg, cu, dec, table, err_arg,
+                qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk,
                 self.n_pages, t, num_reqs, 2, self.qk_scale, self.window, self.win_h0, self.win_h1,
             )  # fmt: skip
             consts = self._consts.get(("prefill", has_err))
@@ -845,57 +910,50 @@ class AttentionPlan:
                     ERR_LOOP=ERR_LOOP_PREFILL,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
                 )  # fmt: skip
-            cache.launch(
-                _prefill_kernel, None if key is None else ("prefill", *key), grid, args, consts, stream
-            )
+            pkey = None if key is None else ("prefill", key)
+            cache.launch(_prefill_kernel, pkey, grid, args, consts, stream)
         if not run_decode:
             return out
 
-        cfg = self.decode_cfg
         if num_splits is None:
-            span = max_context_len if max_context_len is not None else n_blk * self.bs
-            if self.all_slide:
-                span = min(span, self.window + 1)
+            span = step.max_context_len
+            if span is None:
+                span = step.n_blk * self.bs
+            if self.all_slide and span > self.window + 1:
+                span = self.window + 1
             num_splits = self._splits.get((num_reqs, span))
             if num_splits is None:
                 if len(self._splits) > 4096:
                     self._splits.clear()
-                num_splits = choose_num_splits(num_reqs, self.hkv, span, cfg.block_n, self.sms)
+                num_splits = choose_num_splits(num_reqs, self.hkv, span, self.decode_cfg.block_n, self.sms)
                 self._splits[(num_reqs, span)] = num_splits
         desc = self.decode_desc
         mid_o = mid_l = q  # unused unless split
         if num_splits > 1:
-            mid_o = empty((num_reqs, self.hq, num_splits, self.dv), "float32", q)
-            mid_l = empty((num_reqs, self.hq, num_splits), "float32", q)
-        ckey = ("decode", has_err, num_splits)
+            mid_o = empty((num_reqs, hq, num_splits, dv), "float32", q)
+            mid_l = empty((num_reqs, hq, num_splits), "float32", q)
         args = (
-            q, kc, vc, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg,
-            cu_seqlens_q, seq_lens_decoder, block_tables, err_arg,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.common, stride_tbl, n_blk,
+            q, kc, vc, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg, cu, dec, table,
+            err_arg, qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk,
             self.n_pages, t, self.qk_scale, self.window, self.win_h0, self.win_h1,
         )  # fmt: skip
-        consts = self._consts.get(ckey)
+        consts = self._consts.get(("decode", has_err, num_splits))
         if consts is None:
-            consts = self._consts[ckey] = dict(
+            cfg = self.decode_cfg
+            consts = self._consts[("decode", has_err, num_splits)] = dict(
                 G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
                 NUM_SPLITS=num_splits, USE_TMA=desc is not None, HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_DECODE,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
             )  # fmt: skip
-        dkey = None if key is None else ("decode", num_splits, *key)  # NUM_SPLITS is compiled in
+        dkey = None if key is None else ("decode", num_splits, key)  # NUM_SPLITS is compiled in
         cache.launch(_decode_kernel, dkey, (num_reqs, self.hkv, num_splits), args, consts, stream)
         if num_splits > 1:
-            rkey = None if key is None else ("reduce", num_splits, out.stride())
+            if out3 is None:
+                out3 = out.view(t, hq, dv)
             split_kv_reduce(
-                mid_o,
-                mid_l,
-                out,
-                cu_seqlens_q,
-                self.sinks,
-                self.sink_mode,
-                kernels=cache,
-                key=rkey,
-                stream=stream,
-            )
+                mid_o, mid_l, out3, cu, self.sinks, self.sink_mode, kernels=cache,
+                key=None if key is None else ("reduce", num_splits, key), stream=stream,
+            )  # fmt: skip
         return out
 
 
