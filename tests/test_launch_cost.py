@@ -22,6 +22,7 @@ from test_triton_kernels import CUDA, REAL, _layer, _meta, make_step  # noqa: E4
 from fastdeploy_paddlefleet.backends.triton import TritonBackend  # noqa: E402
 from fastdeploy_paddlefleet.kernels._launch import KernelCache  # noqa: E402
 from fastdeploy_paddlefleet.kernels.cache_write import write_kv_cache  # noqa: E402
+from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
 from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -168,6 +169,140 @@ def test_plan_is_rebuilt_when_sinks_change_in_place():
     )  # fmt: skip
     torch.testing.assert_close(out1, want.view(5, -1), rtol=0, atol=0)
     assert not torch.equal(out0, out1)
+
+
+# ------------------------------------------------------------------------------ one-shot plan memo
+
+
+def _write_and_attend(s, **kw):
+    """This step's K/V into its caches, then attention, both through the one-shot wrappers."""
+    write_kv_cache(s.k, s.v, s.key_cache, s.value_cache, s.bid, s.cu, s.dec, s.table)
+    return paged_attention(
+        s.q, s.key_cache, s.value_cache, s.cu, s.dec, s.table, max_q_len=max(n for _, n in s.reqs), **kw
+    )
+
+
+def _assert_dense(s, out, *, scale, window_left=None, sink_kind="vanilla", sinks=None):
+    """Every request's rows against the dense reference over its K/V history (in q's dtype)."""
+    assert out.dtype == s.q.dtype
+    for b, (_, n) in enumerate(s.reqs):
+        lo, hi = int(s.cu[b]), int(s.cu[b] + n)
+        want = dense_attention(
+            s.q[lo:hi], s.hist_k[b], s.hist_v[b], scale=scale, window_left=window_left, sink_kind=sink_kind,
+            sinks=sinks, compute_dtype=torch.float64,
+        )  # fmt: skip
+        got = out[lo:hi].to(torch.float64)
+        err = float((got - want).norm() / want.norm().clamp_min(1e-6))
+        assert err <= (1e-5 if s.q.dtype == torch.float32 else 3e-3), (b, err)
+
+
+@pytest.fixture
+def fresh_memos(monkeypatch):
+    """Empty one-shot memos, and counters of the plans the wrappers build."""
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels._launch import PlanMemo
+
+    built = {"attend": 0, "write": 0}
+
+    class CountingAttention(pa.AttentionPlan):
+        def __init__(self, *a, **kw):
+            built["attend"] += 1
+            super().__init__(*a, **kw)
+
+    class CountingWrite(cw.CacheWritePlan):
+        def __init__(self, *a, **kw):
+            built["write"] += 1
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(pa, "_PLANS", PlanMemo())
+    monkeypatch.setattr(cw, "_PLANS", PlanMemo())
+    monkeypatch.setattr(pa, "AttentionPlan", CountingAttention)
+    monkeypatch.setattr(cw, "CacheWritePlan", CountingWrite)
+    return built
+
+
+SMALL = dict(hkv=2, group=2, dqk=16, dv=16, block_size=8)
+REQS = [(9, 4), (20, 1)]  # a prefill chunk over context and a decode token: both kernels
+
+
+def test_one_shot_wrappers_reuse_their_plans(fresh_memos):
+    """Eager calls with the same caches and arguments build one plan per wrapper; each call still reads
+    its own step (new queries, tables and cache contents in the same tensors)."""
+    s = make_step(REQS, seed=1, **SMALL)
+    for seed in range(3):
+        fresh = make_step(REQS, seed=seed + 2, **SMALL)
+        s.key_cache.copy_(fresh.key_cache)  # same cache tensors, this step's contents
+        s.value_cache.copy_(fresh.value_cache)
+        fresh.key_cache, fresh.value_cache = s.key_cache, s.value_cache
+        out = _write_and_attend(fresh, scale=0.25)
+        _assert_dense(fresh, out, scale=0.25)
+    assert fresh_memos == {"attend": 1, "write": 1}
+
+
+def _wider_view(c):
+    """``c`` as the leading heads of a cache twice as wide (another heads-per-block stride)."""
+    wide = torch.full((c.shape[0], 2 * c.shape[1], *c.shape[2:]), float("nan"), dtype=c.dtype)
+    view = wide[:, : c.shape[1]]
+    view.copy_(c)
+    return view
+
+
+@pytest.mark.parametrize("change", ["caches", "dtype", "strides", "window", "scale"])
+def test_one_shot_plan_is_rebuilt_when_what_it_derives_from_changes(fresh_memos, change):
+    """A second call that differs in one thing a plan derives from gets its own plan and its own right
+    answer (a stale plan would write into / read the first caches, or use the first dtype, heads per
+    block, window or scale); a third call like the second reuses the second's plan."""
+    first = make_step(REQS, seed=1, **SMALL)
+    kw1 = dict(scale=0.25)
+    _assert_dense(first, _write_and_attend(first, **kw1), **kw1)
+    kc_first = first.key_cache.clone()
+    dtype = torch.float16 if change == "dtype" else torch.float32
+    second = make_step(REQS, seed=7, dtype=dtype, **SMALL)
+    if change == "strides":
+        second.key_cache, second.value_cache = _wider_view(second.key_cache), _wider_view(second.value_cache)
+    elif change in ("window", "scale"):  # the first step's cache tensors, the second step's contents
+        first.key_cache.copy_(second.key_cache)
+        first.value_cache.copy_(second.value_cache)
+        second.key_cache, second.value_cache = first.key_cache, first.value_cache
+    kw2 = {"window": dict(scale=0.25, window_left=3), "scale": dict(scale=0.5)}.get(change, kw1)
+    for _ in range(2):
+        _assert_dense(second, _write_and_attend(second, **kw2), **kw2)
+    new_caches = change in ("caches", "dtype", "strides")
+    if new_caches:  # no write went to the first step's caches
+        assert torch.equal(first.key_cache.nan_to_num(7.0), kc_first.nan_to_num(7.0))
+    assert fresh_memos == {"attend": 2, "write": 2 if new_caches else 1}
+
+
+@pytest.mark.parametrize("sinks_dtype", [torch.float32, torch.float16])
+def test_one_shot_plan_is_rebuilt_when_sinks_change_in_place(fresh_memos, sinks_dtype):
+    """float16 sinks: the plan holds a float32 copy, so an in-place change must give a new plan."""
+    s = make_step(REQS, seed=3, **SMALL)
+    write_kv_cache(s.k, s.v, s.key_cache, s.value_cache, s.bid, s.cu, s.dec, s.table)
+    sinks = torch.linspace(-1, 1, s.q.shape[1]).to(sinks_dtype)
+    kw = dict(scale=0.25, sink_kind="learnable", max_q_len=4)
+    for _ in range(2):
+        out = paged_attention(s.q, s.key_cache, s.value_cache, s.cu, s.dec, s.table, sinks=sinks, **kw)
+        sinks.add_(2.0)  # weights reloaded into the same tensor
+    out = paged_attention(s.q, s.key_cache, s.value_cache, s.cu, s.dec, s.table, sinks=sinks, **kw)
+    _assert_dense(s, out, scale=0.25, sink_kind="learnable", sinks=sinks.float())
+    assert fresh_memos["attend"] == 3
+
+
+def test_one_shot_memo_keeps_no_cache_alive(fresh_memos):
+    """The memo drops its plans' caches after each call: freeing the caller's caches frees them."""
+    import gc
+    import weakref
+
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    s = make_step(REQS, seed=4, **SMALL)
+    _write_and_attend(s, scale=0.25)
+    refs = [weakref.ref(s.key_cache), weakref.ref(s.value_cache)]
+    del s
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(pa._PLANS) == 1
 
 
 # ------------------------------------------------------------------------------ GPU
