@@ -821,15 +821,38 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
         served = TritonBackend(validate=False, host_checks=False)
         kv = (dec_b["kc"], dec_b["vc"])
         cases.append(("backend-layer-served", lambda: served.forward(dec_b["q"], k, k, layer, meta, kv)))
+        # a prefill step (two 16-token chunks, one over 16 cached tokens): the Hopper kernel on sm_90
+        pre_lens = pre_b["cu"][1:] - pre_b["cu"][:-1]
+        pre_t = pre_b["q"].shape[0]
+        pre_k = torch.randn(pre_t, hkv, d, device=dev, dtype=DT())
+        pre_meta = BatchMeta(
+            seq_lens_encoder=pre_lens, seq_lens_decoder=pre_b["dec"], seq_lens_this_time=pre_lens,
+            cu_seqlens_q=pre_b["cu"], batch_id_per_token=torch.repeat_interleave(
+                torch.arange(2, dtype=torch.int32, device=dev), pre_lens.long()),
+            block_tables=pre_b["table"], block_size=BS, max_seq_len_this_time=16, max_context_len=32,
+        )  # fmt: skip
+        pre_kv = (pre_b["kc"], pre_b["vc"])
+        cases.append(
+            (
+                "backend-layer-served-prefill",
+                lambda: served.forward(pre_b["q"], pre_k, pre_k, layer, pre_meta, pre_kv),
+            )
+        )
     except Exception as e:  # noqa: BLE001 - an older tree: the kernels' figures still count
         emit({"case": "host-backend-layer-served", "impl": "triton", "error": repr(e)[:200]}, fh)
+    from fastdeploy_paddlefleet.kernels import _launch
+
+    direct = getattr(_launch, "direct_wanted", lambda: bool(_launch.DIRECT_LAUNCH))()  # older trees: the flag
+    launch_kw = {"direct_launch": direct}
     for name, fn in cases:
         try:
             rec = _host_us(fn, calls)
         except Exception as e:  # noqa: BLE001
             emit({"case": "host-" + name, "impl": "triton", "kind": "host", "error": repr(e)[:300]}, fh)
             continue
-        emit({"case": "host-" + name, "impl": "triton", "kind": "host", "calls": calls, **rec}, fh)
+        emit(
+            {"case": "host-" + name, "impl": "triton", "kind": "host", "calls": calls, **rec, **launch_kw}, fh
+        )
 
 
 # ------------------------------------------------------------------------------ summary and plot
@@ -1027,10 +1050,20 @@ def main(argv=None) -> int:
         action="store_true",
         help="portable kernels find bad table entries by one scan after the key loop (not in the loop)",
     )
-    ap.add_argument(
+    launch = ap.add_mutually_exclusive_group()
+    launch.add_argument(
         "--direct-launch",
+        dest="direct_launch",
         action="store_true",
-        help="launch compiled kernels directly (kernels/_launch.py DIRECT_LAUNCH, off by default)",
+        default=None,
+        help="launch compiled kernels directly (kernels/_launch.py DIRECT_LAUNCH; default: "
+        "FDFLEET_DIRECT_LAUNCH, on unless set off)",
+    )
+    launch.add_argument(
+        "--no-direct-launch",
+        dest="direct_launch",
+        action="store_false",
+        help="every launch through Triton's own launch path (A/B against direct launches)",
     )
     ap.add_argument(
         "--src",
@@ -1070,10 +1103,10 @@ def main(argv=None) -> int:
             os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
-    if args.direct_launch:
+    if args.direct_launch is not None:  # an older tree (--src) reads the same module attribute
         from fastdeploy_paddlefleet.kernels import _launch
 
-        _launch.DIRECT_LAUNCH = True
+        _launch.DIRECT_LAUNCH = args.direct_launch
     if args.err_scan:
         from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
 
