@@ -342,8 +342,9 @@ SHORT = {
 }
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Recycling / FastDeploy's accounting per (model, context): tokens/s, peak running, TTFT p50."""
+def plot(rows: list[dict[str, Any]], path: Path, bounds: list[dict[str, Any]] | None = None) -> None:
+    """Recycling / FastDeploy's accounting per (model, context, max_num_seqs): tokens/s (with the
+    step model's bounds, bf16), peak running, TTFT p50."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -355,13 +356,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         key=lambda k: (k[0] != "prefill-heavy", order.get(k[1], 9), k[2], k[3] != "512"),
     )
     by = {_key(r): r for r in rows}
-    labels = [
-        f"{SHORT.get(m, m)} {c // 1024}k"
-        + (" dec" if w == "decode-heavy" else "")
-        + (f" seqs {by[(w, m, c, q, 'fastdeploy')]['max_num_seqs']}" if q != "512" else " seqs 512")
-        for w, m, c, q in keys
-    ]
-    fig, axes = plt.subplots(1, 3, figsize=(max(15, 0.55 * len(keys) * 3), 5.2))
+    labels = []
+    for w, m, c, q in keys:
+        seqs = by[(w, m, c, q, "fastdeploy")].get("max_num_seqs", MAX_SEQS)
+        star = "*" if seqs > FD_MAX_SEQS_LIMIT else ""
+        labels.append(
+            f"{SHORT.get(m, m)} {c // 1024}k"
+            + (" dec" if w == "decode-heavy" else "")
+            + f" seqs {seqs}{star}"
+        )
+    bound = {
+        (b["workload"], b["model"], b["context"], b["seqs"]): b
+        for b in bounds or ()
+        if b["weights"] == "bf16"
+    }
+    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.62 * len(keys)), 13))
     panels = (
         ("tokens_per_s", "output tokens/s, recycling / FastDeploy", 1.6),
         ("peak_running", "peak running requests, recycling / FastDeploy", None),
@@ -379,12 +388,20 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             ax.axhline(
                 target, color="tab:red", ls="--", lw=0.8, label=f"x{target} target (gpt-oss, MiMo at 8k)"
             )
+            for field, marker, name in (
+                ("gain_bound_exact", "_", "decode-phase bound"),
+                ("gain_estimate_end_to_end", "x", "end-to-end estimate (prefill included)"),
+            ):
+                xs = [i for i, k in enumerate(keys) if k in bound]
+                ax.scatter(
+                    xs, [bound[keys[i]][field] for i in xs], marker=marker, s=120, color="k", label=name
+                )
             ax.legend(fontsize=7)
         ax.set_xticks(range(len(keys)), labels, rotation=35, ha="right", fontsize=8)
         ax.set_title(title, fontsize=9)
     fig.suptitle(
         "FastDeploy's real scheduler, same KV bytes: window recycling vs FastDeploy's accounting "
-        "(H200 step model)",
+        "(H200 step model)\n* max_num_seqs beyond FastDeploy's limit of 512: a what-if",
         fontsize=10,
     )
     fig.tight_layout()
@@ -418,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", metavar="JSON", help="keep an earlier run's rows that this run does not redo")
     args = p.parse_args(argv)
     if args.replot:
-        rows = json.loads(Path(args.replot).read_text())["rows"]
+        data = json.loads(Path(args.replot).read_text())
         png = plot_path(args.plot, Path(args.replot), smoke=False)
-        plot(rows, png)
+        plot(data["rows"], png, data.get("bounds"))
         print(json.dumps({"plot": str(png)}) if args.json else f"wrote {png}")
         return 0
     logging.basicConfig(level=logging.WARNING)
@@ -502,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with replacing(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, png)
+    plot(rows, png, result["bounds"])
     if args.json:
         print(json.dumps(result))
     else:
