@@ -27,6 +27,8 @@ import logging
 import os
 from typing import Any
 
+from .. import envs
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,8 +41,6 @@ def direct_wanted() -> bool:
     """Whether direct launches are asked for: :data:`DIRECT_LAUNCH`, else ``FDFLEET_DIRECT_LAUNCH``."""
     if DIRECT_LAUNCH is not None:
         return bool(DIRECT_LAUNCH)
-    from .. import envs
-
     return envs.direct_launch()
 
 
@@ -170,9 +170,16 @@ def tensor_version(x: Any) -> int:
 
 def tensor_key(x: Any) -> tuple:
     """What a launch plan may derive from tensor ``x`` (not its contents): address, shape, strides,
-    dtype, framework and device. Two live tensors with equal keys are the same memory read the same way."""
-    device = x.device if type(x).__module__.startswith("torch") else str(getattr(x, "place", x.device))
-    return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, type(x), device)
+    dtype and device. Two live tensors with equal keys are the same memory read the same way."""
+    if type(x).__module__[:5] == "torch":
+        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+    return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, str(getattr(x, "place", None)))
+
+
+def switches_key() -> tuple:
+    """What a plan reads from the environment when it is built (``FDFLEET_PREFILL_KERNEL``, direct
+    launches), unparsed: part of a memoised plan's key, so a changed switch builds (and parses) anew."""
+    return (DIRECT_LAUNCH, *envs.raw_values("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH"))
 
 
 class PlanMemo:
@@ -191,7 +198,8 @@ class PlanMemo:
         self._plans: dict[Any, tuple[Any, Any]] = {}
 
     def take(self, key: Any) -> Any:
-        """The plan kept under ``key`` (removed until :meth:`give`), or ``None``."""
+        """The plan kept under ``key`` (removed until :meth:`give`), or ``None``. ``TypeError`` if
+        ``key`` holds an unhashable argument (the wrapper then builds a plan and keeps none)."""
         hit = self._plans.pop(key, None)
         return None if hit is None else hit[0]
 
@@ -208,22 +216,13 @@ class PlanMemo:
         return len(self._plans)
 
 
-def hashable(key: tuple) -> tuple | None:
-    """``key`` if it can key a dict, else ``None`` (an argument of an unhashable type: no memo)."""
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
 __all__ = [
     "DIRECT_LAUNCH",
     "KernelCache",
     "LaunchStep",
     "PlanMemo",
     "direct_wanted",
-    "hashable",
+    "switches_key",
     "tensor_key",
     "tensor_version",
 ]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._framework import is_torch, torch
-from ._launch import KernelCache, LaunchStep, PlanMemo, direct_wanted, hashable, tensor_key
+from ._launch import KernelCache, LaunchStep, PlanMemo, switches_key, tensor_key
 from .errors import KERNEL_CACHE_WRITE, check_entries
 
 
@@ -100,8 +100,11 @@ def write_kv_cache(
     if k.shape[0] == 0:
         return
     # the plan of an earlier call with the same caches (_PLANS), else a new one
-    key = hashable((tensor_key(key_cache), tensor_key(value_cache), bool(headwise), direct_wanted()))
-    plan = None if key is None else _PLANS.take(key)
+    key = (tensor_key(key_cache), tensor_key(value_cache), bool(headwise), switches_key())
+    try:
+        plan = _PLANS.take(key)
+    except TypeError:  # an unhashable argument: no memo
+        key = plan = None
     if plan is None:
         plan = CacheWritePlan(key_cache, value_cache, headwise=headwise)
     else:

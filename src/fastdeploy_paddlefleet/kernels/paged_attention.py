@@ -32,9 +32,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .. import envs
 from ._framework import empty, is_torch, num_sms, to_float32, torch
-from ._launch import KernelCache, LaunchStep, PlanMemo, direct_wanted, hashable, tensor_key, tensor_version
+from ._launch import KernelCache, LaunchStep, PlanMemo, switches_key, tensor_key, tensor_version
 from .errors import KERNEL_DECODE, KERNEL_PREFILL, check_entries
 from .hopper_prefill import HopperPlan, choose_prefill_impl
 from .split_kv_reduce import split_kv_reduce
@@ -644,16 +643,16 @@ def paged_attention(
             f"{list(out.shape)}"
         )
     # the plan of an earlier call with the same setup (_PLANS), else a new one
-    key = hashable(
-        (
-            tensor_key(key_cache), tensor_key(value_cache), q.shape[1], q.shape[2], q.dtype, q.device, scale,
-            bool(headwise), window_left, None if sliding_heads is None else tuple(sliding_heads), sink_kind,
-            None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
-            decode_config, prefill_impl if prefill_impl is not None else envs.prefill_kernel(),
-            logits_soft_cap, direct_wanted(),
-        )
+    key = (
+        tensor_key(key_cache), tensor_key(value_cache), q.shape[1], q.shape[2], q.dtype, q.device, scale,
+        bool(headwise), window_left, None if sliding_heads is None else tuple(sliding_heads), sink_kind,
+        None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
+        decode_config, prefill_impl, logits_soft_cap, switches_key(),
     )  # fmt: skip
-    plan = None if key is None else _PLANS.take(key)
+    try:
+        plan = _PLANS.take(key)
+    except TypeError:  # an unhashable argument: no memo
+        key = plan = None
     if plan is None:
         plan = AttentionPlan(
             key_cache, value_cache, q, scale=scale, headwise=headwise, window_left=window_left,
