@@ -40,7 +40,8 @@ it serves is the bf16 model (41.8 GB). ``decode_bounds`` also prices the MXFP4 c
 
 NOTES: the most recycling can give (``decode_bounds``, in the JSON as ``bounds``). In a saturated
 decode phase of ``B`` requests at context ``c`` one step costs ``t_w + B * t_kv``: ``t_w`` the
-per-step fixed cost (overhead + weight bytes / BW; all experts are touched at these batch sizes),
+per-step fixed cost (overhead + weight bytes / BW; gpt-oss-20b hits every expert at these batch
+sizes),
 ``t_kv`` one request's attention bytes / BW (its full layers read ``c`` keys, its sliding ones
 ``W + 1``; both modes read the same keys: a window-aware kernel skips the rest whether or not the
 pages were recycled). So tokens/s = ``B / (t_w + B * t_kv)``, and running ``r`` times as many
@@ -53,14 +54,18 @@ comparable to ``t_w`` (gpt-oss-20b: 12 of 24 layers full, 8 kv heads) cannot tur
 throughput; one dominated by ``t_w`` (MiMo-like's experts, Gemma's dense 27B) can. ``B`` is
 FastDeploy's concurrency at the decode phase's mean context ``c = prompt + output / 2``
 (``num_gpu_blocks // blocks(c + look-ahead)``), ``r`` the plan's ratio at ``c``
-(``split_kv_pools(..., c).ratio``, a split sized for that length), ``r * B`` capped at
-``max_num_seqs`` for the ``512`` setting. ``exact`` prices both batches with ``step_time`` itself
-(expert reads that grow with ``B`` included). The prefill-heavy workload also pays each prompt's
-prefill (the same compute in both modes): ``end_to_end`` adds it per request (phases apart:
-``(t_pf + out * T(B)/B) / (t_pf + out * T(rB)/(rB))``).
+(``split_kv_pools(..., c).ratio``, a split sized for that length), both capped at the setting's
+``max_num_seqs``. ``gain_bound`` is the formula; ``gain_bound_exact`` prices both batches with
+``step_time`` itself (MiMo-like's expert reads still grow with ``B``; gpt-oss with MXFP4 weights
+turns compute-bound in its linear layers). ``gain_estimate_end_to_end`` adds each prompt's prefill
+(the same compute in both modes) per request, phases apart:
+``(t_pf + out * T(B)/B) / (t_pf + out * T(rB)/(rB))``; an estimate, not a bound (ramp, drain and
+recomputation after preemption are left out).
 
-Run ``python benchmarks/serving_sim.py --out benchmarks/results/serving_sim.json`` (minutes) or
-``--smoke`` (seconds, tiny workload, written to a temporary directory: never the committed results).
+Run ``python benchmarks/serving_sim.py --out benchmarks/results/serving_sim.json`` (tens of minutes
+on a shared 2-core machine; ``--models`` / ``--workload`` / ``--seqs`` with ``--merge`` redo only
+some rows) or ``--smoke`` (seconds, tiny workload, written to a temporary directory: never the
+committed results).
 """
 
 from __future__ import annotations
