@@ -65,17 +65,17 @@ def test_backend_hands_paddle_tensors_to_the_kernels_without_torch(monkeypatch):
     monkeypatch.setattr(fw, "_COMPAT_DONE", False)
     monkeypatch.setattr(paddle, "enable_compat", lambda **kw: calls.setdefault("compat", kw))
 
-    def write(self, k, v, bid, cu, dec, table, *, errors=None, stream=None):
-        calls["write"] = (self.key_cache, self.value_cache, cu, table)
+    def write(self, k, v, step, *, errors=None, stream=None):
+        calls["write"] = (self.key_cache, self.value_cache, step.cu, step.table)
 
-    def attend(self, q, cu, dec, table, *, max_q_len=None, max_context_len=None, out=None, num_splits=None,
-               errors=None, stream=None):  # fmt: skip
-        calls["args"] = (q, self.key_cache, self.value_cache, cu, table)
+    def attend(self, q, step, *, out=None, flat=False, num_splits=None, errors=None, stream=None):
+        calls["args"] = (q, self.key_cache, self.value_cache, step.cu, step.table)
         calls["errors"] = errors
-        return paddle.zeros([q.shape[0], layer.num_q_heads, layer.v_head_dim])
+        assert flat  # the backend's [T, Hq * Dv] output, allocated by the plan
+        return paddle.zeros([q.shape[0], layer.num_q_heads * layer.v_head_dim])
 
-    monkeypatch.setattr(cache_write.CacheWritePlan, "run", write)
-    monkeypatch.setattr(paged_attention.AttentionPlan, "run", attend)
+    monkeypatch.setattr(cache_write.CacheWritePlan, "run_step", write)
+    monkeypatch.setattr(paged_attention.AttentionPlan, "run_step", attend)
     layer = LayerAttention(
         index=0, kind="full", num_q_heads=4, num_kv_heads=2, qk_head_dim=8, v_head_dim=4, softmax_scale=0.3
     )
