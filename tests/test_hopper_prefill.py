@@ -27,6 +27,18 @@ hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and triton.ex
 MIXED = [(1000, 700), (0, 513), (37, 1), (2000, 1), (64, 64), (5, 2), (130, 77)]
 
 
+def _hopper_tiles(monkeypatch, **kw) -> None:
+    """Plans built in this test run the Hopper kernel as ``HopperPlan(**kw)``; a fresh plan memo, so no
+    plan memoised by an earlier call (same cache addresses, other tiles) answers instead."""
+    import functools
+
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "HopperPlan", functools.partial(hp.HopperPlan, **kw))
+    if hasattr(pa, "_PLANS"):
+        monkeypatch.setattr(pa, "_PLANS", type(pa._PLANS)())
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -95,15 +107,129 @@ def test_hopper_prefill_long_sequences():
 def test_hopper_prefill_persistent_ctas_walk_many_items(monkeypatch, num_ctas):
     """Few persistent CTAs: each walks many (query tile, kv head) items, the K/V ring and the
     double-buffered Q carrying their phases across items of different lengths and windows."""
-    import functools
-
-    from fastdeploy_paddlefleet.kernels import paged_attention as pa
-
-    monkeypatch.setattr(pa, "HopperPlan", functools.partial(hp.HopperPlan, num_ctas=num_ctas))
+    _hopper_tiles(monkeypatch, num_ctas=num_ctas)
     s = make_step(MIXED, dtype=torch.bfloat16, window_left=300, release=True, seed=15, **REAL)
     run_and_check(s, prefill_impl="hopper", window_left=300, sink_kind="learnable")
     s = make_step(MIXED, dtype=torch.float16, seed=16, **REAL)
     run_and_check(s, prefill_impl="hopper")
+
+
+# MLA-style (qk 192 / v 128, DeepSeek-V3 / MiMo) and 256-wide heads: other tiles (tile_for), Q and K
+# held in 64-column parts for 192, a single Q buffer
+WIDE = [
+    dict(hkv=16, group=1, dqk=192, dv=128),
+    dict(hkv=4, group=4, dqk=192, dv=128),
+    dict(hkv=2, group=8, dqk=256, dv=256),
+    dict(hkv=4, group=3, dqk=256, dv=256),
+]
+WIDE_IDS = ["mla-g1", "mla-g4", "d256-g8", "d256-g3"]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape", WIDE, ids=WIDE_IDS)
+@pytest.mark.parametrize(
+    "attend",
+    [dict(), dict(window_left=150, sink_kind="learnable"), dict(window_left=0, sink_kind="off-by-one")],
+    ids=["causal", "window-sinks", "window0-offbyone"],
+)
+def test_hopper_prefill_wide_heads(shape, attend):
+    """Chunked prefills with context, tails, decode rows; sliding layers with their released pages
+    (-1, NaN-filled) against the dense reference."""
+    window = attend.get("window_left")
+    s = make_step(MIXED, block_size=64, dtype=torch.bfloat16, window_left=window, release=window is not None,
+                  seed=21, **shape)  # fmt: skip
+    run_and_check(s, prefill_impl="hopper", max_q_len=700, max_context_len=2001, **attend)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [WIDE[1], WIDE[2]], ids=["mla-g4", "d256-g8"])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_hopper_prefill_wide_heads_headwise(dtype, shape, block_size):
+    """Head-wise tables with per-head released pages, half the kv heads sliding, sinks."""
+    kw = dict(window_left=120, sliding_heads=(shape["hkv"] // 2, shape["hkv"]))
+    s = make_step(
+        MIXED, block_size=block_size, dtype=dtype, headwise=True, release=True, seed=22, **kw, **shape
+    )
+    run_and_check(s, prefill_impl="hopper", sink_kind="learnable", **kw)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    "shape, tiles",
+    [
+        (dict(hkv=8, group=4, dqk=128, dv=128), dict(block_n=64, num_stages=3)),
+        (dict(hkv=16, group=1, dqk=192, dv=128), dict(block_n=64, q_bufs=2, num_stages=3)),
+        (dict(hkv=16, group=1, dqk=192, dv=128), dict(num_ctas=2)),  # 1 Q buffer, many items per CTA
+        (dict(hkv=4, group=3, dqk=256, dv=256), dict(num_ctas=3)),
+        (dict(hkv=16, group=1, dqk=192, dv=128), dict(q_late=True, num_ctas=2)),
+        (dict(hkv=8, group=4, dqk=128, dv=128), dict(q_late=True, num_ctas=3)),
+    ],
+    ids=["d128-n64-s3", "mla-n64-q2-s3", "mla-2ctas", "d256-3ctas", "mla-qlate", "d128-qlate"],
+)
+def test_hopper_prefill_tile_variants(monkeypatch, shape, tiles):
+    """The tuning variants (64-key tiles, 3 stages, double-buffered Q for 192, Q loaded after the first
+    K tile) and few persistent CTAs walking many items through one Q buffer: same results as the
+    reference."""
+    _hopper_tiles(monkeypatch, **tiles)
+    s = make_step(MIXED, block_size=64, dtype=torch.bfloat16, window_left=300, release=True, seed=23, **shape)
+    run_and_check(s, prefill_impl="hopper", window_left=300, sink_kind="learnable")
+    s = make_step(MIXED, block_size=64, dtype=torch.bfloat16, seed=24, **shape)
+    run_and_check(s, prefill_impl="hopper")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize(
+    "shape", [dict(hkv=8, group=4, dqk=128, dv=128), WIDE[0], WIDE[2]], ids=["d128", "mla-g1", "d256-g8"]
+)
+@pytest.mark.parametrize(
+    "attend", [dict(), dict(window_left=150, sink_kind="learnable")], ids=["causal", "window-sinks"]
+)
+def test_hopper_prefill_soft_cap(monkeypatch, shape, attend):
+    """Soft-capping (``cap * tanh(s / cap)`` before the mask; sinks uncapped) on the Hopper kernel
+    against the capped dense reference (HF Gemma-2's eager math, in float64 / float32)."""
+    import functools
+
+    import test_triton_kernels as tk
+
+    from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention
+
+    cap = 5.0
+    monkeypatch.setattr(tk, "dense_attention", functools.partial(dense_attention, logits_soft_cap=cap))
+    window = attend.get("window_left")
+    s = make_step(MIXED, block_size=64, dtype=torch.bfloat16, window_left=window, release=window is not None,
+                  seed=25, **shape)  # fmt: skip
+    s.q.mul_(3.0)  # scores of several units: the cap visibly bends them
+    run_and_check(s, prefill_impl="hopper", logits_soft_cap=cap, **attend)
+    # the capped scores are not the uncapped ones: the same step without the cap misses the reference
+    with pytest.raises(AssertionError, match="relative error"):
+        run_and_check(s, prefill_impl="hopper", **attend)
+
+
+def test_tiles_fit_shared_memory():
+    """Every head-dim pair the kernel accepts gets tiles that fit sm_90's 227 KB (hand-counted bytes
+    of the Q buffers and the K/V ring), with the double-buffered Q and 128-key tiles whenever they fit."""
+    want = {
+        (64, 64): (128, 2, 2),
+        (64, 128): (128, 2, 2),
+        (128, 64): (128, 2, 2),
+        (128, 128): (128, 2, 2),  # Q 2 x 32 KB + K/V 2 x 64 KB = 192 KB
+        (192, 128): (128, 1, 2),  # Q 48 KB + K/V 2 x 80 KB = 208 KB (2 Q buffers: 256 KB)
+        (256, 256): (64, 1, 2),  # Q 64 KB + K/V 2 x 64 KB = 192 KB
+    }
+    assert set(want) == set(hp.HEAD_DIMS)
+    kb = {(128, 128): 192, (192, 128): 208, (256, 256): 192}
+    for dims, tiles in want.items():
+        assert hp.tile_for(*dims) == tiles
+        assert hp.smem_bytes(*dims, *tiles) <= 227 * 1024
+        if dims in kb:
+            assert hp.smem_bytes(*dims, *tiles) == kb[dims] * 1024
+    with pytest.raises(ValueError, match="512/512"):
+        hp.tile_for(512, 512)
 
 
 def test_prefill_kernel_env_switch_parses_strictly(monkeypatch):
@@ -128,13 +254,22 @@ def test_prefill_kernel_choice(monkeypatch):
     assert hp.choose_prefill_impl(None, object(), q, kc, kc) == "portable"  # explicit portable tiles
     monkeypatch.setenv("FDFLEET_PREFILL_KERNEL", "portable")
     assert hp.choose_prefill_impl(None, None, q, kc, kc) == "portable"
+    monkeypatch.delenv("FDFLEET_PREFILL_KERNEL")
     with pytest.raises(ValueError, match="prefill_impl"):
         hp.choose_prefill_impl("gluon", None, q, kc, kc)
-    # fp32 and MLA's 192-wide keys never run on the Hopper kernel: asking for it names the reason
+    # fp32 and head dims it was not built for never run on the Hopper kernel: asking names the reason
     with pytest.raises(ValueError, match="cannot run these inputs"):
         hp.choose_prefill_impl("hopper", None, q.float(), kc.float(), kc.float())
+    q96 = torch.zeros(4, 8, 96, dtype=torch.bfloat16, device=dev)
+    k96 = torch.zeros(2, 2, 64, 96, dtype=torch.bfloat16, device=dev)
+    assert hp.choose_prefill_impl(None, None, q96, k96, kc) == "portable"
+    with pytest.raises(ValueError, match="cannot run these inputs"):
+        hp.choose_prefill_impl("hopper", None, q96, k96, kc)
+    # MLA's 192 / 128 and 256 / 256 take the Hopper kernel where it exists
     q192 = torch.zeros(4, 8, 192, dtype=torch.bfloat16, device=dev)
     k192 = torch.zeros(2, 2, 64, 192, dtype=torch.bfloat16, device=dev)
-    assert hp.choose_prefill_impl(None, None, q192, k192, kc) == "portable"
-    with pytest.raises(ValueError, match="cannot run these inputs"):
-        hp.choose_prefill_impl("hopper", None, q192, k192, kc)
+    assert hp.choose_prefill_impl(None, None, q192, k192, kc) == ("hopper" if HOPPER else "portable")
+    q256 = torch.zeros(4, 8, 256, dtype=torch.bfloat16, device=dev)
+    k256 = torch.zeros(2, 2, 64, 256, dtype=torch.bfloat16, device=dev)
+    assert hp.choose_prefill_impl(None, None, q256, k256, k256) == ("hopper" if HOPPER else "portable")
+    assert hp.choose_prefill_impl(None, None, q192, k192, k256) == "portable"  # 192 / 256: not built

@@ -78,9 +78,33 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+BLOCK_M = 64  # query rows (tokens x padded group heads) per consumer warpgroup
+# sm_90's shared memory per block (227 KB) less room for the mbarriers and layout-conversion scratch
+SMEM_LIMIT = 232448 - 2048
+# head dims (qk, v) this kernel is built and tested for: larger ones no longer fit a double-buffered
+# Q and 128-key tiles in shared memory, see tile_for
+HEAD_DIMS = frozenset({(64, 64), (64, 128), (128, 64), (128, 128), (192, 128), (256, 256)})
+
+
+def smem_bytes(dqk: int, dv: int, block_n: int, q_bufs: int, num_stages: int, elem: int = 2) -> int:
+    """Shared memory of the Q buffers (``[q_bufs, 2 * BLOCK_M, dqk]``) and the K/V ring
+    (``[num_stages, block_n, dqk + dv]``), in bytes."""
+    return elem * (q_bufs * 2 * BLOCK_M * dqk + num_stages * block_n * (dqk + dv))
+
+
+def tile_for(dqk: int, dv: int, elem: int = 2) -> tuple[int, int, int]:
+    """``(block_n, q_bufs, num_stages)``: the largest key tile, then a double-buffered Q, that fit in
+    shared memory with a 2-stage K/V ring (128/128: 128 keys, 2 Q buffers, 192 KB; MLA's 192/128:
+    128 keys, 1 Q buffer, 208 KB; 256/256: 64 keys, 1 Q buffer, 192 KB)."""
+    for block_n, q_bufs in ((128, 2), (128, 1), (64, 2), (64, 1)):
+        if smem_bytes(dqk, dv, block_n, q_bufs, 2, elem) <= SMEM_LIMIT:
+            return block_n, q_bufs, 2
+    raise ValueError(f"head dims {dqk}/{dv} do not fit the hopper prefill's shared memory")
+
+
 def block_n_for(dqk: int, dv: int, block_size: int) -> int:
-    """Keys per tile (loaded as ``128 / min(128, block_size)`` page boxes)."""
-    return 128
+    """Keys per tile (loaded as ``block_n / min(block_n, block_size)`` page boxes)."""
+    return tile_for(dqk, dv)[0]
 
 
 def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
@@ -94,8 +118,8 @@ def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     dqk, dv, bs = q.shape[2], value_cache.shape[3], key_cache.shape[2]
-    if dqk not in (64, 128) or dv not in (64, 128):
-        return f"head dims {dqk}/{dv} (64 or 128 each: shared memory)"
+    if (dqk, dv) not in HEAD_DIMS:
+        return f"head dims {dqk}/{dv} (built for {sorted(HEAD_DIMS)}: shared memory and registers)"
     if bs < 16 or bs & (bs - 1):
         return f"block size {bs} (a power of two >= 16)"
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -161,6 +185,13 @@ if GLUON_IMPORT_ERROR is None:
         return gl.where(good, raw, -1).to(gl.int64)
 
     @gluon.jit
+    def _tanh(x):
+        """``tanh(x)`` from one ``exp2`` of ``-2|x|`` (no overflow), as the portable kernel computes it."""
+        e = gl.exp2(-2.8853900817779268 * gl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return gl.where(x < 0, -t, t)
+
+    @gluon.jit
     def _work_item(
         item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_tok,
         HKV: gl.constexpr, TILE_Q: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -205,17 +236,20 @@ if GLUON_IMPORT_ERROR is None:
         stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
         G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
-        DV: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr,
+        DV: gl.constexpr, QKC: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+        HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr,
     ):  # fmt: skip
+        NQC: gl.constexpr = DQK // QKC
         TILE_Q: gl.constexpr = 2 * (BLOCK_M // GP)
         NBOX: gl.constexpr = BLOCK_N // BOX
         K_BYTES: gl.constexpr = BLOCK_N * DQK * k_desc.dtype.primitive_bitwidth // 8
         V_BYTES: gl.constexpr = BLOCK_N * DV * v_desc.dtype.primitive_bitwidth // 8
-        ROWS: gl.constexpr = 16  # rows per plain-load chunk (few registers in this partition)
+        # plain loads in [16, 64] chunks, one 16-byte vector per thread: few registers in this
+        # partition, and 192-wide heads are three chunks (gl.arange needs powers of two)
+        ROWS: gl.constexpr = 16
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
-        offs_dq = gl.arange(0, DQK, layout=gl.SliceLayout(0, ld))
-        offs_dv = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
+        offs_c = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(0, ld))
         it = 0
         qi = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -226,21 +260,9 @@ if GLUON_IMPORT_ERROR is None:
             if valid:
                 kv_len = ctx + q_len
                 lo_key = gl.maximum(ctx + tok0 - w, 0)  # keys below it may be released (-1)
-                # the item's query rows (tokens x padded group heads, both consumers' halves)
-                qs = qi % 2
-                mbarrier.wait(q_empty.index(qs), (qi // 2) & 1)
-                qb = q_bufs.index(qs)
-                for r0 in gl.static_range(0, 2 * BLOCK_M, ROWS):
-                    r = r0 + offs_r
-                    tok = tok0 + r // GP
-                    hh = r % GP
-                    q_ok = (tok < q_len) & (hh < G)
-                    q_rows = (q0 + tok).to(gl.int64) * stride_qt + (kvh * G + hh) * stride_qh
-                    q_ptrs = Q + gl.expand_dims(q_rows, 1) + gl.expand_dims(offs_dq, 0)
-                    qb.slice(r0, ROWS, dim=0).store(gl.load(q_ptrs, mask=gl.expand_dims(q_ok, 1), other=0.0))
-                gh.fence_async_shared()
-                mbarrier.arrive(q_ready.index(qs), count=1)
-                qi += 1
+                if not Q_LATE:
+                    _load_q(Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt, stride_qh,
+                            offs_r, offs_c, G, GP, BLOCK_M, DQK, QKC, Q_BUFS)  # fmt: skip
                 for j in range(n_tiles):
                     s = it % NUM_STAGES
                     phase = (it // NUM_STAGES) & 1
@@ -249,7 +271,6 @@ if GLUON_IMPORT_ERROR is None:
                     # entries past the cache or the table count as absent, never dereferenced)
                     mbarrier.wait(k_empty.index(s), phase)
                     mbarrier.expect(k_ready.index(s), K_BYTES)
-                    kb = k_bufs.index(s)
                     absent = False
                     for i in gl.static_range(NBOX):
                         kb0 = key0 + i * BOX
@@ -263,8 +284,13 @@ if GLUON_IMPORT_ERROR is None:
                         for c in gl.static_range(DQK // CHUNK_C):
                             tma.async_copy_global_to_shared(
                                 k_desc, [row, c * CHUNK_C], k_ready.index(s),
-                                kb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
+                                k_bufs.index(s * NQC + c * CHUNK_C // QKC).slice(i * BOX, BOX, dim=0)
+                                .slice(c * CHUNK_C % QKC, CHUNK_C, dim=1),
                             )  # fmt: skip
+                    if Q_LATE:  # Q behind the item's first K tile: its copy overlaps the Q loads
+                        if j == 0:
+                            _load_q(Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt,
+                                    stride_qh, offs_r, offs_c, G, GP, BLOCK_M, DQK, QKC, Q_BUFS)  # fmt: skip
                     mbarrier.wait(v_empty.index(s), phase)
                     vb = v_bufs.index(s)
                     if absent | (key0 + BLOCK_N > kv_len):
@@ -276,11 +302,12 @@ if GLUON_IMPORT_ERROR is None:
                             pg = gl.where(pg < n_pages, pg, -1)
                             if not HEADWISE:
                                 pg = gl.where(pg >= 0, pg * HKV + kvh, -1)
-                            v_ok = (pg >= 0) & (keys < kv_len)
-                            v_rows = (gl.maximum(pg, 0) * BS + keys % BS) * stride_vr
-                            v_ptrs = V + gl.expand_dims(v_rows, 1) + gl.expand_dims(offs_dv, 0)
-                            vals = gl.load(v_ptrs, mask=gl.expand_dims(v_ok, 1), other=0.0)
-                            vb.slice(r0, ROWS, dim=0).store(vals)
+                            v_ok = gl.expand_dims((pg >= 0) & (keys < kv_len), 1)
+                            v_rows = gl.expand_dims((gl.maximum(pg, 0) * BS + keys % BS) * stride_vr, 1)
+                            for c in gl.static_range(DV // CHUNK_C):
+                                v_ptrs = V + v_rows + gl.expand_dims(c * CHUNK_C + offs_c, 0)
+                                v_dst = vb.slice(r0, ROWS, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1)
+                                v_dst.store(gl.load(v_ptrs, mask=v_ok, other=0.0))
                         gh.fence_async_shared()
                         mbarrier.arrive(v_ready.index(s), count=1)
                     else:
@@ -297,6 +324,33 @@ if GLUON_IMPORT_ERROR is None:
                                     vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
                                 )  # fmt: skip
                     it += 1
+                qi += 1
+
+    @gluon.jit
+    def _load_q(
+        Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt, stride_qh, offs_r, offs_c,
+        G: gl.constexpr, GP: gl.constexpr, BLOCK_M: gl.constexpr, DQK: gl.constexpr, QKC: gl.constexpr,
+        Q_BUFS: gl.constexpr,
+    ):  # fmt: skip
+        """An item's query rows (tokens x padded group heads, both consumers' halves) into Q buffer
+        ``qi % Q_BUFS`` once both consumers released it, by plain loads in ``[16, 64]`` chunks."""
+        ROWS: gl.constexpr = 16
+        NQC: gl.constexpr = DQK // QKC
+        qs = qi % Q_BUFS
+        mbarrier.wait(q_empty.index(qs), (qi // Q_BUFS) & 1)
+        for r0 in gl.static_range(0, 2 * BLOCK_M, ROWS):
+            r = r0 + offs_r
+            tok = tok0 + r // GP
+            hh = r % GP
+            q_ok = gl.expand_dims((tok < q_len) & (hh < G), 1)
+            q_rows = gl.expand_dims((q0 + tok).to(gl.int64) * stride_qt + (kvh * G + hh) * stride_qh, 1)
+            for c in gl.static_range(DQK // CHUNK_C):
+                q_ptrs = Q + q_rows + gl.expand_dims(c * CHUNK_C + offs_c, 0)
+                q_dst = q_bufs.index(qs * NQC + c * CHUNK_C // QKC).slice(r0, ROWS, dim=0)
+                q_dst = q_dst.slice(c * CHUNK_C % QKC, CHUNK_C, dim=1)
+                q_dst.store(gl.load(q_ptrs, mask=q_ok, other=0.0))
+        gh.fence_async_shared()
+        mbarrier.arrive(q_ready.index(qs), count=1)
 
     @gluon.jit
     def _consumer(
@@ -304,12 +358,14 @@ if GLUON_IMPORT_ERROR is None:
         CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
         stride_ot, stride_oh, n_tok,
         HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
-        DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr, SINK_MODE: gl.constexpr,
+        DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
+        SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr,
     ):  # fmt: skip
         """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA."""
         BLOCK_Q: gl.constexpr = BLOCK_M // GP
         TILE_Q: gl.constexpr = 2 * BLOCK_Q
+        NQC: gl.constexpr = DQK // QKC
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -325,6 +381,10 @@ if GLUON_IMPORT_ERROR is None:
         offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_od = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        if SOFTCAP != 0.0:  # capped scores are already scaled (base 2)
+            sc = 1.0
+        else:
+            sc = qk_scale
         it = 0
         qi = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -334,9 +394,8 @@ if GLUON_IMPORT_ERROR is None:
             )  # fmt: skip
             if valid:
                 tok0 = tile_tok0 + HALF * BLOCK_Q
-                qs = qi % 2
-                mbarrier.wait(q_ready.index(qs), (qi // 2) & 1)
-                q_smem = q_bufs.index(qs).slice(HALF * BLOCK_M, BLOCK_M, dim=0)
+                qs = qi % Q_BUFS
+                mbarrier.wait(q_ready.index(qs), (qi // Q_BUFS) & 1)
                 pos = ctx + tok0 + offs_m // GP
                 p_lo = ctx + tok0  # first row's position
                 p_hi = ctx + gl.minimum(tok0 + BLOCK_Q, q_len) - 1  # last valid row's position
@@ -357,9 +416,15 @@ if GLUON_IMPORT_ERROR is None:
                     st = (it + j) % NUM_STAGES
                     key0 = a + j * BLOCK_N
                     mbarrier.wait(k_ready.index(st), ((it + j) // NUM_STAGES) & 1)
-                    s_tok = gh.warpgroup_mma(
-                        q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
-                    )
+                    s_tok = s_zero
+                    for c in gl.static_range(NQC):  # Dqk in QKC-wide parts (smem shapes are powers of 2)
+                        s_tok = gh.warpgroup_mma(
+                            q_bufs.index(qs * NQC + c).slice(HALF * BLOCK_M, BLOCK_M, dim=0),
+                            k_bufs.index(st * NQC + c).permute((1, 0)),
+                            s_tok,
+                            use_acc=c > 0,
+                            is_async=True,
+                        )
                     if j > 0:  # P(j-1) V(j-1) behind S(j): retires while this tile's softmax runs
                         pst = (it + j - 1) % NUM_STAGES
                         mbarrier.wait(v_ready.index(pst), ((it + j - 1) // NUM_STAGES) & 1)
@@ -368,27 +433,33 @@ if GLUON_IMPORT_ERROR is None:
                     else:
                         s = gh.warpgroup_mma_wait(0, deps=[s_tok])
                     mbarrier.arrive(k_empty.index(st), count=1)
-                    need_mask = key0 + BLOCK_N - 1 > p_lo
-                    if HAS_WINDOW:
-                        need_mask = need_mask | (key0 < p_hi - w)
-                    if need_mask:
-                        keys = key0 + offs_n
-                        vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
-                        if HAS_WINDOW:
-                            vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
-                        s = gl.where(vis, s * qk_scale, float("-inf"))
-                        m_new = gl.maximum(m_i, gl.max(s, 1))
-                        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+                    if PROFILE == 1:  # timing ablation (benchmarks only): no softmax, P = S
+                        p = s
                     else:
-                        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-                    alpha = gl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + gl.sum(p, 1)
-                    m_i = m_new
+                        if SOFTCAP != 0.0:  # cap * log2(e) * tanh(scale * q.k / cap): qk_scale is scale / cap
+                            s = _tanh(s * qk_scale) * SOFTCAP
+                        need_mask = key0 + BLOCK_N - 1 > p_lo
+                        if HAS_WINDOW:
+                            need_mask = need_mask | (key0 < p_hi - w)
+                        if need_mask:
+                            keys = key0 + offs_n
+                            vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
+                            if HAS_WINDOW:
+                                vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
+                            s = gl.where(vis, s * sc, float("-inf"))
+                            m_new = gl.maximum(m_i, gl.max(s, 1))
+                            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+                        else:
+                            m_new = gl.maximum(m_i, gl.max(s, 1) * sc)
+                            p = gl.exp2(s * sc - gl.expand_dims(m_new, 1))
+                        alpha = gl.exp2(m_i - m_new)
+                        l_i = l_i * alpha + gl.sum(p, 1)
+                        m_i = m_new
                     if j > 0:
                         acc = gh.warpgroup_mma_wait(0, deps=[acc])
                         mbarrier.arrive(v_empty.index((it + j - 1) % NUM_STAGES), count=1)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                    if PROFILE != 1:
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
                     p_prev = gl.convert_layout(p.to(dtype), p_layout)
                 mbarrier.arrive(q_empty.index(qs), count=1)  # every S wgmma of this item has retired
                 if n_tiles > 0:
@@ -417,24 +488,26 @@ if GLUON_IMPORT_ERROR is None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
         num_reqs, min_q_len, qk_scale, window, win_h0, win_h1, n_items,
         G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr, DV: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BS: gl.constexpr, BOX: gl.constexpr,
-        NUM_STAGES: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
-        SINK_MODE: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        HAS_ERR: gl.constexpr,
+        QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BS: gl.constexpr, BOX: gl.constexpr,
+        NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
+        SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, PROFILE: gl.constexpr = 0,
     ):  # fmt: skip
         # persistent: CTA p takes work items p, p + grid, ... (items are ordered longest first)
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, DQK], Q.dtype.element_ty)
-        q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * BLOCK_M, DQK], q_layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, DQK], k_desc.layout)
+        # Q and K rows held in DQK // QKC parts of QKC columns (192 = 3 x 64: smem shapes are powers of 2)
+        NQC: gl.constexpr = DQK // QKC
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, QKC], Q.dtype.element_ty)
+        q_bufs = gl.allocate_shared_memory(Q.dtype.element_ty, [Q_BUFS * NQC, 2 * BLOCK_M, QKC], q_layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES * NQC, BLOCK_N, QKC], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
         bl: gl.constexpr = mbarrier.MBarrierLayout()
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], bl)
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], bl)
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
-        for i in gl.static_range(2):
+        for i in gl.static_range(Q_BUFS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumers release a Q buffer
             mbarrier.arrive(q_empty.index(i), count=2)  # which starts empty
@@ -451,19 +524,22 @@ if GLUON_IMPORT_ERROR is None:
                     O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
-                    0, G, GP, HKV, DQK, DV, BLOCK_M, BLOCK_N, NUM_STAGES, HEADWISE, HAS_WINDOW, SINK_MODE,
+                    0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
+                    SINK_MODE, SOFTCAP, PROFILE,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
-                    1, G, GP, HKV, DQK, DV, BLOCK_M, BLOCK_N, NUM_STAGES, HEADWISE, HAS_WINDOW, SINK_MODE,
+                    1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
+                    SINK_MODE, SOFTCAP, PROFILE,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                     k_empty, v_empty, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window,
                     win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
-                    G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, NUM_STAGES, HAS_WINDOW, HAS_ERR,
+                    G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
+                    HAS_WINDOW, HAS_ERR, Q_LATE,
                 )),
             ],
             [4, 4],
@@ -483,8 +559,12 @@ def _descriptor(cache: torch.Tensor, box: int):
 class HopperPlan:
     """The Hopper prefill kernel's launch for one layer: TMA descriptors over the caches, tile shapes and
     compile-time constants derived once (``run`` per step). Arguments checked and prepared by
-    :class:`.paged_attention.AttentionPlan` (``qk_scale`` includes ``log2(e)``). ``num_ctas``: persistent
-    grid size (default: one CTA per SM)."""
+    :class:`.paged_attention.AttentionPlan` (``qk_scale`` includes ``log2(e)``; with ``softcap`` = cap *
+    log2(e) > 0 it is ``scale / cap`` and scores become ``softcap * tanh(qk_scale * q.k)``).
+    ``block_n`` / ``q_bufs`` / ``num_stages``: key tile, Q buffers, K/V ring depth (default
+    :func:`tile_for`; others for tuning, checked against shared memory). ``num_ctas``: persistent grid
+    size (default: one CTA per SM). ``profile=1``: a timing ablation with the softmax left out (wrong
+    results; ``benchmarks/hopper_variants.py`` only)."""
 
     def __init__(
         self,
@@ -500,18 +580,35 @@ class HopperPlan:
         window: int,
         win_h0: int,
         win_h1: int,
-        num_stages: int = 2,
+        softcap: float = 0.0,
+        block_n: int | None = None,
+        q_bufs: int | None = None,
+        num_stages: int | None = None,
         num_ctas: int | None = None,
+        q_late: bool = False,
+        profile: int = 0,
     ) -> None:
         hkv, bs = key_cache.shape[1], key_cache.shape[2]
         dqk, dv = key_cache.shape[3], value_cache.shape[3]
         g = hq // hkv
         gp = _next_pow2(g)
-        block_m = 64
+        block_m = BLOCK_M
         if gp > block_m:
             raise ValueError(f"hopper prefill packs at most {block_m} q heads per kv head, got {g}")
-        block_n = block_n_for(dqk, dv, bs)
+        d_n, d_q, d_s = tile_for(dqk, dv, key_cache.element_size())
+        block_n, q_bufs, num_stages = block_n or d_n, q_bufs or d_q, num_stages or d_s
+        if block_n not in (64, 128) or q_bufs not in (1, 2) or num_stages < 2:
+            raise ValueError(
+                f"block_n {block_n} (64 or 128), q_bufs {q_bufs} (1 or 2), num_stages {num_stages} (>= 2)"
+            )
+        need = smem_bytes(dqk, dv, block_n, q_bufs, num_stages, key_cache.element_size())
+        if need > SMEM_LIMIT:
+            raise ValueError(
+                f"block_n {block_n}, q_bufs {q_bufs}, num_stages {num_stages} need {need} B of shared memory "
+                f"for head dims {dqk}/{dv} (limit {SMEM_LIMIT})"
+            )
         box = min(block_n, bs)
+        qkc = dqk if dqk & (dqk - 1) == 0 else CHUNK  # Q / K smem parts: powers of two (192 = 3 x 64)
         self.tile_q = 2 * (block_m // gp)
         self.hkv = hkv
         self.value_cache = value_cache
@@ -522,9 +619,10 @@ class HopperPlan:
         self.scalars = (qk_scale, window, win_h0, win_h1)
         self.ctas = num_ctas or _num_sms(key_cache.device)
         self.consts = dict(
-            G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
-            NUM_STAGES=num_stages, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
-            SINK_MODE=sink_mode, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4,
+            G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, QKC=qkc, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
+            NUM_STAGES=num_stages, Q_BUFS=q_bufs, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
+            SINK_MODE=sink_mode, SOFTCAP=float(softcap), PROFILE=int(profile), Q_LATE=bool(q_late),
+            PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4,
         )  # fmt: skip
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
 
@@ -582,7 +680,8 @@ def hopper_prefill(
     window: int,
     win_h0: int,
     win_h1: int,
-    num_stages: int = 2,
+    softcap: float = 0.0,
+    num_stages: int | None = None,
     num_ctas: int | None = None,
     errors: torch.Tensor | None = None,
 ) -> None:
@@ -590,8 +689,8 @@ def hopper_prefill(
     Dqk]``, caches ``[NB, Hkv, BS, D]``, ``out [T, Hq, Dv]`` (rows of one-token requests untouched)."""
     plan = HopperPlan(
         key_cache, value_cache, q.shape[1], sinks, qk_scale=qk_scale, sink_mode=sink_mode, headwise=headwise,
-        has_window=has_window, window=window, win_h0=win_h0, win_h1=win_h1, num_stages=num_stages,
-        num_ctas=num_ctas,
+        has_window=has_window, window=window, win_h0=win_h0, win_h1=win_h1, softcap=softcap,
+        num_stages=num_stages, num_ctas=num_ctas,
     )  # fmt: skip
     plan.run(q, out, cu_seqlens_q, seq_lens_decoder, block_tables, errors)
 
@@ -599,6 +698,8 @@ def hopper_prefill(
 __all__ = [
     "HopperPlan",
     "block_n_for",
+    "smem_bytes",
+    "tile_for",
     "choose_prefill_impl",
     "gluon_available",
     "hopper_prefill",
