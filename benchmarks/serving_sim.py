@@ -41,10 +41,9 @@ it serves is the bf16 model (41.8 GB). ``decode_bounds`` also prices the MXFP4 c
 NOTES: the most recycling can give (``decode_bounds``, in the JSON as ``bounds``). In a saturated
 decode phase of ``B`` requests at context ``c`` one step costs ``t_w + B * t_kv``: ``t_w`` the
 per-step fixed cost (overhead + weight bytes / BW; gpt-oss-20b hits every expert at these batch
-sizes),
-``t_kv`` one request's attention bytes / BW (its full layers read ``c`` keys, its sliding ones
-``W + 1``; both modes read the same keys: a window-aware kernel skips the rest whether or not the
-pages were recycled). So tokens/s = ``B / (t_w + B * t_kv)``, and running ``r`` times as many
+sizes), ``t_kv`` one request's attention bytes / BW (its full layers read ``c`` keys, its sliding
+ones ``W + 1``; both modes read the same keys: a window-aware kernel skips the rest whether or not
+the pages were recycled). So tokens/s = ``B / (t_w + B * t_kv)``, and running ``r`` times as many
 requests in the same memory gives at most::
 
     gain(r) = r * (t_w + B * t_kv) / (t_w + r * B * t_kv)   ->  1 + t_w / (B * t_kv)  as r -> inf
