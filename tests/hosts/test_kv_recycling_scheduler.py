@@ -235,6 +235,8 @@ def test_serving_benchmark_smoke(host, tmp_path):
     assert set(modes) == {"fastdeploy", "recycling"}
     for r in modes.values():
         assert r["output_tokens"] == r["requests"] * r["output"] and r["tokens_per_s"] > 0
+        assert r["seqs"] == "512" and r["max_num_seqs"] == 512 and r["beyond_fastdeploy_limit"] is False
+        assert r["cap_reached"] == (r["peak_running"] >= 512)
     assert modes["recycling"]["peak_running"] > modes["fastdeploy"]["peak_running"]
     with pytest.raises(subprocess.CalledProcessError):  # a smoke run never writes the committed results
         subprocess.run(
@@ -252,3 +254,30 @@ def test_serving_benchmark_smoke(host, tmp_path):
             check=True,
             cwd=tmp_path,
         )
+
+
+SEQS_LIMIT = """
+def refused(n):
+    try:
+        make_config(TINY, max_model_len=512, max_num_seqs=n, max_num_batched_tokens=1024, block_size=16,
+                    num_blocks=64)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+report(at_limit=refused(512), above=refused(513))
+"""
+
+
+def test_fastdeploy_refuses_more_sequences_than_the_benchmarks_limit(host, tiny_dir):
+    """benchmarks/serving_sim.py calls rows above FD_MAX_SEQS_LIMIT a what-if because FastDeploy's own
+    config check refuses them: checked against the host's real ``FDConfig``."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import serving_sim
+
+    data = run_scenario(_prelude(tiny_dir) + SEQS_LIMIT, host=host, env=PLUGIN_ENV, timeout=300).check().data
+    assert serving_sim.FD_MAX_SEQS_LIMIT == 512
+    assert data["at_limit"] is None
+    assert data["above"] is not None and "max_num_seqs" in data["above"] and "513" in data["above"]
