@@ -244,12 +244,14 @@ if GLUON_IMPORT_ERROR is None:
         NBOX: gl.constexpr = BLOCK_N // BOX
         K_BYTES: gl.constexpr = BLOCK_N * DQK * k_desc.dtype.primitive_bitwidth // 8
         V_BYTES: gl.constexpr = BLOCK_N * DV * v_desc.dtype.primitive_bitwidth // 8
-        # plain loads in [16, 64] chunks, one 16-byte vector per thread: few registers in this
-        # partition, and 192-wide heads are three chunks (gl.arange needs powers of two)
+        # plain loads of 16 rows x whole heads (192-wide ones in three 64-column parts: gl.arange needs
+        # powers of two); one load per row chunk keeps several 16-byte vectors per thread in flight
+        # (64-column chunks throughout measured 2-4 % slower on 128 / 128, benchmarks/NOTES.md)
         ROWS: gl.constexpr = 16
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
-        offs_c = gl.arange(0, CHUNK_C, layout=gl.SliceLayout(0, ld))
+        offs_q = gl.arange(0, QKC, layout=gl.SliceLayout(0, ld))
+        offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
         it = 0
         qi = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -262,7 +264,7 @@ if GLUON_IMPORT_ERROR is None:
                 lo_key = gl.maximum(ctx + tok0 - w, 0)  # keys below it may be released (-1)
                 if not Q_LATE:
                     _load_q(Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt, stride_qh,
-                            offs_r, offs_c, G, GP, BLOCK_M, DQK, QKC, Q_BUFS)  # fmt: skip
+                            offs_r, offs_q, G, GP, BLOCK_M, DQK, QKC, Q_BUFS)  # fmt: skip
                 for j in range(n_tiles):
                     s = it % NUM_STAGES
                     phase = (it // NUM_STAGES) & 1
@@ -290,7 +292,7 @@ if GLUON_IMPORT_ERROR is None:
                     if Q_LATE:  # Q behind the item's first K tile: its copy overlaps the Q loads
                         if j == 0:
                             _load_q(Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt,
-                                    stride_qh, offs_r, offs_c, G, GP, BLOCK_M, DQK, QKC, Q_BUFS)  # fmt: skip
+                                    stride_qh, offs_r, offs_q, G, GP, BLOCK_M, DQK, QKC, Q_BUFS)  # fmt: skip
                     mbarrier.wait(v_empty.index(s), phase)
                     vb = v_bufs.index(s)
                     if absent | (key0 + BLOCK_N > kv_len):
@@ -302,12 +304,11 @@ if GLUON_IMPORT_ERROR is None:
                             pg = gl.where(pg < n_pages, pg, -1)
                             if not HEADWISE:
                                 pg = gl.where(pg >= 0, pg * HKV + kvh, -1)
-                            v_ok = gl.expand_dims((pg >= 0) & (keys < kv_len), 1)
-                            v_rows = gl.expand_dims((gl.maximum(pg, 0) * BS + keys % BS) * stride_vr, 1)
-                            for c in gl.static_range(DV // CHUNK_C):
-                                v_ptrs = V + v_rows + gl.expand_dims(c * CHUNK_C + offs_c, 0)
-                                v_dst = vb.slice(r0, ROWS, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1)
-                                v_dst.store(gl.load(v_ptrs, mask=v_ok, other=0.0))
+                            v_ok = (pg >= 0) & (keys < kv_len)
+                            v_rows = (gl.maximum(pg, 0) * BS + keys % BS) * stride_vr
+                            v_ptrs = V + gl.expand_dims(v_rows, 1) + gl.expand_dims(offs_v, 0)
+                            vals = gl.load(v_ptrs, mask=gl.expand_dims(v_ok, 1), other=0.0)
+                            vb.slice(r0, ROWS, dim=0).store(vals)
                         gh.fence_async_shared()
                         mbarrier.arrive(v_ready.index(s), count=1)
                     else:
@@ -328,12 +329,12 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _load_q(
-        Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt, stride_qh, offs_r, offs_c,
+        Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt, stride_qh, offs_r, offs_q,
         G: gl.constexpr, GP: gl.constexpr, BLOCK_M: gl.constexpr, DQK: gl.constexpr, QKC: gl.constexpr,
         Q_BUFS: gl.constexpr,
     ):  # fmt: skip
         """An item's query rows (tokens x padded group heads, both consumers' halves) into Q buffer
-        ``qi % Q_BUFS`` once both consumers released it, by plain loads in ``[16, 64]`` chunks."""
+        ``qi % Q_BUFS`` once both consumers released it, by plain loads of ``[16, QKC]`` parts."""
         ROWS: gl.constexpr = 16
         NQC: gl.constexpr = DQK // QKC
         qs = qi % Q_BUFS
@@ -344,11 +345,9 @@ if GLUON_IMPORT_ERROR is None:
             hh = r % GP
             q_ok = gl.expand_dims((tok < q_len) & (hh < G), 1)
             q_rows = gl.expand_dims((q0 + tok).to(gl.int64) * stride_qt + (kvh * G + hh) * stride_qh, 1)
-            for c in gl.static_range(DQK // CHUNK_C):
-                q_ptrs = Q + q_rows + gl.expand_dims(c * CHUNK_C + offs_c, 0)
-                q_dst = q_bufs.index(qs * NQC + c * CHUNK_C // QKC).slice(r0, ROWS, dim=0)
-                q_dst = q_dst.slice(c * CHUNK_C % QKC, CHUNK_C, dim=1)
-                q_dst.store(gl.load(q_ptrs, mask=q_ok, other=0.0))
+            for c in gl.static_range(NQC):
+                q_ptrs = Q + q_rows + gl.expand_dims(c * QKC + offs_q, 0)
+                q_bufs.index(qs * NQC + c).slice(r0, ROWS, dim=0).store(gl.load(q_ptrs, mask=q_ok, other=0.0))
         gh.fence_async_shared()
         mbarrier.arrive(q_ready.index(qs), count=1)
 
