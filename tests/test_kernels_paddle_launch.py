@@ -65,12 +65,12 @@ def test_backend_hands_paddle_tensors_to_the_kernels_without_torch(monkeypatch):
     monkeypatch.setattr(fw, "_COMPAT_DONE", False)
     monkeypatch.setattr(paddle, "enable_compat", lambda **kw: calls.setdefault("compat", kw))
 
-    def write(self, k, v, step, *, errors=None, stream=None):
+    def write(self, k, v, step, *, stream=None):
         calls["write"] = (self.key_cache, self.value_cache, step.cu, step.table)
 
-    def attend(self, q, step, *, out=None, flat=False, num_splits=None, errors=None, stream=None):
+    def attend(self, q, step, *, out=None, flat=False, num_splits=None, stream=None):
         calls["args"] = (q, self.key_cache, self.value_cache, step.cu, step.table)
-        calls["errors"] = errors
+        calls["errors"] = step.errors
         assert flat  # the backend's [T, Hq * Dv] output, allocated by the plan
         return paddle.zeros([q.shape[0], layer.num_q_heads * layer.v_head_dim])
 

@@ -171,6 +171,102 @@ def test_plan_is_rebuilt_when_sinks_change_in_place():
     assert not torch.equal(out0, out1)
 
 
+class _CudaLike(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: lets the plans take their direct path with fake kernels."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+class _RecordingJit:
+    """Stands in for one of the plans' kernels: the real parameter list; records Triton's path (args as
+    given) and the direct path (the compiled launcher's args)."""
+
+    def __init__(self, real):
+        import inspect
+
+        sig = inspect.signature(getattr(real, "fn", real))
+        self.arg_names = list(sig.parameters)
+        self.params = [
+            _FakeParam(None if p.default is p.empty else p.default) for p in sig.parameters.values()
+        ]
+        self.triton_calls, self.direct_calls = [], []
+        jit = self
+
+        class Compiled:
+            packed_metadata, function = "meta", "fn-handle"
+
+            def run(self, *a):
+                jit.direct_calls.append(a[9 : 9 + jit.n_args])
+
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):
+        def call(*args, **consts):
+            self.n_args = len(args)
+            self.triton_calls.append(args)
+            return self.compiled
+
+        return call
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "write"])
+def test_direct_launches_pass_the_addresses_of_tritons_arguments(monkeypatch, kind):
+    """On the direct path every pointer argument is the address (an int) of the tensor Triton's path was
+    given, every other argument the same value: the compiled launcher sees what Triton's would."""
+    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(_launch.KernelCache, "stream", lambda self: 7)
+    name = {"decode": "_decode_kernel", "prefill": "_prefill_kernel", "write": "_write_kv_kernel"}[kind]
+    module = cw if kind == "write" else pa
+    fake = _RecordingJit(getattr(module, name))
+    monkeypatch.setattr(module, name, fake)
+    reqs = [(9, 1), (20, 1)] if kind == "decode" else [(9, 4), (3, 4)]
+    s = make_step(reqs, **SMALL)
+    cuda = {n: getattr(s, n).as_subclass(_CudaLike) for n in ("q", "k", "v", "cu", "dec", "bid", "table")}
+    sinks = torch.randn(s.q.shape[1])
+    flag = torch.zeros(8, dtype=torch.int32).as_subclass(_CudaLike)
+    step = _launch.LaunchStep(
+        cuda["cu"], cuda["dec"], cuda["table"], cuda["bid"], max_q_len=reqs[0][1], errors=flag
+    )
+    if kind == "write":
+        plan = cw.CacheWritePlan(s.key_cache, s.value_cache)
+    else:
+        plan = pa.AttentionPlan(
+            s.key_cache,
+            s.value_cache,
+            s.q,
+            scale=0.25,
+            sink_kind="learnable",
+            sinks=sinks,
+            prefill_impl="portable",
+        )
+    plan.kernels.direct = True  # as on a GPU without launch hooks
+    for _ in range(3):
+        if kind == "write":
+            plan.run_step(cuda["k"], cuda["v"], step)
+        else:
+            out = torch.empty(s.q.shape[0], s.q.shape[1], 16).as_subclass(_CudaLike)
+            plan.run_step(cuda["q"], step, out=out)
+    assert len(fake.triton_calls) == 1 and len(fake.direct_calls) == 2  # compiled once, then direct
+
+    def address(a):
+        return a.data_ptr() if isinstance(a, torch.Tensor) else a
+
+    want = [address(a) for a in fake.triton_calls[0]]
+    if kind != "write":  # each call's own output tensor
+        want[3] = None
+    for got in fake.direct_calls:
+        got = list(got)
+        assert all(not isinstance(a, torch.Tensor) for a in got)  # no tensor reaches the launcher
+        if kind != "write":
+            got[3] = None
+        assert got == want
+
+
 # ------------------------------------------------------------------------------ one-shot plan memo
 
 

@@ -125,14 +125,13 @@ _STEP_ATTR = "_fdfleet_triton_step"
 
 
 class _LayerPlan:
-    """One layer's launch plans for one pair of caches (and sinks tensor), with the device error flag.
+    """One layer's launch plans for one pair of caches (and sinks tensor).
     ``kernels``: the attention plan's :class:`~..kernels._launch.KernelCache` (its stream is read once
     per layer for both launches), ``direct`` whether it launches directly."""
 
     __slots__ = (
         "attend",
         "direct",
-        "flag",
         "kernels",
         "kv_cache",
         "layer",
@@ -142,9 +141,9 @@ class _LayerPlan:
         "write",
     )
 
-    def __init__(self, layer, kv_cache, sinks, write, attend, flag) -> None:
+    def __init__(self, layer, kv_cache, sinks, write, attend) -> None:
         self.layer, self.kv_cache, self.sinks = layer, kv_cache, sinks  # kept: ids stay unique
-        self.write, self.attend, self.flag = write, attend, flag
+        self.write, self.attend = write, attend
         self.kernels = attend.kernels
         self.direct = attend.kernels.direct
         self.ptrs = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
@@ -164,10 +163,11 @@ class _StepState:
     by every layer of the step: derived once, kept on the ``BatchMeta``. ``layers``: layer index ->
     (its table's :class:`~..kernels._launch.LaunchStep`, head-wise)."""
 
-    __slots__ = ("bid", "cu", "dec", "fields", "launch", "layers", "tables", "torch_views")
+    __slots__ = ("backend", "bid", "cu", "dec", "fields", "flag", "layers", "tables", "torch_views")
 
-    def __init__(self, meta: BatchMeta, q: Any, torch_views: bool, fields: tuple) -> None:
+    def __init__(self, meta: BatchMeta, q: Any, torch_views: bool, fields: tuple, backend: Any) -> None:
         self.fields, self.torch_views = fields, torch_views
+        self.backend, self.flag = backend, backend.error_flag(q)  # the device error flag of every launch
         self.cu = self._int32(meta.cu_seqlens_q, q)
         self.dec = self._int32(meta.seq_lens_decoder, q)
         self.bid = self._int32(meta.batch_id_per_token, q)
@@ -191,16 +191,18 @@ class _StepState:
             dev = self.cu.device if self.torch_views else None
             conv = _to_torch(raw, dev, int32=True) if self.torch_views else _paddle_int32(raw)
             launch = LaunchStep(
-                self.cu, self.dec, conv, self.bid, max_q_len=self.fields[5], max_context_len=self.fields[6]
-            )
+                self.cu, self.dec, conv, self.bid, max_q_len=self.fields[5], max_context_len=self.fields[6],
+                errors=self.flag,
+            )  # fmt: skip
             hit = self.tables[id(raw)] = (raw, launch)
         return hit[1], headwise
 
 
-def _step_state(meta: BatchMeta, q: Any, torch_views: bool) -> _StepState:
-    """The step's :class:`_StepState`, derived on the first layer (again if a field was replaced)."""
+def _step_state(meta: BatchMeta, q: Any, torch_views: bool, backend: Any) -> _StepState:
+    """The step's :class:`_StepState`, derived on the first layer (again if a field was replaced or
+    another backend runs the step)."""
     st = meta.__dict__.get(_STEP_ATTR)
-    if st is not None and st.torch_views == torch_views:
+    if st is not None and st.torch_views == torch_views and st.backend is backend:
         f = st.fields
         if (
             f[0] is meta.cu_seqlens_q
@@ -221,7 +223,7 @@ def _step_state(meta: BatchMeta, q: Any, torch_views: bool) -> _StepState:
         meta.max_seq_len_this_time,
         meta.max_context_len,
     )
-    st = _StepState(meta, q, torch_views, fields)
+    st = _StepState(meta, q, torch_views, fields, backend)
     meta.__dict__[_STEP_ATTR] = st
     return st
 
@@ -328,7 +330,7 @@ class TritonBackend(AttentionBackend):
     def _run(self, q, k, v, layer, meta, kv_cache, sinks, torch_views: bool) -> Any:
         """The cache write and the attention launch (``q``/``k``/``v`` in the kernels' framework);
         returns ``[T, Hq * Dv]``."""
-        step = _step_state(meta, q, torch_views)
+        step = _step_state(meta, q, torch_views, self)
         lt = step.layers.get(layer.index)
         if lt is None:
             lt = step.layers[layer.index] = step.table(meta, layer.index)
@@ -337,8 +339,8 @@ class TritonBackend(AttentionBackend):
         if plan is None or plan.stale(kv_cache, sinks):
             plan = self._new_plan(q, layer, kv_cache, sinks, headwise, torch_views)
         stream = plan.kernels.stream() if plan.direct else None
-        plan.write.run_step(k, v, launch, errors=plan.flag, stream=stream)
-        return plan.attend.run_step(q, launch, flat=True, errors=plan.flag, stream=stream)
+        plan.write.run_step(k, v, launch, stream=stream)
+        return plan.attend.run_step(q, launch, flat=True, stream=stream)
 
     def _new_plan(self, q, layer, kv_cache, sinks, headwise, torch_views) -> _LayerPlan:
         """Check the layer against the backend and the caches, and derive its launch plans (once per
@@ -370,7 +372,7 @@ class TritonBackend(AttentionBackend):
             logits_soft_cap=layer.logits_soft_cap,
         )  # fmt: skip
         write = CacheWritePlan(tkc, tvc, headwise=headwise)
-        plan = _LayerPlan(layer, kv_cache, sinks, write, attend, self.error_flag(q))
+        plan = _LayerPlan(layer, kv_cache, sinks, write, attend)
         if len(self._plans) >= _MAX_PLANS:  # caches replaced many times: drop the oldest plans
             self._plans.pop(next(iter(self._plans)))
         self._plans[(id(layer), id(kc), id(vc), headwise, q.dtype)] = plan

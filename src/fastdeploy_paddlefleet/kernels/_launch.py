@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 #: ``benchmarks/attention.py --no-direct-launch``). Read when a plan is built.
 DIRECT_LAUNCH: bool | None = None
 
+#: direct launches pass pointers as addresses (:meth:`KernelCache.run`); False: the tensors
+#: (``benchmarks/attention.py --tensor-args``: an A/B of the launcher's per-pointer cost). Read when a
+#: plan is built.
+ADDRESS_ARGS = True
+
 
 def direct_wanted() -> bool:
     """Whether direct launches are asked for: :data:`DIRECT_LAUNCH`, else ``FDFLEET_DIRECT_LAUNCH``."""
@@ -66,13 +71,17 @@ class KernelCache:
     ``launch(fn, key, grid, args, consts, stream)``: ``args`` are ``fn``'s leading (runtime)
     arguments in order, ``consts`` its remaining parameters by name (constexprs and launch options
     ``num_warps`` / ``num_stages``), ``key`` everything about this call that can change the compiled
-    kernel beyond ``fn`` and the plan's static setup (``None``: Triton's path, nothing kept)."""
+    kernel beyond ``fn`` and the plan's static setup (``None``: Triton's path, nothing kept). A plan
+    that builds its arguments itself asks :meth:`kernel` first and, on a hit, calls :meth:`run` with
+    addresses (no constexprs needed)."""
 
-    __slots__ = ("_get_stream", "_kernels", "device_index", "direct")
+    __slots__ = ("_get_stream", "_kernels", "addresses", "device_index", "direct")
 
     def __init__(self, device_index: int | None) -> None:
         self.device_index = device_index
         self.direct = device_index is not None and _direct_ok()
+        #: direct launches pass pointers as addresses (:meth:`run`; :data:`ADDRESS_ARGS` when built)
+        self.addresses = ADDRESS_ARGS
         # key -> (launcher, function handle, packed metadata, trailing parameters): read once per hit
         self._kernels: dict[Any, tuple[Any, Any, Any, tuple]] = {}
         self._get_stream = None
@@ -85,17 +94,14 @@ class KernelCache:
             self._get_stream = driver.active.get_current_stream
         return self._get_stream(self.device_index)
 
-    def launch(self, fn: Any, key: Any, grid: tuple, args: tuple, consts: dict, stream: int | None) -> None:
-        hit = self._kernels.get(key) if key is not None and self.direct else None
-        if hit is None:
-            kernel = fn[grid](*args, **consts)
-            if key is not None and self.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
-                names = fn.arg_names[len(args) :]
-                tail = tuple(
-                    consts.get(n, p.default) for n, p in zip(names, fn.params[len(args) :], strict=True)
-                )
-                self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
-            return
+    def kernel(self, key: Any) -> tuple | None:
+        """The kernel kept for ``key`` (``None``: none yet, or no key): pass it to :meth:`run`."""
+        return None if key is None else self._kernels.get(key)
+
+    def run(self, hit: tuple, grid: tuple, args: tuple, stream: int | None) -> None:
+        """Launch a kept kernel (:meth:`kernel`) directly. With :attr:`addresses` its pointer arguments
+        may be addresses (ints): the compiled launcher takes an int as it is, while a tensor costs it a
+        ``data_ptr()`` call and a driver query (``cuPointerGetAttribute``) per pointer."""
         run, function, packed, tail = hit
         n = len(grid)
         if n == 1:
@@ -105,26 +111,50 @@ class KernelCache:
         else:
             run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *tail)
 
+    def launch(self, fn: Any, key: Any, grid: tuple, args: tuple, consts: dict, stream: int | None) -> None:
+        """Launch ``fn``: directly if a kernel is kept for ``key``, else through Triton (compiling if
+        needed), keeping the kernel when there is a key. ``args`` are tensors here (Triton specialises
+        on them on its path)."""
+        hit = self._kernels.get(key) if key is not None and self.direct else None
+        if hit is not None:
+            self.run(hit, grid, args, stream)
+            return
+        kernel = fn[grid](*args, **consts)
+        if key is not None and self.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
+            names = fn.arg_names[len(args) :]
+            tail = tuple(consts.get(n, p.default) for n, p in zip(names, fn.params[len(args) :], strict=True))
+            self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
+
     def __len__(self) -> int:
         return len(self._kernels)
+
+
+def _on_gpu(x: Any) -> bool:
+    """Whether ``x`` is a CUDA tensor (paddle tensors: never launched directly)."""
+    return getattr(x, "is_cuda", False) is True
 
 
 class LaunchStep:
     """One step's metadata as the kernels take it: ``cu_seqlens_q [bsz + 1]``, ``seq_lens_decoder
     [bsz]``, ``block_tables [rows, width]`` and (cache writes) ``batch_id_per_token [T]``, integer
-    tensors on the kernels' device, plus the host maxima ``max_q_len`` / ``max_context_len`` (or
-    ``None``). Derived once per step (sizes, strides, dtypes for a direct launch's key, whether every
-    pointer is 16-byte aligned) and shared by every launch that reads the same table."""
+    tensors on the kernels' device, the host maxima ``max_q_len`` / ``max_context_len`` (or ``None``),
+    and the device error flag ``errors`` (``int32 [8]``, ``kernels/errors.py``; ``None``: no flag).
+    Derived once per step (sizes, strides, dtypes for a direct launch's key, addresses, whether every
+    tensor is on a GPU and 16-byte aligned) and shared by every launch that reads the same table."""
 
     __slots__ = (
-        "aligned",
         "bid",
+        "bid_ptr",
         "cu",
         "dec",
+        "direct_ok",
+        "err_arg",
+        "errors",
         "max_context_len",
         "max_q_len",
         "n_blk",
         "num_reqs",
+        "ptrs",
         "sig",
         "stride_tbl",
         "table",
@@ -139,22 +169,40 @@ class LaunchStep:
         *,
         max_q_len: int | None = None,
         max_context_len: int | None = None,
+        errors: Any = None,
     ) -> None:
         if block_tables.dim() != 2:
             raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
         self.cu, self.dec, self.table = cu_seqlens_q, seq_lens_decoder, block_tables
-        self.bid = batch_id_per_token
+        self.bid, self.errors = batch_id_per_token, errors
+        self.err_arg = errors if errors is not None else block_tables  # any pointer when there is no flag
         self.max_q_len, self.max_context_len = max_q_len, max_context_len
         self.num_reqs = cu_seqlens_q.shape[0] - 1
         self.n_blk, self.stride_tbl = block_tables.shape[1], block_tables.stride(0)
-        ptrs = cu_seqlens_q.data_ptr() | seq_lens_decoder.data_ptr() | block_tables.data_ptr()
+        #: addresses of cu_seqlens_q, seq_lens_decoder, block_tables, the error flag (or the table);
+        #: ``bid_ptr``: batch_id_per_token's (0 without). What a direct launch passes.
+        self.ptrs = (cu_seqlens_q.data_ptr(), seq_lens_decoder.data_ptr(), block_tables.data_ptr())
+        self.ptrs += (self.err_arg.data_ptr(),)
+        self.bid_ptr = 0
         bid_dtype = None
+        on_gpu = _on_gpu(cu_seqlens_q) and _on_gpu(seq_lens_decoder) and _on_gpu(self.err_arg)
+        on_gpu = on_gpu and _on_gpu(block_tables)
         if batch_id_per_token is not None:
-            ptrs |= batch_id_per_token.data_ptr()
+            self.bid_ptr = batch_id_per_token.data_ptr()
             bid_dtype = batch_id_per_token.dtype
-        self.aligned = not ptrs & 15
-        #: the metadata's part of a direct launch's key (Triton compiles per pointer dtype)
-        self.sig = (cu_seqlens_q.dtype, seq_lens_decoder.dtype, block_tables.dtype, bid_dtype)
+            on_gpu = on_gpu and _on_gpu(batch_id_per_token)
+        ptrs = self.ptrs
+        #: every tensor on a GPU and 16-byte aligned: direct launches may take this step
+        self.direct_ok = on_gpu and not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | self.bid_ptr) & 15
+        #: the metadata's part of a direct launch's key (Triton compiles per pointer dtype; the flag
+        #: switches the error recording on)
+        self.sig = (
+            cu_seqlens_q.dtype,
+            seq_lens_decoder.dtype,
+            block_tables.dtype,
+            bid_dtype,
+            errors is not None,
+        )
 
 
 def tensor_version(x: Any) -> int:

@@ -110,8 +110,8 @@ def write_kv_cache(
     else:
         plan.bind(key_cache, value_cache)
     try:
-        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token)
-        plan.run_step(k, v, step, errors=errors)
+        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors=errors)
+        plan.run_step(k, v, step)
     finally:
         if key is not None:
             plan.bind(None, None)  # the memo keeps no cache alive
@@ -172,7 +172,8 @@ class CacheWritePlan:
         index = (dev.index if dev.index is not None else 0) if on_gpu else None
         self.kernels = KernelCache(index if cached else None)
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
-        self.static_aligned = not ((key_cache.data_ptr() | value_cache.data_ptr()) & 15)
+        self.ptrs = (key_cache.data_ptr(), value_cache.data_ptr())  # what a direct launch passes
+        self.static_aligned = not ((self.ptrs[0] | self.ptrs[1]) & 15)
 
     def bind(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
         """Point the plan at ``key_cache`` / ``value_cache``: tensors equal to the ones it was built for
@@ -194,8 +195,8 @@ class CacheWritePlan:
         """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` (this plan's heads and dims) for one step's
         metadata (as in :func:`write_kv_cache`). ``stream``: the current stream when the caller read
         it already (saves a lookup)."""
-        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token)
-        self.run_step(k, v, step, errors=errors, stream=stream)
+        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors=errors)
+        self.run_step(k, v, step, stream=stream)
 
     def run_step(
         self,
@@ -203,7 +204,6 @@ class CacheWritePlan:
         v: torch.Tensor,
         step: LaunchStep,
         *,
-        errors: torch.Tensor | None = None,
         stream: int | None = None,
     ) -> None:
         """:meth:`run` on a step's :class:`~._launch.LaunchStep` (with ``batch_id_per_token``), derived
@@ -214,19 +214,28 @@ class CacheWritePlan:
         ks, vs = k.stride(), v.stride()
         if ks[2] != 1 or vs[2] != 1:
             raise ValueError(f"k and v need a contiguous last dim, got strides {ks} and {vs}")
-        has_err = errors is not None
-        table = step.table
-        err_arg = errors if has_err else table
-        args = (
-            k, v, self.key_cache, self.value_cache, step.bid, step.cu, step.dec, table, err_arg,
-            ks[0], ks[1], vs[0], vs[1], *self.cache_strides, step.stride_tbl, step.n_blk, self.n_pages,
-            step.num_reqs,
-        )  # fmt: skip
+        if step.bid is None:
+            raise ValueError("a cache write's LaunchStep needs batch_id_per_token")
         cache = self.kernels
         key = None
-        if cache.direct and step.aligned and self.static_aligned:
-            if not (k.data_ptr() | v.data_ptr() | err_arg.data_ptr()) & 15:  # else Triton's path
-                key = (ks, vs, k.dtype, v.dtype, step.sig, has_err)
+        if cache.direct and step.direct_ok and self.static_aligned and k.is_cuda and v.is_cuda:
+            kp, vp = k.data_ptr(), v.data_ptr()
+            if not (kp | vp) & 15:  # else Triton's path: it specialises on alignment
+                key = (ks, vs, k.dtype, v.dtype, step.sig)
                 if stream is None:
                     stream = cache.stream()
-        cache.launch(_write_kv_kernel, key, (t,), args, self._consts[has_err], stream)
+        hit = cache.kernel(key)
+        if hit is not None and cache.addresses:
+            ptr_args = (kp, vp, *self.ptrs, step.bid_ptr, *step.ptrs)
+        else:
+            ptr_args = (
+                k, v, self.key_cache, self.value_cache, step.bid, step.cu, step.dec, step.table, step.err_arg
+            )  # fmt: skip
+        args = (
+            *ptr_args, ks[0], ks[1], vs[0], vs[1], *self.cache_strides, step.stride_tbl, step.n_blk,
+            self.n_pages, step.num_reqs,
+        )  # fmt: skip
+        if hit is not None:
+            cache.run(hit, (t,), args, stream)
+        else:
+            cache.launch(_write_kv_kernel, key, (t,), args, self._consts[step.errors is not None], stream)

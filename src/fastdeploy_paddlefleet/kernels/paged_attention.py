@@ -794,10 +794,13 @@ class AttentionPlan:
         self._consts: dict = {}  # per (kernel, has_err[, splits]): the launch's constexprs and options
         self._splits: dict = {}  # (requests, key span) -> split count
         self.torch_empty = torch.empty if is_torch(q) else None
-        static_ptrs = (
-            key_cache.data_ptr() | value_cache.data_ptr() | (sinks.data_ptr() if sinks is not None else 0)
+        # the caches' and sinks' addresses: what a direct launch passes (kernels/_launch.py)
+        self.ptrs = (
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            sinks.data_ptr() if sinks is not None else 0,
         )
-        self.static_aligned = not (static_ptrs & 15)
+        self.static_aligned = not ((self.ptrs[0] | self.ptrs[1] | self.ptrs[2]) & 15)
         self.out_strides = (hq * dv, dv)  # of an output the plan allocates ([T, Hq, Dv] or [T, Hq * Dv])
 
     def bind(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
@@ -809,6 +812,22 @@ class AttentionPlan:
         if hop is not None:  # its TMA descriptors read the caches' addresses at each launch
             hop.value_cache = value_cache
             hop.k_desc.base, hop.v_desc.base = key_cache, value_cache
+
+    def _tensor_args(self, q: torch.Tensor, out: torch.Tensor, step: LaunchStep) -> tuple:
+        """The kernels' pointer arguments as tensors (Triton's path): q, the caches, out, the sinks (q
+        when unused), cu_seqlens_q, seq_lens_decoder, the table, the error flag (the table when none)."""
+        sink_arg = self.sinks if self.sink_mode == 1 else q
+        return (
+            q,
+            self.key_cache,
+            self.value_cache,
+            out,
+            sink_arg,
+            step.cu,
+            step.dec,
+            step.table,
+            step.err_arg,
+        )
 
     def run(
         self,
@@ -828,9 +847,10 @@ class AttentionPlan:
         for one step's metadata (as in :func:`paged_attention`); returns ``out [T, Hq, Dv]``.
         ``stream``: the current CUDA stream when the caller read it already."""
         step = LaunchStep(
-            cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len, max_context_len=max_context_len
-        )
-        return self.run_step(q, step, out=out, num_splits=num_splits, errors=errors, stream=stream)
+            cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
+            max_context_len=max_context_len, errors=errors,
+        )  # fmt: skip
+        return self.run_step(q, step, out=out, num_splits=num_splits, stream=stream)
 
     def run_step(
         self,
@@ -840,7 +860,6 @@ class AttentionPlan:
         out: torch.Tensor | None = None,
         flat: bool = False,
         num_splits: int | None = None,
-        errors: torch.Tensor | None = None,
         stream: int | None = None,
     ) -> torch.Tensor:
         """:meth:`run` on a step's :class:`~._launch.LaunchStep` (derived once per step, shared by every
@@ -851,66 +870,77 @@ class AttentionPlan:
         if qs[2] != 1:
             raise ValueError(f"q needs a contiguous last dim, got strides {qs}")
         hq, dv = self.hq, self.dv
-        if out is None:
+        given = out is not None
+        if not given:
             shape = (t, hq * dv) if flat else (t, hq, dv)
             if self.torch_empty is not None:
                 out = self.torch_empty(shape, dtype=self.dtype, device=self.device)
             else:
                 out = empty(shape, self.dtype, q)
             out3 = None if flat else out
-            ost = self.out_strides  # a fresh allocation: contiguous, 16-byte aligned
-            ptrs = 0
+            ost = self.out_strides  # a fresh allocation: contiguous
         else:
-            out3, flat = out, False
+            out3 = out
             ost = out.stride()
-            ptrs = out.data_ptr()
         num_reqs = step.num_reqs
         if t == 0 or num_reqs <= 0:
             return out
-        kc, vc = self.key_cache, self.value_cache
-        table = step.table
+        table, errors = step.table, step.errors
         has_err = errors is not None
-        err_arg = errors if has_err else table  # any pointer when unused
-        sink_arg = self.sinks if self.sink_mode == 1 else q  # any pointer when unused
         cache = self.kernels
-        key = None
-        if cache.direct and step.aligned and self.static_aligned:
-            ptrs |= q.data_ptr() | err_arg.data_ptr()
-            if not ptrs & 15:  # else Triton's path: it specialises on alignment
+        key = direct = None
+        if (
+            cache.direct
+            and step.direct_ok
+            and self.static_aligned
+            and q.is_cuda
+            and (not given or out.is_cuda)
+        ):
+            qp, op = q.data_ptr(), out.data_ptr()
+            if not (qp | op) & 15:  # else Triton's path: it specialises on alignment
                 if stream is None:
                     stream = cache.stream()
-                key = (qs[0], qs[1], ost[0], ost[1], step.sig, has_err)
+                key = (qs[0], qs[1], ost[0], ost[1], step.sig)
+                kp, vp, sp = self.ptrs  # addresses for a direct launch (KernelCache.addresses)
+                direct = (qp, kp, vp, op, sp if self.sink_mode == 1 else qp, *step.ptrs)
+
         # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
         max_q_len = step.max_q_len
         run_prefill = max_q_len is None or max_q_len > 1
         run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
-        cu, dec = step.cu, step.dec
         if run_prefill and self._hopper_args is not None:
             if self.hopper is None:
-                self.hopper = HopperPlan(kc, vc, self.hq, self.sinks, **self._hopper_args)
+                self.hopper = HopperPlan(
+                    self.key_cache, self.value_cache, self.hq, self.sinks, **self._hopper_args
+                )
             if out3 is None:
                 out3 = out.view(t, hq, dv)
-            self.hopper.run(
-                q, out3, cu, dec, table, errors, cache, None if key is None else ("hopper", key), stream
-            )
+            hkey = None if key is None else ("hopper", key)
+            self.hopper.run(q, out3, step.cu, step.dec, table, errors, cache, hkey, stream)
         elif run_prefill:
             cfg, desc = self.prefill_cfg, self.prefill_desc
+            pkey = None if key is None else ("prefill", key)
+            hit = cache.kernel(pkey)
+            addr = hit is not None and cache.addresses
+            pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = direct if addr else self._tensor_args(q, out, step)
             grid = ((t // self.block_q + num_reqs) * self.hkv,)
             args = (
-                q, kc, vc, out, desc and desc[0], desc and desc[1], sink_arg, cu, dec, table, err_arg,
+                pq, pk, pv, po, desc and desc[0], desc and desc[1], ps, pcu, pdec, ptbl, perr,
                 qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk,
                 self.n_pages, t, num_reqs, 2, self.qk_scale, self.window, self.win_h0, self.win_h1,
             )  # fmt: skip
-            consts = self._consts.get(("prefill", has_err))
-            if consts is None:
-                consts = self._consts[("prefill", has_err)] = dict(
-                    G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
-                    USE_TMA=desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile, HAS_ERR=has_err,
-                    ERR_LOOP=ERR_LOOP_PREFILL,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
-                )  # fmt: skip
-            pkey = None if key is None else ("prefill", key)
-            cache.launch(_prefill_kernel, pkey, grid, args, consts, stream)
+            if hit is not None:
+                cache.run(hit, grid, args, stream)
+            else:
+                consts = self._consts.get(("prefill", has_err))
+                if consts is None:
+                    consts = self._consts[("prefill", has_err)] = dict(
+                        G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n,
+                        SINK_MODE=self.sink_mode, USE_TMA=desc is not None, EXP_BF16=self.exp_bf16,
+                        PROFILE=cfg.profile, HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_PREFILL,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
+                    )  # fmt: skip
+                cache.launch(_prefill_kernel, pkey, grid, args, consts, stream)
         if not run_decode:
             return out
 
@@ -927,30 +957,38 @@ class AttentionPlan:
                 num_splits = choose_num_splits(num_reqs, self.hkv, span, self.decode_cfg.block_n, self.sms)
                 self._splits[(num_reqs, span)] = num_splits
         desc = self.decode_desc
-        mid_o = mid_l = q  # unused unless split
+        dkey = None if key is None else ("decode", num_splits, key)  # NUM_SPLITS is compiled in
+        hit = cache.kernel(dkey)
+        addr = hit is not None and cache.addresses
+        pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = direct if addr else self._tensor_args(q, out, step)
+        mid_o = mid_l = pq  # unused unless split
         if num_splits > 1:
             mid_o = empty((num_reqs, hq, num_splits, dv), "float32", q)
             mid_l = empty((num_reqs, hq, num_splits), "float32", q)
         args = (
-            q, kc, vc, out, desc and desc[0], desc and desc[1], mid_o, mid_l, sink_arg, cu, dec, table,
-            err_arg, qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk,
+            pq, pk, pv, po, desc and desc[0], desc and desc[1], mid_o, mid_l, ps, pcu, pdec, ptbl, perr,
+            qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk,
             self.n_pages, t, self.qk_scale, self.window, self.win_h0, self.win_h1,
         )  # fmt: skip
-        consts = self._consts.get(("decode", has_err, num_splits))
-        if consts is None:
-            cfg = self.decode_cfg
-            consts = self._consts[("decode", has_err, num_splits)] = dict(
-                G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
-                NUM_SPLITS=num_splits, USE_TMA=desc is not None, HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_DECODE,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
-            )  # fmt: skip
-        dkey = None if key is None else ("decode", num_splits, key)  # NUM_SPLITS is compiled in
-        cache.launch(_decode_kernel, dkey, (num_reqs, self.hkv, num_splits), args, consts, stream)
+        grid = (num_reqs, self.hkv, num_splits)
+        if hit is not None:
+            cache.run(hit, grid, args, stream)
+        else:
+            consts = self._consts.get(("decode", has_err, num_splits))
+            if consts is None:
+                cfg = self.decode_cfg
+                consts = self._consts[("decode", has_err, num_splits)] = dict(
+                    G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n,
+                    SINK_MODE=self.sink_mode, NUM_SPLITS=num_splits, USE_TMA=desc is not None,
+                    HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_DECODE, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, **self.consts,
+                )  # fmt: skip
+            cache.launch(_decode_kernel, dkey, grid, args, consts, stream)
         if num_splits > 1:
             if out3 is None:
                 out3 = out.view(t, hq, dv)
             split_kv_reduce(
-                mid_o, mid_l, out3, cu, self.sinks, self.sink_mode, kernels=cache,
+                mid_o, mid_l, out3, step.cu, self.sinks, self.sink_mode, kernels=cache,
                 key=None if key is None else ("reduce", num_splits, key), stream=stream,
             )  # fmt: skip
         return out
