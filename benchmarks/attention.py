@@ -843,7 +843,7 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
     from fastdeploy_paddlefleet.kernels import _launch
 
     direct = getattr(_launch, "direct_wanted", lambda: bool(_launch.DIRECT_LAUNCH))()  # older trees: the flag
-    launch_kw = {"direct_launch": direct}
+    launch_kw = {"direct_launch": direct, "address_args": getattr(_launch, "ADDRESS_ARGS", False)}
     for name, fn in cases:
         try:
             rec = _host_us(fn, calls)
@@ -1079,6 +1079,12 @@ def main(argv=None) -> int:
         help="every launch through Triton's own launch path (A/B against direct launches)",
     )
     ap.add_argument(
+        "--tensor-args",
+        action="store_true",
+        help="direct launches pass tensors, not addresses (kernels/_launch.py ADDRESS_ARGS; an A/B of the "
+        "launcher's per-pointer cost)",
+    )
+    ap.add_argument(
         "--src",
         default=None,
         help="import fastdeploy_paddlefleet from this source tree instead (A/B against an older commit)",
@@ -1116,10 +1122,13 @@ def main(argv=None) -> int:
             os.environ["TRITON_INTERPRET"] = "1"
     import triton
 
-    if args.direct_launch is not None:  # an older tree (--src) reads the same module attribute
+    if args.direct_launch is not None or args.tensor_args:  # an older tree (--src): the same attributes
         from fastdeploy_paddlefleet.kernels import _launch
 
-        _launch.DIRECT_LAUNCH = args.direct_launch
+        if args.direct_launch is not None:
+            _launch.DIRECT_LAUNCH = args.direct_launch
+        if args.tensor_args:
+            _launch.ADDRESS_ARGS = False
     if args.err_scan:
         from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
 
