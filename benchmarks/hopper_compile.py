@@ -1,0 +1,152 @@
+"""Compile the Hopper prefill kernel for sm_90a without a GPU: registers, stack, spills, shared memory.
+
+Needs the device's Triton (3.6: Gluon's API moves between releases) importable ahead of any other, e.g.
+``pip install --target DIR triton==3.6.0`` then ``PYTHONPATH=DIR:src``; torch (CPU) builds the plans.
+Triton's own ptxas and cuobjdump assemble and read the cubin. A stub driver stands in for the GPU.
+
+Usage::
+
+    PYTHONPATH=DIR:src python benchmarks/hopper_compile.py [--case '{"dqk": 192, "dv": 128}' ...]
+        [--sass-dir DIR] [--json]
+
+Each case: ``dqk``, ``dv`` and optionally ``hq``, ``hkv``, ``bs``, ``sink_mode``, ``has_window``,
+``headwise``, ``softcap`` and any :class:`HopperPlan` tile keyword (``block_n``, ``q_bufs``,
+``num_stages``, ``q_late``, ``profile``). ``LDL`` / ``STL`` count local-memory loads / stores in the
+SASS: where they sit (per tile, per item, at a partition's entry) needs the SASS (``--sass-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CASES = [
+    dict(dqk=128, dv=128, hq=32, hkv=8),
+    dict(dqk=192, dv=128, hq=16, hkv=16),
+    dict(dqk=256, dv=256, hq=32, hkv=8),
+]
+
+
+def _stub_driver() -> None:
+    """Make Triton compile for sm_90 (device 0, stream 0) on a machine without a GPU."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Stub:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(_Stub())
+
+
+def compile_case(case: dict, sass_dir: str | None = None) -> dict:
+    """Compile one case (see the module docstring) and read its resources off the cubin."""
+    import torch
+    import triton
+
+    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
+
+    c = dict(case)
+    dqk, dv = c.pop("dqk"), c.pop("dv")
+    hq, hkv, bs = c.pop("hq", 16), c.pop("hkv", 16), c.pop("bs", 64)
+    sink_mode, has_window, headwise = (
+        c.pop("sink_mode", 1),
+        c.pop("has_window", False),
+        c.pop("headwise", False),
+    )
+    kc = torch.zeros(8, hkv, bs, dqk, dtype=torch.bfloat16)
+    vc = torch.zeros(8, hkv, bs, dv, dtype=torch.bfloat16)
+    q = torch.zeros(64, hq, dqk, dtype=torch.bfloat16)
+    out = torch.zeros(64, hq, dv, dtype=torch.bfloat16)
+    sinks = torch.zeros(hq, dtype=torch.float32)
+    plan = hp.HopperPlan(kc, vc, hq, sinks, qk_scale=0.1, sink_mode=sink_mode, headwise=headwise,
+                         has_window=has_window, window=100, win_h0=0, win_h1=hkv, num_ctas=132,
+                         **c)  # fmt: skip
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    tbl = torch.zeros(1, 4, dtype=torch.int32)
+    err = torch.zeros(8, dtype=torch.int32)
+    args = (q, out, vc, plan.k_desc, plan.v_desc, sinks, cu, cu[:1], tbl, err,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), vc.stride(2), tbl.stride(0), tbl.shape[1],
+            plan.n_pages, q.shape[0], 1, 2, *plan.scalars, 16)  # fmt: skip
+    kernel = hp._hopper_prefill_kernel.warmup(*args, grid=(1,), **plan._consts[True])
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
+    if m is None:
+        raise ValueError(f"no resource line in cuobjdump's report: {res[-300:]!r}")
+    tiles = {
+        k: plan.consts[k]
+        for k in ("BLOCK_N", "Q_BUFS", "NUM_STAGES", "QKC", "CONSUMER_REGS", "PRODUCER_REGS")
+    }
+    rec = dict(case=case, regs_at_entry=int(m[1]), stack=int(m[2]), local=int(m[3]),
+               smem=kernel.metadata.shared, ldl=sass.count(" LDL"), stl=sass.count(" STL"),
+               hgmma=sass.count("HGMMA"), **tiles)  # fmt: skip
+    if sass_dir:
+        os.makedirs(sass_dir, exist_ok=True)
+        name = "_".join(f"{k}{v}" for k, v in sorted(case.items())).replace(" ", "")
+        path = os.path.join(sass_dir, f"hopper_prefill_{name}.sass")
+        with open(path, "w") as f:
+            f.write(sass)
+        rec["sass"] = path
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", action="append", default=None, help="a JSON object (repeatable)")
+    ap.add_argument("--sass-dir", default=None, help="write each case's SASS here")
+    ap.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
+    args = ap.parse_args(argv)
+    try:
+        cases = [json.loads(c) for c in args.case] if args.case else DEFAULT_CASES
+    except json.JSONDecodeError as e:
+        print(f"error: --case is not JSON: {e}", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+    _stub_driver()
+    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
+
+    if not hp.gluon_available():
+        print(f"error: gluon unavailable: {hp.GLUON_IMPORT_ERROR!r}", file=sys.stderr)
+        return 2
+    rc = 0
+    for case in cases:
+        try:
+            rec = compile_case(case, args.sass_dir)
+        except Exception as e:  # noqa: BLE001 - report every case
+            rec, rc = {"case": case, "error": repr(e)[:500]}, 1
+        if args.json:
+            print(json.dumps(rec), flush=True)
+        elif "error" in rec:
+            print(f"{json.dumps(case)}: {rec['error']}", flush=True)
+        else:
+            print(f"{json.dumps(case)}: entry regs {rec['regs_at_entry']}, stack {rec['stack']} B, "
+                  f"LDL {rec['ldl']} / STL {rec['stl']}, smem {rec['smem']} B, BLOCK_N {rec['BLOCK_N']}, "
+                  f"Q_BUFS {rec['Q_BUFS']}, stages {rec['NUM_STAGES']}", flush=True)  # fmt: skip
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
