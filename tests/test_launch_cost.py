@@ -1,10 +1,13 @@
-"""Host cost per launch (issue 20): launch plans, per-step state, direct launches of compiled kernels.
+"""Host cost per launch (issue 20): launch plans, per-step state, direct launches of compiled kernels,
+the one-shot wrappers' plan memo.
 
 CPU cases check the bookkeeping with fakes (which launch goes through Triton, which one is direct, with
-which arguments) and that the backend derives per-layer plans once and per-step metadata once per
-step. GPU cases (``gpu``) check that direct launches compute exactly what Triton's own launch path
-computes (bitwise, on fresh metadata every step, misaligned views included) and report the host time
-per call (the figures themselves are in ``benchmarks/attention.py --cases host``).
+which arguments: a direct launch passes the addresses of the tensors Triton's path was given), that the
+backend derives per-layer plans once and per-step metadata once per step, and that the one-shot
+wrappers reuse a plan only while nothing it derives from changed (dense reference). GPU cases (``gpu``)
+check that direct launches compute exactly what Triton's own launch path computes (bitwise, on fresh
+metadata every step, misaligned views included, addresses or tensors) and report the host time per
+call (the figures themselves are in ``benchmarks/attention.py --cases host``).
 """
 
 from __future__ import annotations
@@ -406,10 +409,15 @@ def test_one_shot_memo_keeps_no_cache_alive(fresh_memos):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("address_args", [True, False])
 @pytest.mark.parametrize("kind", ["decode", "mixed", "headwise-window"])
-def test_gpu_direct_launches_equal_tritons_path(kind, direct_launch):
+def test_gpu_direct_launches_equal_tritons_path(kind, address_args, direct_launch, monkeypatch):
     """Several steps through one backend (plans and direct launches after the first) against the
-    one-shot wrappers (Triton's own launch path) on copies of the same caches: bitwise equal."""
+    one-shot wrappers run through Triton's own launch path on copies of the same caches: bitwise
+    equal, whether the direct launches pass addresses or tensors."""
+    from fastdeploy_paddlefleet.kernels import _launch
+
+    monkeypatch.setattr(_launch, "ADDRESS_ARGS", address_args)
     backend = TritonBackend(validate=False, host_checks=False)
     hkv = REAL["hkv"]
     if kind == "headwise-window":
@@ -441,6 +449,7 @@ def test_gpu_direct_launches_equal_tritons_path(kind, direct_launch):
         big_v[:nb].copy_(s.value_cache)
         kc, vc = big_k.clone(), big_v.clone()
         out = backend.forward(s.q, s.k, s.v, layer, meta, (big_k, big_v), sinks)
+        monkeypatch.setattr(_launch, "DIRECT_LAUNCH", False)  # the references: Triton's path every call
         write_kv_cache(s.k, s.v, kc, vc, s.bid, s.cu, s.dec, s.table, headwise=headwise)
         slides = layer.window_left is not None
         want = paged_attention(
@@ -449,6 +458,7 @@ def test_gpu_direct_launches_equal_tritons_path(kind, direct_launch):
             sliding_heads=layer.sliding_kv_heads if slides else None, sink_kind=layer.sink, sinks=sinks,
             max_q_len=meta.max_seq_len_this_time, max_context_len=meta.max_context_len,
         )  # fmt: skip
+        monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
         torch.cuda.synchronize()
         assert torch.equal(out, want.view(want.shape[0], -1)), (kind, seed)
         assert torch.equal(big_k.nan_to_num(7.0), kc.nan_to_num(7.0))
@@ -524,3 +534,38 @@ def test_gpu_host_time_per_layer_is_reported(direct_launch):
     wrappers = per_call(one_shot)
     print(f"host us per layer: served backend {served:.1f}, one-shot wrappers {wrappers:.1f}")
     assert served < wrappers
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_gpu_one_shot_wrappers_reuse_their_plan_and_launch_directly(kind, direct_launch):
+    """Eager one-shot calls with the same caches: one memoised plan per wrapper whose kernels launch
+    directly after the first call; every call bitwise equal to Triton's own path (a plan that keeps no
+    kernels), with fresh step contents in the same tensors."""
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    pa._PLANS.clear()
+    cw._PLANS.clear()
+    reqs = [(300, 1), (40, 1), (7, 1)] if kind == "decode" else [(300, 33), (0, 64)]
+    base = make_step(reqs, dtype=torch.bfloat16, seed=1, **REAL)
+    kc, vc = base.key_cache, base.value_cache
+    max_q = max(n for _, n in reqs)
+    for seed in range(3):
+        s = make_step(reqs, dtype=torch.bfloat16, seed=seed + 2, **REAL)
+        kc.copy_(s.key_cache)
+        vc.copy_(s.value_cache)
+        ref_k, ref_v = kc.clone(), vc.clone()
+        write_kv_cache(s.k, s.v, kc, vc, s.bid, s.cu, s.dec, s.table)
+        got = paged_attention(s.q, kc, vc, s.cu, s.dec, s.table, scale=0.1, max_q_len=max_q)
+        ref_w = cw.CacheWritePlan(ref_k, ref_v, cached=False)
+        ref_w.run(s.k, s.v, s.bid, s.cu, s.dec, s.table)
+        ref = pa.AttentionPlan(ref_k, ref_v, s.q, scale=0.1, cached=False)
+        want = ref.run(s.q, s.cu, s.dec, s.table, max_q_len=max_q)
+        torch.cuda.synchronize()
+        assert torch.equal(kc.nan_to_num(7.0), ref_k.nan_to_num(7.0)), seed
+        assert torch.equal(got, want), seed
+    assert len(pa._PLANS) == 1 and len(cw._PLANS) == 1
+    ((plan, _),) = pa._PLANS._plans.values()
+    assert len(plan.kernels) >= 1 and plan.key_cache is None  # direct kernels kept, no cache held
