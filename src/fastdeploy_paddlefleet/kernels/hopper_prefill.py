@@ -2,8 +2,11 @@
 
 Same contract as the prefill half of :func:`.paged_attention.paged_attention` (packed requests with
 context in the cache, GQA packing, sliding windows that skip whole key tiles, head-wise windows and
-tables, sinks, ``Dqk != Dv``); the portable Triton kernel stays the path for every other GPU and for
-the interpreter. :func:`supported` says when this path applies; the caller falls back otherwise.
+tables, sinks, soft-capping, ``Dqk != Dv``) for head dims 64 / 128 in any mix, MLA's 192 / 128 and
+256 / 256; the portable Triton kernel stays the path for every other GPU and for the interpreter.
+:func:`supported` says when this path applies; the caller falls back otherwise. Shared memory sets
+the tiles (:func:`tile_for`): 128-key tiles with two Q buffers up to 128 / 128, one Q buffer for
+192 / 128, 64-key tiles and one Q buffer for 256 / 256.
 
 Structure: a persistent grid (one CTA per SM) whose CTA ``p`` takes the work items ``p, p + grid,
 ...``; an item is (a tile of ``2 * BLOCK_Q`` query tokens of one request, kv head), numbered so that
@@ -13,12 +16,13 @@ a request's longest tiles come first. Three warpgroups per CTA:
   ``BLOCK_N`` keys into a ``NUM_STAGES``-deep shared-memory ring by TMA, one ``[box, 64]`` copy per
   page and 64-column chunk (the cache viewed as ``[pages * block_size, D]``), completing on
   ``k_ready`` / ``v_ready`` mbarriers; it also loads each item's query rows into one of two Q
-  buffers, so the next item's Q and first K/V tiles arrive while the consumers finish the current
-  one (no pipeline refill between items). A tile whose keys run past the sequence end or into an
-  absent page (``-1``) gets its V rows by plain loads instead, the invalid rows zero-filled (stale
-  slots may hold NaN and ``0 * NaN`` would poison ``P @ V``);
+  buffers (one where shared memory is short), so the next item's Q and first K/V tiles arrive while
+  the consumers finish the current one (no pipeline refill between items). A tile whose keys run
+  past the sequence end or into an absent page (``-1``) gets its V rows by plain loads instead, the
+  invalid rows zero-filled (stale slots may hold NaN and ``0 * NaN`` would poison ``P @ V``);
 * two **consumers** own 64-row halves of the query rows (tokens x padded group heads) and run
-  the online softmax against their own wgmma's: ``S(j) = Q K(j)^T`` is issued before
+  the online softmax against their own wgmma's: ``S(j) = Q K(j)^T`` (for 192-wide heads three
+  chained wgmma's over 64-column parts: shared-memory shapes are powers of two) is issued before
   ``O += P(j-1) V(j-1)``, so the softmax of tile ``j`` runs while the tensor cores finish the
   previous ``P @ V`` (wgmma groups retire in order); the two warpgroups interleave on the tensor
   cores on their own. An enforced ping-pong (each warpgroup issuing its wgmma's only after the
@@ -81,8 +85,8 @@ def _next_pow2(x: int) -> int:
 BLOCK_M = 64  # query rows (tokens x padded group heads) per consumer warpgroup
 # sm_90's shared memory per block (227 KB) less room for the mbarriers and layout-conversion scratch
 SMEM_LIMIT = 232448 - 2048
-# head dims (qk, v) this kernel is built and tested for: larger ones no longer fit a double-buffered
-# Q and 128-key tiles in shared memory, see tile_for
+# head dims (qk, v) this kernel is built and tested for (tile_for fits each in shared memory; others
+# run on the portable kernel)
 HEAD_DIMS = frozenset({(64, 64), (64, 128), (128, 64), (128, 128), (192, 128), (256, 256)})
 
 
