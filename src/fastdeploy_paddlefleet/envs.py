@@ -65,8 +65,8 @@ def _raw(name: str) -> str | None:
 def raw_values(*names: str) -> tuple[str | None, ...]:
     """The unparsed values of ``names`` (``None`` where unset), for cache keys: something built under
     one value is built again when it changes, and parses the value strictly where it uses it."""
-    env = os.environ
-    return tuple(env.get(name) for name in names)
+    get = os.environ.get
+    return tuple([get(name) for name in names])
 
 
 def get_bool(name: str, default: bool) -> bool:
