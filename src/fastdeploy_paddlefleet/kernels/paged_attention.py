@@ -810,8 +810,11 @@ class AttentionPlan:
         self.key_cache, self.value_cache = key_cache, value_cache
         hop = self.hopper
         if hop is not None:  # its TMA descriptors read the caches' addresses at each launch
-            hop.value_cache = value_cache
-            hop.k_desc.base, hop.v_desc.base = key_cache, value_cache
+            try:
+                hop.value_cache = value_cache
+                hop.k_desc.base, hop.v_desc.base = key_cache, value_cache
+            except AttributeError:  # a HopperPlan laid out otherwise: built again on the next prefill
+                self.hopper = None
 
     def _tensor_args(self, q: torch.Tensor, out: torch.Tensor, step: LaunchStep) -> tuple:
         """The kernels' pointer arguments as tensors (Triton's path): q, the caches, out, the sinks (q
