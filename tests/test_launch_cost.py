@@ -404,6 +404,33 @@ def test_one_shot_memo_keeps_no_cache_alive(fresh_memos):
     assert len(pa._PLANS) == 1
 
 
+def test_bind_moves_every_cache_reference_of_a_plan():
+    """bind() points the plan and its Hopper plan's TMA descriptors at the given caches (or at none:
+    a memoised plan keeps no cache alive); a Hopper plan it cannot rebind is dropped (built again)."""
+    from types import SimpleNamespace
+
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    s = make_step(REQS, seed=5, **SMALL)
+    plan = pa.AttentionPlan(s.key_cache, s.value_cache, s.q, scale=0.25)
+    desc = SimpleNamespace(base=s.key_cache), SimpleNamespace(base=s.value_cache)
+    plan.hopper = SimpleNamespace(value_cache=s.value_cache, k_desc=desc[0], v_desc=desc[1])
+    plan.bind(None, None)
+    assert (
+        plan.key_cache is plan.value_cache is plan.hopper.value_cache is desc[0].base is desc[1].base is None
+    )
+    plan.bind(s.key_cache, s.value_cache)
+    assert plan.key_cache is s.key_cache and plan.value_cache is s.value_cache
+    assert (
+        desc[0].base is s.key_cache
+        and desc[1].base is s.value_cache
+        and plan.hopper.value_cache is s.value_cache
+    )
+    plan.hopper = SimpleNamespace()  # no descriptors where bind() looks
+    plan.bind(None, None)
+    assert plan.hopper is None and plan.key_cache is None
+
+
 # ------------------------------------------------------------------------------ GPU
 
 
