@@ -94,7 +94,11 @@ def write_kv_cache(
 
     ``errors``: an ``int32 [8]`` device error flag (``kernels/errors.py``) recording the first table
     entry a written token needs that is negative, past the cache or past the table's width; such
-    entries are never written through, with or without a flag."""
+    entries are never written through, with or without a flag.
+
+    Repeated calls with the same caches reuse one :class:`CacheWritePlan` (a memo of the last 16, keyed
+    by the caches' address, shape, strides, dtype and device, ``headwise`` and the environment
+    switches); the memo holds no cache between calls."""
     if k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")
     if k.shape[0] == 0:

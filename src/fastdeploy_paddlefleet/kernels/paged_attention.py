@@ -630,6 +630,12 @@ def paged_attention(
     Returns ``out [T, Hq, Dv]`` in q's dtype. Requests with one query token go through the decode
     kernel (split-KV when the batch is too small to fill the GPU), longer ones through the prefill
     kernel.
+
+    Repeated calls with the same caches and arguments reuse one :class:`AttentionPlan` (a memo of the
+    last 16 setups, keyed by the caches' address, shape, strides, dtype and device, q's heads, dims and
+    dtype, every scalar and flag, the sinks tensor and its in-place version, and the environment
+    switches); the memo holds no cache between calls. A server keeps its own plans instead
+    (``backends/triton.py``).
     """
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q must be [T, Hq, Dqk] with a contiguous last dim, got shape {list(q.shape)}")
@@ -682,9 +688,10 @@ _PLANS = PlanMemo()
 class AttentionPlan:
     """Everything about one layer's attention launches that does not change between steps, checked and
     derived once: the caches' geometry and strides, the kernels' compile-time constants, the tile
-    shapes, the prefill kernel choice, the Hopper kernel's TMA descriptors. :meth:`run` then only reads
-    the step's sizes and launches (``cached=True``: compiled kernels launched directly after their first
-    call, ``kernels/_launch.py``; about 10 us of host time per launch instead of 60-120).
+    shapes, the prefill kernel choice, the Hopper kernel's TMA descriptors. :meth:`run` (or
+    :meth:`run_step` on a step's :class:`~._launch.LaunchStep`) then only reads the step's sizes and
+    launches (``cached=True``: compiled kernels launched directly after their first call, pointers
+    passed as addresses, ``kernels/_launch.py``).
 
     ``q_like``: any query tensor of the layer (``[T, Hq, Dqk]``: heads, dims, dtype, device); the other
     arguments as in :func:`paged_attention`."""
