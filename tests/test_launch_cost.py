@@ -388,6 +388,29 @@ def test_one_shot_plan_is_rebuilt_when_sinks_change_in_place(fresh_memos, sinks_
     assert fresh_memos["attend"] == 3
 
 
+def test_one_shot_plan_follows_the_module_settings(fresh_memos, monkeypatch):
+    """A plan reads ERR_LOOP_* (how a kernel finds bad table entries) when it first launches: flipping
+    them gives a new plan, whose kernels still give the dense reference's answer."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels.errors import new_error_flag
+
+    s = make_step(REQS, seed=6, **SMALL)
+    write_kv_cache(s.k, s.v, s.key_cache, s.value_cache, s.bid, s.cu, s.dec, s.table)
+    flag = new_error_flag(s.q)
+    consts = []
+    for in_loop in (False, True, True):
+        monkeypatch.setattr(pa, "ERR_LOOP_PREFILL", in_loop)
+        monkeypatch.setattr(pa, "ERR_LOOP_DECODE", in_loop)
+        out = paged_attention(
+            s.q, s.key_cache, s.value_cache, s.cu, s.dec, s.table, scale=0.25, max_q_len=4, errors=flag
+        )
+        _assert_dense(s, out, scale=0.25)
+        plan, _ = list(pa._PLANS._plans.values())[-1]  # the most recent
+        consts.append({k: c["ERR_LOOP"] for k, c in plan._consts.items()})
+    assert fresh_memos["attend"] == 2
+    assert all(v is False for v in consts[0].values()) and all(v is True for v in consts[1].values())
+
+
 def test_one_shot_memo_keeps_no_cache_alive(fresh_memos):
     """The memo drops its plans' caches after each call: freeing the caller's caches frees them."""
     import gc

@@ -633,9 +633,9 @@ def paged_attention(
 
     Repeated calls with the same caches and arguments reuse one :class:`AttentionPlan` (a memo of the
     last 16 setups, keyed by the caches' address, shape, strides, dtype and device, q's heads, dims and
-    dtype, every scalar and flag, the sinks tensor and its in-place version, and the environment
-    switches); the memo holds no cache between calls. A server keeps its own plans instead
-    (``backends/triton.py``).
+    dtype, every scalar and flag, the sinks tensor and its in-place version, the environment switches
+    and the module settings a plan reads); the memo holds no cache between calls. A server keeps its
+    own plans instead (``backends/triton.py``).
     """
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q must be [T, Hq, Dqk] with a contiguous last dim, got shape {list(q.shape)}")
@@ -654,6 +654,7 @@ def paged_attention(
         bool(headwise), window_left, None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(),
+        ERR_LOOP_PREFILL, ERR_LOOP_DECODE, HopperPlan,  # module settings a plan reads (tests, benchmarks)
     )  # fmt: skip
     try:
         plan = _PLANS.take(key)
