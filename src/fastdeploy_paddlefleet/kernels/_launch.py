@@ -225,9 +225,10 @@ def tensor_key(x: Any) -> tuple:
 
 
 def switches_key() -> tuple:
-    """What a plan reads from the environment when it is built (``FDFLEET_PREFILL_KERNEL``, direct
-    launches), unparsed: part of a memoised plan's key, so a changed switch builds (and parses) anew."""
-    return (DIRECT_LAUNCH, *envs.raw_values("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH"))
+    """What a plan reads from the environment and this module when it is built (``FDFLEET_PREFILL_KERNEL``,
+    direct launches, addresses), unparsed: part of a memoised plan's key, so a changed switch builds
+    (and parses) anew."""
+    return (DIRECT_LAUNCH, ADDRESS_ARGS, *envs.raw_values("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH"))
 
 
 class PlanMemo:
