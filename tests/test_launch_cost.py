@@ -270,6 +270,47 @@ def test_direct_launches_pass_the_addresses_of_tritons_arguments(monkeypatch, ki
         assert got == want
 
 
+def test_served_checks_run_in_full_once_per_step_and_layer_setup(monkeypatch):
+    """Served mode (validate, no host copy): validate_shapes runs on a step's first call and on a layer
+    setup not seen before; later calls that match skip it, and any call that differs in what it reads
+    (token count, head shapes, a new step's metadata) is checked in full and refused when bad."""
+    from fastdeploy_paddlefleet.backends import checks
+
+    calls = []
+    real = checks.validate_shapes
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(checks, "validate_shapes", counting)
+    monkeypatch.setattr(TritonBackend, "_run", lambda self, q, *a: q)  # the checks only
+    backend = TritonBackend(validate=True, host_checks=False)
+    layers = [_layer(2, 2, 16, 16), _layer(2, 2, 16, 16, kind="sliding", window=5)]
+    layers[1] = type(layers[1])(**{**layers[1].__dict__, "index": 4})
+    s = make_step(REQS, **SMALL)
+    kv = (s.key_cache, s.value_cache)
+    for _ in range(3):  # three steps: new metadata objects, same shapes
+        meta = _meta(s, 8)
+        for layer in layers:
+            backend.forward(s.q, s.k, s.v, layer, meta, kv)
+    assert len(calls) == 2 + 1 + 1  # both layers on the first step, then each step's first call
+    meta = _meta(s, 8)
+    backend.forward(s.q, s.k, s.v, layers[0], meta, kv)
+    n = len(calls)
+    with pytest.raises(ValueError, match="k.shape"):  # k of another token count
+        backend.forward(s.q, s.k[:-1], s.v[:-1], layers[1], meta, kv)
+    with pytest.raises(ValueError, match="k.shape"):  # k with other heads
+        backend.forward(s.q, s.k[:, :1], s.v, layers[1], meta, kv)
+    assert len(calls) == n + 2
+    backend.forward(s.q, s.k, s.v, layers[1], meta, kv)  # matches what was checked: skipped
+    assert len(calls) == n + 2
+    bad = _meta(s, 8)
+    bad.batch_id_per_token = s.bid[:-1]  # a new step whose metadata is wrong
+    with pytest.raises(ValueError, match="batch_id_per_token"):
+        backend.forward(s.q, s.k, s.v, layers[0], bad, kv)
+
+
 # ------------------------------------------------------------------------------ one-shot plan memo
 
 
