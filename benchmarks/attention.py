@@ -821,6 +821,11 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
         served = TritonBackend(validate=False, host_checks=False)
         kv = (dec_b["kc"], dec_b["vc"])
         cases.append(("backend-layer-served", lambda: served.forward(dec_b["q"], k, k, layer, meta, kv)))
+        # FastDeploy's setting: shapes checked (validate), no host copy of the metadata
+        checked = TritonBackend(validate=True, host_checks=False)
+        cases.append(
+            ("backend-layer-served-checked", lambda: checked.forward(dec_b["q"], k, k, layer, meta, kv))
+        )
         # a prefill step (two 16-token chunks, one over 16 cached tokens): the Hopper kernel on sm_90
         pre_lens = pre_b["cu"][1:] - pre_b["cu"][:-1]
         pre_t = pre_b["q"].shape[0]
