@@ -382,7 +382,9 @@ def test_one_shot_wrappers_reuse_their_plans(fresh_memos):
 
 def _wider_view(c):
     """``c`` as the leading heads of a cache twice as wide (another heads-per-block stride)."""
-    wide = torch.full((c.shape[0], 2 * c.shape[1], *c.shape[2:]), float("nan"), dtype=c.dtype)
+    wide = torch.full(
+        (c.shape[0], 2 * c.shape[1], *c.shape[2:]), float("nan"), dtype=c.dtype, device=c.device
+    )
     view = wide[:, : c.shape[1]]
     view.copy_(c)
     return view
@@ -412,6 +414,17 @@ def test_one_shot_plan_is_rebuilt_when_what_it_derives_from_changes(fresh_memos,
     if new_caches:  # no write went to the first step's caches
         assert torch.equal(first.key_cache.nan_to_num(7.0), kc_first.nan_to_num(7.0))
     assert fresh_memos == {"attend": 2, "write": 2 if new_caches else 1}
+
+
+def test_caches_on_another_device_than_q_are_refused_by_name():
+    """Triton's own refusal ("Pointer argument (at 2) cannot be accessed ... (cpu tensor?)") names no
+    tensor: the plan names the cache and both devices (meta tensors stand in for a second device)."""
+    s = make_step(REQS, seed=1, **SMALL)
+    other = torch.empty(s.key_cache.shape, dtype=s.key_cache.dtype, device="meta")
+    with pytest.raises(ValueError, match="value_cache is on meta but q is on"):
+        paged_attention(s.q, s.key_cache, other, s.cu, s.dec, s.table, scale=0.25)
+    with pytest.raises(ValueError, match="key_cache is on .* but value_cache on meta"):
+        write_kv_cache(s.k, s.v, s.key_cache, other, s.bid, s.cu, s.dec, s.table)
 
 
 @pytest.mark.parametrize("sinks_dtype", [torch.float32, torch.float16])

@@ -152,6 +152,8 @@ class CacheWritePlan:
                     f"{c.stride()}"
                 )
             page_h.append(s0 // s1)
+        if getattr(key_cache, "device", None) != getattr(value_cache, "device", None):
+            raise ValueError(f"key_cache is on {key_cache.device} but value_cache on {value_cache.device}")
         if page_h[0] != page_h[1]:
             raise ValueError(
                 f"key_cache and value_cache must have the same heads per block, got strides "

@@ -728,6 +728,10 @@ class AttentionPlan:
             )
         if hkv <= 0 or hq % hkv:
             raise ValueError(f"q heads {hq} must be a multiple of the cache's kv heads {hkv}")
+        for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+            # named here: Triton's own message ("cpu tensor?") names neither the tensor nor the devices
+            if getattr(c, "device", None) != getattr(q, "device", None):
+                raise ValueError(f"{name} is on {c.device} but q is on {q.device}: one device for all")
         if window_left is not None and window_left < 0:
             raise ValueError(f"window_left must be >= 0 or None, got {window_left}")
         if sink_kind not in SINK_MODES:
