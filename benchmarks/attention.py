@@ -864,7 +864,7 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
 
 
 def summary(records: list[dict]) -> list[dict]:
-    """Targets of issue 4 from the records: figure, peer figure, ratio, pass/fail."""
+    """Targets of issues 4, 14 and 20 from the records: figure, peer figure, ratio, pass/fail."""
     by = {(r.get("case"), r.get("impl")): r for r in records if "case" in r and "error" not in r}
     copy = next((r["gbps"] for r in records if r.get("case") == "copy"), None)
     out = []
@@ -889,61 +889,30 @@ def summary(records: list[dict]) -> list[dict]:
         r = by.get((case, impl))
         return r.get(key) if r else None
 
-    # issue 20 (MLA prefill on the Hopper path; prefill at cuDNN speed)
-    add(
-        "prefill causal >= 1.0 x sdpa-cudnn (same run)",
-        get("prefill-causal", "triton", "tflops"),
-        get("prefill-causal", "sdpa-cudnn", "tflops"),
-        1.0,
-    )
-    add(
-        "MLA prefill causal (qk 192 / v 128) >= 0.9 x sdpa-cudnn (same run)",
-        get("mla-prefill-causal", "triton", "tflops"),
-        get("mla-prefill-causal", "sdpa-cudnn", "tflops"),
-        0.9,
-    )
-    # issue 14 (the Hopper prefill path; window decode)
-    add(
-        "prefill causal >= 0.95 x sdpa-cudnn (same run)",
-        get("prefill-causal", "triton", "tflops"),
-        get("prefill-causal", "sdpa-cudnn", "tflops"),
-        0.95,
-    )
     same_size = next((r["gbps"] for r in records if r.get("case") == "copy-268MB"), None)
-    add(
-        "decode swa1024+sinks >= 0.9 x same-size copy (268 MB)",
-        get("decode-swa1024-sinks", "triton", "gbps"),
-        same_size,
-        0.9,
-    )
-    add("prefill swa1024+sinks >= 400 TFLOP/s", get("prefill-swa1024-sinks", "triton", "tflops"), 400.0, 1.0)
-    # issue 4
-    add("decode full >= 0.9 x copy", get("decode-full", "triton", "gbps"), copy, 0.9)
-    add("decode swa1024+sinks >= 0.9 x copy", get("decode-swa1024-sinks", "triton", "gbps"), copy, 0.9)
-    add(
-        "prefill causal >= 1.3 x flex",
-        get("prefill-causal", "triton", "tflops"),
-        get("prefill-causal", "flex", "tflops"),
-        1.3,
-    )
-    add(
-        "prefill causal >= 0.75 x sdpa-cudnn",
-        get("prefill-causal", "triton", "tflops"),
-        get("prefill-causal", "sdpa-cudnn", "tflops"),
-        0.75,
-    )
-    add(
-        "prefill swa1024+sinks >= 2 x flex(sinks)",
-        get("prefill-swa1024-sinks", "triton", "tflops"),
-        get("prefill-swa1024-sinks", "flex", "tflops"),
-        2.0,
-    )
-    add(
-        "prefill swa1024+sinks >= 2 x flex(sinks corrected eagerly)",
-        get("prefill-swa1024-sinks", "triton", "tflops"),
-        get("prefill-swa1024-sinks", "flex-eager-sinks", "tflops"),
-        2.0,
-    )
+    # (target, ours: case and metric, the peer: an implementation of the same case or a number, need)
+    targets = [
+        # issue 20 (MLA prefill on the Hopper path; prefill at cuDNN speed)
+        ("prefill causal >= 1.0 x sdpa-cudnn (same run)", "prefill-causal", "tflops", "sdpa-cudnn", 1.0),
+        ("MLA prefill causal (qk 192 / v 128) >= 0.9 x sdpa-cudnn (same run)", "mla-prefill-causal", "tflops",
+         "sdpa-cudnn", 0.9),
+        # issue 14 (the Hopper prefill path; window decode)
+        ("prefill causal >= 0.95 x sdpa-cudnn (same run)", "prefill-causal", "tflops", "sdpa-cudnn", 0.95),
+        ("decode swa1024+sinks >= 0.9 x same-size copy (268 MB)", "decode-swa1024-sinks", "gbps", same_size,
+         0.9),
+        ("prefill swa1024+sinks >= 400 TFLOP/s", "prefill-swa1024-sinks", "tflops", 400.0, 1.0),
+        # issue 4
+        ("decode full >= 0.9 x copy", "decode-full", "gbps", copy, 0.9),
+        ("decode swa1024+sinks >= 0.9 x copy", "decode-swa1024-sinks", "gbps", copy, 0.9),
+        ("prefill causal >= 1.3 x flex", "prefill-causal", "tflops", "flex", 1.3),
+        ("prefill causal >= 0.75 x sdpa-cudnn", "prefill-causal", "tflops", "sdpa-cudnn", 0.75),
+        ("prefill swa1024+sinks >= 2 x flex(sinks)", "prefill-swa1024-sinks", "tflops", "flex", 2.0),
+        ("prefill swa1024+sinks >= 2 x flex(sinks corrected eagerly)", "prefill-swa1024-sinks", "tflops",
+         "flex-eager-sinks", 2.0),
+    ]  # fmt: skip
+    for target, case, metric, peer, need in targets:
+        peer_figure = get(case, peer, metric) if isinstance(peer, str) else peer
+        add(target, get(case, "triton", metric), peer_figure, need)
     return out
 
 
