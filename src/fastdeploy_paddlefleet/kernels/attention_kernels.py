@@ -1,0 +1,439 @@
+"""The portable paged-attention kernels (Triton): ``_prefill_kernel``, ``_decode_kernel`` and the
+device functions they share (the key loop ``_attend``, page lookups, masks, the softmax's initial
+state). Launched only through :mod:`.paged_attention` (its module docstring describes both kernels,
+the cache layout and the page format; its plans choose tiles and constants)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .errors import KERNEL_DECODE, KERNEL_PREFILL, check_entries
+
+PAGE_CHUNK: tl.constexpr = tl.constexpr(16)  # key tiles whose pages are loaded at once
+BAD_NONE: tl.constexpr = tl.constexpr(1 << 30)  # "no bad table entry met"
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """``tl.dot(a, b, acc)`` (``acc`` may be None). fp32 operands multiply in IEEE fp32: Triton's
+    default for fp32 is TF32 (10-bit mantissa, ~1e-3 relative error), and docs/semantics.md promises
+    fp32 math. bf16 / fp16 operands run at their native precision (fp32 accumulation)."""
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _pages(
+    tbl_row, blk, n_blk, kvh, Err, n_pages, req, need,
+    HKV: tl.constexpr, HEADWISE: tl.constexpr, PAGE_H: tl.constexpr = 0,
+    HAS_ERR: tl.constexpr = False, KERNEL: tl.constexpr = 0,
+):  # fmt: skip
+    """Physical page(s) of logical block(s) ``blk`` for kv head ``kvh`` (int64, -1 where absent).
+
+    ``PAGE_H``: heads per block of the cache tensor (its ``stride(0) // stride(1)``), larger than
+    ``HKV`` when the layer reads the leading heads of a wider (uniform) cache; 0 means ``HKV``.
+    Head-wise pages are numbered in the layer's own view (``block * HKV + head``).
+
+    Bounds: an entry outside ``[0, n_pages)`` (blocks, or head-wise pages) or a block past the table's
+    ``n_blk`` columns gives -1 (never dereferenced); with ``HAS_ERR`` the first such entry among the
+    ``need``-ed ones (keys some query sees) is recorded in ``Err`` (``kernels/errors.py``)."""
+    raw = tl.load(tbl_row + blk, mask=blk < n_blk, other=-1)
+    if HEADWISE:
+        head = blk * 0 + kvh
+    else:
+        head = blk * 0 - 1
+    good = check_entries(Err, raw, blk, n_blk, need, n_pages, req, head, blk, KERNEL, HAS_ERR)
+    page = tl.where(good, raw, -1).to(tl.int64)
+    if not HEADWISE:
+        if PAGE_H == 0:
+            page = tl.where(page >= 0, page * HKV + kvh, -1)
+        else:
+            page = tl.where(page >= 0, page * PAGE_H + kvh, -1)
+    elif PAGE_H != 0 and PAGE_H != HKV:
+        page = tl.where(page >= 0, page // HKV * PAGE_H + page % HKV, -1)
+    return page
+
+
+@triton.jit
+def _scan_table(
+    Err, tbl_row, n_blk, n_pages, req, kvh, lo, hi,
+    BS: tl.constexpr, HEADWISE: tl.constexpr, KERNEL: tl.constexpr, SCAN: tl.constexpr = 64,
+):  # fmt: skip
+    """Record in ``Err`` the first table entry of keys ``[lo, hi)`` that may not be dereferenced
+    (``kernels/errors.py``). Kept out of the key loop, which only masks such entries: recording
+    there cost the prefill kernel ~8 % (registers, code in every phase; benchmarks/NOTES.md)."""
+    offs = tl.arange(0, SCAN)
+    for c in range(lo // BS, (hi + BS - 1) // BS, SCAN):
+        blk = c + offs
+        need = blk * BS < hi
+        raw = tl.load(tbl_row + blk, mask=need & (blk < n_blk), other=-1)
+        if HEADWISE:
+            head = blk * 0 + kvh
+        else:
+            head = blk * 0 - 1
+        check_entries(Err, raw, blk, n_blk, need, n_pages, req, head, blk, KERNEL, True)
+
+
+@triton.jit
+def _tile(
+    acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, slot, ok, pos, lo_key, kv_len, window, qk_scale,
+    stride_kp, stride_kr, stride_vp, stride_vr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
+):  # fmt: skip
+    """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
+    in one page) or one page per key; ``ok`` marks keys whose page exists.
+
+    ``EXP_BF16``: exponentials as packed bf16 (``ex2.approx.ftz.bf16x2``, half the special-function
+    issue of fp32 ``ex2``; P feeds the bf16 P @ V dot anyway). ``PROFILE`` (timing ablations only,
+    wrong results): 1 drops the softmax (P = S), 2 drops the P @ V dot."""
+    keys = s + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if MASK:
+        ok = ok & (keys >= lo_key) & (keys < kv_len)
+    if USE_TMA:  # an absent page (-1) reads page 0 instead, and everything read from it is masked
+        row = (tl.maximum(page, 0) * BS + s % BS).to(tl.int32)
+        k = k_desc.load([row, 0])
+        v = v_desc.load([row, 0])
+        if MASK:  # stale slots may hold NaN and 0 * NaN = NaN in the P @ V dot
+            v = tl.where(ok[:, None], v, 0.0)
+    else:
+        if BS % BLOCK_N == 0:
+            k_off = page * stride_kp + slot[:, None] * stride_kr
+            v_off = page * stride_vp + slot[:, None] * stride_vr
+        else:
+            k_off = page[:, None] * stride_kp + slot[:, None] * stride_kr
+            v_off = page[:, None] * stride_vp + slot[:, None] * stride_vr
+        k_mask = ok[:, None]
+        v_mask = ok[:, None]
+        if BLOCK_DQK != DQK:
+            k_mask = k_mask & (offs_dk[None, :] < DQK)
+        if BLOCK_DV != DV:
+            v_mask = v_mask & (offs_dv[None, :] < DV)
+        k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
+        v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
+    qk = _dot(q, tl.trans(k), None)
+    if SOFTCAP != 0.0:  # soft-capping: qk_scale is scale / cap, SOFTCAP is cap * log2(e)
+        qk = _tanh(qk * qk_scale) * (SOFTCAP / qk_scale)  # the scaling below makes it SOFTCAP * tanh
+    if PROFILE == 1:
+        return _dot(qk.to(v.dtype), v, acc), l_i, m_i
+    if MASK:
+        vis = ok[None, :] & (keys[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            vis = vis & (pos[:, None] - keys[None, :] <= window)
+        qk = tl.where(vis, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        x = qk - m_new[:, None]
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        x = qk * qk_scale - m_new[:, None]
+    if EXP_BF16:
+        p = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.bf16x2 $0, $1;",
+            "=r,r",
+            [x.to(tl.bfloat16)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
+        p_sum = tl.sum(p.to(tl.float32), 1)
+    else:
+        p = tl.exp2(x)
+        p_sum = tl.sum(p, 1)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + p_sum
+    acc = acc * alpha[:, None]
+    if PROFILE != 2:
+        acc = _dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, req,
+    start, stop, pos, lo_key, kv_len, window, qk_scale,
+    stride_kp, stride_kr, stride_vp, stride_vr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr,
+    MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, CHUNK: tl.constexpr,
+    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, KERNEL: tl.constexpr = 0,
+):  # fmt: skip
+    """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
+
+    Table entries of keys in ``[lo_key, kv_len)`` must exist; entries outside the cache are never
+    dereferenced (``_pages`` masks them). ``HAS_ERR``: ``bad`` carries the smallest logical block whose
+    needed entry could not be used (``BAD_NONE`` if none); the kernel records it after the loop
+    (recording inside the loop cost the prefill kernel ~8 %: benchmarks/NOTES.md).
+
+    ``MASK=False`` is only used for tiles every row sees entirely (no mask, no predicated loads
+    beyond the page check). Keys below ``lo_key`` or at/after ``kv_len`` are never loaded.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    if BS % BLOCK_N == 0:  # every tile lies in one page
+        offs_c = tl.arange(0, CHUNK)
+        for c0 in range(start, stop, CHUNK * BLOCK_N):
+            # the pages of CHUNK tiles, loaded up front: no key load waits on a table load, so the
+            # compiler can pipeline the key loads several tiles deep
+            tiles = c0 + offs_c * BLOCK_N
+            need = (tiles < stop) & (tiles < kv_len) & (tiles + BLOCK_N > lo_key)
+            pages = _pages(
+                tbl_row, tiles // BS, n_blk, kvh, Err, n_pages, req, need,
+                HKV, HEADWISE, PAGE_H, False, KERNEL,
+            )  # fmt: skip
+            if HAS_ERR:
+                bad = tl.minimum(bad, tl.min(tl.where(need & (pages < 0), tiles // BS, BAD_NONE), 0))
+            for s in range(c0, tl.minimum(c0 + CHUNK * BLOCK_N, stop), BLOCK_N):
+                page = tl.sum(tl.where(offs_c == (s - c0) // BLOCK_N, pages, 0))
+                ok = (page + offs_n * 0) >= 0  # a vector compare (the interpreter mis-splats scalar bools)
+                acc, l_i, m_i = _tile(
+                    acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, pos, lo_key,
+                    kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
+                    BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
+                    SOFTCAP,
+                )  # fmt: skip
+    else:  # a tile spans several pages: gather one page per key
+        for s in range(start, stop, BLOCK_N):
+            keys = s + offs_n
+            need = (keys >= lo_key) & (keys < kv_len)
+            page = _pages(
+                tbl_row, keys // BS, n_blk, kvh, Err, n_pages, req, need,
+                HKV, HEADWISE, PAGE_H, False, KERNEL,
+            )  # fmt: skip
+            if HAS_ERR:
+                bad = tl.minimum(bad, tl.min(tl.where(need & (page < 0), keys // BS, BAD_NONE), 0))
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
+                kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
+                BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
+                SOFTCAP,
+            )  # fmt: skip
+    return acc, l_i, m_i, bad
+
+
+@triton.jit
+def _tanh(x):
+    """``tanh(x)`` from one ``exp2`` of ``-2|x|``: no overflow for any ``x`` (the interpreter has no tanh)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|) in (0, 1]
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _init_state(Sinks, head, M: tl.constexpr, SINK_MODE: tl.constexpr):
+    """Online-softmax state ``(m, l)`` in base 2: the sink as the first logit, or empty."""
+    if SINK_MODE == 1:
+        m = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        l = tl.full([M], 1.0, tl.float32)
+    elif SINK_MODE == 2:
+        m = tl.zeros([M], tl.float32)
+        l = tl.full([M], 1.0, tl.float32)
+    else:
+        m = tl.full([M], -1.0e30, tl.float32)  # finite: alpha = exp2(m - m_new) stays 1, never NaN
+        l = tl.zeros([M], tl.float32)
+    return m, l
+
+
+@triton.jit
+def _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW: tl.constexpr):
+    """``window_left`` of kv head ``kvh``: ``window`` inside ``[win_h0, win_h1)``, else far."""
+    if HAS_WINDOW:
+        w = tl.where((kvh >= win_h0) & (kvh < win_h1), window, 1 << 30)
+    else:
+        w = 1 << 30
+    return w
+
+
+@triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs"])
+def _prefill_kernel(
+    Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
+    num_reqs, min_q_len, qk_scale, window, win_h0, win_h1,
+    G: tl.constexpr, GP: tl.constexpr, HKV: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+    HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
+):  # fmt: skip
+    BLOCK_M: tl.constexpr = BLOCK_Q * GP
+    pid = tl.program_id(0)
+    kvh = pid % HKV
+    tpid = pid // HKV
+    # request b owns tile ids [CuQ[b] // BLOCK_Q + b, ...): the largest b whose first id <= tpid
+    lo = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(CuQ + mid) // BLOCK_Q + mid <= tpid:
+            lo = mid
+        else:
+            hi = mid - 1
+    b = lo
+    q0 = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q0
+    n_tiles = tl.cdiv(q_len, BLOCK_Q)
+    local = tpid - (q0 // BLOCK_Q + b)
+    if (local >= n_tiles) | (q_len < min_q_len):
+        return
+    tile = n_tiles - 1 - local  # longest tiles first: less tail
+    ctx = tl.load(Ctx + b)
+    kv_len = ctx + q_len
+    tok0 = tile * BLOCK_Q
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tok0 + offs_m // GP
+    hh = offs_m % GP
+    row_ok = (tok < q_len) & (hh < G) & (q0 + tok >= 0) & (q0 + tok < n_tok)  # rows inside q / out
+    head = kvh * G + hh
+    pos = ctx + tok
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = (q0 + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
+    q = tl.load(Q + q_rows[:, None] + offs_dk[None, :], mask=q_mask, other=0.0)
+
+    w = _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW)
+    p_first = ctx + tok0
+    p_last = ctx + tl.minimum(tok0 + BLOCK_Q, q_len) - 1
+    lo_key = tl.maximum(p_first - w, 0)
+    a = lo_key // BLOCK_N * BLOCK_N
+    ul = tl.maximum(tl.cdiv(tl.maximum(p_last - w, 0), BLOCK_N) * BLOCK_N, a)  # every row sees [ul, uh)
+    uh = tl.maximum((p_first + 1) // BLOCK_N * BLOCK_N, ul)
+
+    m_i, l_i = _init_state(Sinks, head, BLOCK_M, SINK_MODE)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    bad = tl.full([], BAD_NONE, tl.int32)  # HAS_ERR: smallest logical block with an unusable entry
+    tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        a, ul, pos, lo_key, kv_len, w,
+        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
+    )  # fmt: skip
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        ul, uh, pos, lo_key, kv_len, w,
+        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
+    )  # fmt: skip
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        uh, p_last + 1, pos, lo_key, kv_len,
+        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
+    )  # fmt: skip
+    if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
+        if bad < BAD_NONE:
+            _scan_table(
+                Err, tbl_row, n_blk, n_pages, b, kvh, bad * BS, bad * BS + 1, BS, HEADWISE, KERNEL_PREFILL
+            )
+    elif HAS_ERR:  # one scan of the table entries of the keys these rows see
+        _scan_table(Err, tbl_row, n_blk, n_pages, b, kvh, lo_key, p_last + 1, BS, HEADWISE, KERNEL_PREFILL)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(
+        O + o_rows[:, None] + offs_dv[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+    )
+
+
+@triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok"])
+def _decode_kernel(
+    Q, K, V, O, k_desc, v_desc, MidO, MidL, Sinks, CuQ, Ctx, Tbl, Err,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
+    qk_scale, window, win_h0, win_h1,
+    G: tl.constexpr, BLOCK_H: tl.constexpr, HKV: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q0 = tl.load(CuQ + b)
+    if (tl.load(CuQ + b + 1) - q0 != 1) | (q0 < 0) | (q0 >= n_tok):  # not a decode row inside q / out
+        return
+    pos = tl.load(Ctx + b)  # the query's position; it sees keys [lo_key, pos]
+    kv_len = pos + 1
+    w = _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW)
+    lo_key = tl.maximum(pos - w, 0)
+    t0 = lo_key // BLOCK_N
+    per = tl.cdiv(tl.cdiv(kv_len, BLOCK_N) - t0, NUM_SPLITS)
+    start = (t0 + split * per) * BLOCK_N
+    stop = tl.minimum((t0 + split * per + per) * BLOCK_N, kv_len)
+    ul = tl.maximum(start, tl.cdiv(lo_key, BLOCK_N) * BLOCK_N)  # whole tiles in [ul, uh) need no mask
+    uh = tl.maximum(stop // BLOCK_N * BLOCK_N, ul)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    row_ok = offs_h < G
+    head = kvh * G + offs_h
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        Q + q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
+        mask=row_ok[:, None] & (offs_dk[None, :] < DQK),
+        other=0.0,
+    )
+    posv = tl.full([BLOCK_H], 0, tl.int32) + pos
+    if NUM_SPLITS == 1:
+        m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
+    else:  # the sink joins once, in the reduce
+        m_i, l_i = _init_state(Sinks, head, BLOCK_H, 0)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    bad = tl.full([], BAD_NONE, tl.int32)  # HAS_ERR: smallest logical block with an unusable entry
+    tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        start, ul, posv, lo_key, kv_len,
+        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
+    )  # fmt: skip
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        ul, uh, posv, lo_key, kv_len,
+        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
+    )  # fmt: skip
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        uh, stop, posv, lo_key, kv_len,
+        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
+    )  # fmt: skip
+    if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
+        if bad < BAD_NONE:
+            _scan_table(
+                Err, tbl_row, n_blk, n_pages, b, kvh, bad * BS, bad * BS + 1, BS, HEADWISE, KERNEL_DECODE
+            )
+    elif HAS_ERR:  # one scan of the table entries of this split's visible keys
+        _scan_table(
+            Err, tbl_row, n_blk, n_pages, b, kvh, tl.maximum(start, lo_key), stop, BS, HEADWISE, KERNEL_DECODE
+        )
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    dv_ok = offs_dv[None, :] < DV
+    if NUM_SPLITS == 1:
+        o_ptr = O + q0.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+    else:  # partial result of this split: normalised output and its base-2 log-sum-exp
+        mid = (b * HKV * G + head) * NUM_SPLITS + split
+        tl.store(MidO + mid[:, None] * DV + offs_dv[None, :], out, mask=row_ok[:, None] & dv_ok)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(MidL + mid, lse, mask=row_ok)
