@@ -47,6 +47,8 @@ import logging
 import os
 from typing import Any
 
+from ..kernels import _framework as fw
+from ..kernels._framework import is_torch
 from ..kernels._launch import tensor_version
 from ..plan.layer import LayerAttention
 from .base import AttentionBackend, BatchMeta
@@ -56,17 +58,13 @@ logger = logging.getLogger(__name__)
 _DTYPES = ("float16", "bfloat16", "float32")
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
 def _to_torch(x: Any, device: Any = None, int32: bool = False) -> Any:
     """Torch view of a paddle / torch tensor (DLPack, zero-copy); numpy or lists are copied."""
     import torch
 
     if x is None:
         return None
-    if not _is_torch(x):
+    if not is_torch(x):
         if hasattr(x, "__dlpack__") and type(x).__module__.startswith("paddle"):
             x = torch.from_dlpack(x)
         else:
@@ -99,7 +97,7 @@ def _capturing(x: Any) -> bool:
     """Whether a CUDA graph is being captured on the stream ``x``'s framework launches on."""
     if getattr(getattr(x, "device", None), "type", None) != "cuda" and not getattr(x, "is_cuda", False):
         return False
-    if _is_torch(x):
+    if is_torch(x):
         import torch
 
         return bool(torch.cuda.is_current_stream_capturing())
@@ -112,17 +110,6 @@ def _capturing(x: Any) -> bool:
 
 
 _MAX_PLANS = 4096
-_FW = None  # kernels._framework, imported on the first forward (an import statement per call costs ~2 us)
-
-
-def _framework() -> Any:
-    global _FW
-    from ..kernels import _framework as fw
-
-    _FW = fw
-    return fw
-
-
 _STEP_ATTR = "_fdfleet_triton_step"
 
 
@@ -346,10 +333,9 @@ class TritonBackend(AttentionBackend):
         layer (cache geometry, tile shapes, compile-time constants, the Hopper kernel's descriptors) is
         a :class:`~..kernels.paged_attention.AttentionPlan` / :class:`~..kernels.cache_write.CacheWritePlan`
         kept per layer and cache; compiled kernels are launched directly (``kernels/_launch.py``)."""
-        fw = _FW or _framework()
         if self.validate:
             self._validate(q, k, v, layer, meta, kv_cache, sinks)
-        if type(q).__module__[:5] == "torch":
+        if is_torch(q):
             return self._run(q, k, v, layer, meta, kv_cache, sinks, True)
         if fw.torch is not None:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
             tq = _to_torch(q)
@@ -428,7 +414,7 @@ class TritonBackend(AttentionBackend):
             rec = meta.__dict__[_CHECKED_ATTR] = _Checked(meta, self)
         qs, ks, vs = q.shape, k.shape, v.shape
         kc, vc = kv_cache[0], kv_cache[1]
-        if type(q).__module__[:5] == "torch":
+        if is_torch(q):
             sig = (qs[1:], ks[1:], vs[1:])
         else:  # paddle shapes are lists
             sig = (tuple(qs[1:]), tuple(ks[1:]), tuple(vs[1:]))

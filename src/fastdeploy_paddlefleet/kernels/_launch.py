@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 from .. import envs
+from ._framework import is_torch
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ def tensor_version(x: Any) -> int:
 def tensor_key(x: Any) -> tuple:
     """What a launch plan may derive from tensor ``x`` (not its contents): address, shape, strides,
     dtype and device. Two live tensors with equal keys are the same memory read the same way."""
-    if type(x).__module__[:5] == "torch":
+    if is_torch(x):
         return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
     return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, str(getattr(x, "place", None)))
 
