@@ -70,11 +70,22 @@ SLOW_PLAN = textwrap.dedent(
 )
 
 
+def _terminal_sigint() -> None:
+    """In the child: SIGINT's default action, as under a terminal. A shell that starts the test run in
+    the background without job control (``(cmd &)``) sets SIGINT to ignored, and children inherit
+    that: Python then never raises KeyboardInterrupt and the CLI cannot be interrupted at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python installs its KeyboardInterrupt handler on it
+
+
 def test_ctrl_c_exits_130_with_one_line():
     """A real SIGINT while a command runs (the command is held in a sleep so that the signal lands
     inside it, not during start-up)."""
     p = subprocess.Popen(
-        [sys.executable, "-c", SLOW_PLAN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", SLOW_PLAN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_terminal_sigint,
     )
     assert p.stdout.readline().strip() == "ready"
     p.send_signal(signal.SIGINT)
@@ -89,7 +100,11 @@ def test_ctrl_c_during_verify_exits_130():
     pytest.importorskip("paddle")
     before = tracked_files_digest()
     p = subprocess.Popen(
-        [*CLI, "verify", "--steps", "5000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*CLI, "verify", "--steps", "5000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_terminal_sigint,
     )
     time.sleep(10)
     p.send_signal(signal.SIGINT)
