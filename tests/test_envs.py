@@ -109,6 +109,20 @@ def test_check_all_names_the_bad_switch(monkeypatch):
         envs.check_all()
 
 
+def test_own_launcher(monkeypatch):
+    monkeypatch.delenv("FDFLEET_OWN_LAUNCHER", raising=False)
+    assert envs.own_launcher() is True  # on by default
+    monkeypatch.setenv("FDFLEET_OWN_LAUNCHER", "NO")
+    assert envs.own_launcher() is False
+    monkeypatch.setenv("FDFLEET_OWN_LAUNCHER", " ")
+    assert envs.own_launcher() is True  # empty counts as unset
+    monkeypatch.setenv("FDFLEET_OWN_LAUNCHER", "ctypes")
+    with pytest.raises(ValueError, match="FDFLEET_OWN_LAUNCHER='ctypes'"):
+        envs.own_launcher()
+    with pytest.raises(ValueError, match="FDFLEET_OWN_LAUNCHER"):
+        envs.check_all()
+
+
 def test_direct_launch(monkeypatch):
     monkeypatch.delenv("FDFLEET_DIRECT_LAUNCH", raising=False)
     assert envs.direct_launch() is True  # on by default

@@ -8,6 +8,7 @@ a launcher may set a variable after the package was imported.
 * ``FDFLEET_PREFILL_KERNEL``: ``auto`` (default) | ``hopper`` | ``portable``
 * ``FDFLEET_KV_RECYCLE``: ``auto`` (default) | ``off``
 * ``FDFLEET_DIRECT_LAUNCH``: boolean, default ``True``
+* ``FDFLEET_OWN_LAUNCHER``: boolean, default ``True``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
   ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
@@ -152,6 +153,13 @@ def direct_launch() -> bool:
     return get_bool("FDFLEET_DIRECT_LAUNCH", True)
 
 
+def own_launcher() -> bool:
+    """``FDFLEET_OWN_LAUNCHER``: direct launches go through the plugin's own launcher (one struct pack and
+    one ``cuLaunchKernel``; ``kernels/_cuda_launch.py``) where it reproduces Triton's launch exactly
+    (default on). Off: through the compiled kernel's Triton launcher."""
+    return get_bool("FDFLEET_OWN_LAUNCHER", True)
+
+
 #: every switch's getter (check_all runs them all)
 _GETTERS = (
     backend_name,
@@ -160,5 +168,6 @@ _GETTERS = (
     kv_recycle,
     log_level,
     model_impl_is_paddlefleet,
+    own_launcher,
     prefill_kernel,
 )

@@ -17,6 +17,10 @@ to Triton's own path (decode, mixed batches, head-wise windows; tests/test_launc
 path is always taken under the interpreter, off torch, and while Triton's launch hooks (profilers)
 are set when the plan is built.
 
+A kept kernel launches through our own launcher (:mod:`._cuda_launch`: one struct pack, one
+``cuLaunchKernel``, descriptors encoded once) where it reproduces Triton's launch exactly, else through
+the compiled kernel's own launcher; ``FDFLEET_OWN_LAUNCHER`` (default on) or :data:`OWN_LAUNCHER`.
+
 :class:`LaunchStep`: one step's metadata as every launch of the step takes it (request and table
 sizes, dtypes, alignment), derived once and shared by the layers that read the same table.
 """
@@ -41,6 +45,19 @@ DIRECT_LAUNCH: bool | None = None
 #: (``benchmarks/attention.py --tensor-args``: an A/B of the launcher's per-pointer cost). Read when a
 #: plan is built.
 ADDRESS_ARGS = True
+
+
+#: ``None``: ``FDFLEET_OWN_LAUNCHER`` decides (default on). ``True`` / ``False`` override it (tests,
+#: ``benchmarks/attention.py --no-own-launcher``). Read when a plan is built.
+OWN_LAUNCHER: bool | None = None
+
+
+def own_wanted() -> bool:
+    """Whether kept kernels launch through :mod:`._cuda_launch`: :data:`OWN_LAUNCHER`, else
+    ``FDFLEET_OWN_LAUNCHER``."""
+    if OWN_LAUNCHER is not None:
+        return bool(OWN_LAUNCHER)
+    return envs.own_launcher()
 
 
 def direct_wanted() -> bool:
@@ -74,17 +91,20 @@ class KernelCache:
     ``num_warps`` / ``num_stages``), ``key`` everything about this call that can change the compiled
     kernel beyond ``fn`` and the plan's static setup (``None``: Triton's path, nothing kept). A plan
     that builds its arguments itself asks :meth:`kernel` first and, on a hit, calls :meth:`run` with
-    addresses (no constexprs needed)."""
+    addresses (no constexprs needed). A hit is an :class:`._cuda_launch.OwnLauncher` (:attr:`own`) or
+    the tuple ``(compiled launcher, function handle, packed metadata, trailing parameters)``."""
 
-    __slots__ = ("_get_stream", "_kernels", "addresses", "device_index", "direct")
+    __slots__ = ("_get_stream", "_kernels", "addresses", "device_index", "direct", "own")
 
     def __init__(self, device_index: int | None) -> None:
         self.device_index = device_index
         self.direct = device_index is not None and _direct_ok()
         #: direct launches pass pointers as addresses (:meth:`run`; :data:`ADDRESS_ARGS` when built)
         self.addresses = ADDRESS_ARGS
-        # key -> (launcher, function handle, packed metadata, trailing parameters): read once per hit
-        self._kernels: dict[Any, tuple[Any, Any, Any, tuple]] = {}
+        #: kept kernels launch through :mod:`._cuda_launch` where it reproduces them (:func:`own_wanted`)
+        self.own = self.direct and own_wanted()
+        # key -> OwnLauncher, or (launcher, function handle, packed metadata, trailing parameters)
+        self._kernels: dict[Any, Any] = {}
         self._get_stream = None
 
     def stream(self) -> int:
@@ -103,6 +123,9 @@ class KernelCache:
         """Launch a kept kernel (:meth:`kernel`) directly. With :attr:`addresses` its pointer arguments
         may be addresses (ints): the compiled launcher takes an int as it is, while a tensor costs it a
         ``data_ptr()`` call and a driver query (``cuPointerGetAttribute``) per pointer."""
+        if hit.__class__ is not tuple:  # our own launcher
+            hit(grid, args, stream)
+            return
         run, function, packed, tail = hit
         n = len(grid)
         if n == 1:
@@ -124,7 +147,13 @@ class KernelCache:
         if key is not None and self.direct and kernel is not None and hasattr(kernel, "packed_metadata"):
             names = fn.arg_names[len(args) :]
             tail = tuple(consts.get(n, p.default) for n, p in zip(names, fn.params[len(args) :], strict=True))
-            self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
+            run = kernel.run  # (loads the kernel if needed: its function handle is set after)
+            hit = None
+            if self.own:
+                from ._cuda_launch import own_launcher
+
+                hit = own_launcher(kernel, len(args), tail, self.device_index)
+            self._kernels[key] = hit or (run, kernel.function, kernel.packed_metadata, tail)
 
     def __len__(self) -> int:
         return len(self._kernels)
@@ -229,7 +258,8 @@ def switches_key() -> tuple:
     """What a plan reads from the environment and this module when it is built (``FDFLEET_PREFILL_KERNEL``,
     direct launches, addresses), unparsed: part of a memoised plan's key, so a changed switch builds
     (and parses) anew."""
-    return (DIRECT_LAUNCH, ADDRESS_ARGS, *envs.raw_values("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH"))
+    names = ("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER")
+    return (DIRECT_LAUNCH, ADDRESS_ARGS, OWN_LAUNCHER, *envs.raw_values(*names))
 
 
 class PlanMemo:
@@ -271,7 +301,9 @@ __all__ = [
     "KernelCache",
     "LaunchStep",
     "PlanMemo",
+    "OWN_LAUNCHER",
     "direct_wanted",
+    "own_wanted",
     "switches_key",
     "tensor_key",
     "tensor_version",

@@ -1,0 +1,388 @@
+"""Our own launcher of compiled Triton kernels (``kernels/_cuda_launch.py``, issue 20).
+
+CPU: (1) the parameter list it derives for the real kernels (portable decode with and without TMA
+descriptors, portable prefill, cache write, split-KV reduce, Hopper prefill with its two descriptors),
+compiled offline for sm_90 in a child process with a stub driver, against the ``.param`` list of the
+kernel's ``.entry`` in its PTX (count, sizes, alignment): with the device's Triton 3.6 where it is
+importable (``FDFLEET_TRITON36_SITE``, default ``/tmp/tr36site``) and with the local Triton; (2) the bytes
+one call packs against a hand-built reference per type; (3) refusals (None, reason logged). GPU
+(``gpu``): outputs bitwise equal to Triton's own launcher (decode, portable and Hopper prefill, cache
+write, a mixed batch), descriptors encoded as Triton's ``fill_tma_descriptor`` encodes them, a CUDA
+graph captured through it.
+
+Run as ``python tests/test_cuda_launch.py --worker`` (with ``PYTHONPATH=<triton site>:src``) this file is
+the child process: it compiles the kernels and prints one JSON record per kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import subprocess
+import sys
+from types import SimpleNamespace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TR36 = os.environ.get("FDFLEET_TRITON36_SITE", "/tmp/tr36site")
+
+
+# ------------------------------------------------------------------------------ child process
+
+
+def _stub_driver() -> None:
+    """Compile for sm_90 (device 0, stream 0) without a GPU (as benchmarks/hopper_compile.py does)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Stub:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(_Stub())
+
+
+def _ptx_params(ptx: str) -> list[dict]:
+    """The ``.param`` declarations of the PTX's ``.entry``: size and alignment of each."""
+    m = re.search(r"\.entry\s+\w+\s*\((.*?)\)", ptx, re.S)
+    if m is None:
+        raise ValueError("no .entry in the PTX")
+    out = []
+    for line in m.group(1).split(","):
+        line = line.strip()
+        arr = re.match(r"\.param\s+\.align\s+(\d+)\s+\.b8\s+\w+\[(\d+)\]", line)
+        if arr:
+            out.append(dict(size=int(arr.group(2)), align=int(arr.group(1))))
+            continue
+        sc = re.match(r"\.param\s+\.([usbf])(\d+)\b", line)
+        if sc is None:
+            raise ValueError(f"unparsed .param line {line!r}")
+        size = int(sc.group(2)) // 8
+        out.append(dict(size=size, align=size))
+    return out
+
+
+def _worker() -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    import triton
+
+    _stub_driver()
+    from fastdeploy_paddlefleet.kernels import _cuda_launch as cl
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels import split_kv_reduce as sr
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, real):
+            self.real = real
+            self.arg_names, self.params = real.arg_names, real.params
+
+        def __getitem__(self, grid):
+            def call(*args, **consts):
+                calls.append((self.real, grid, args, consts))
+
+            return call
+
+    for mod, name in ((pa, "_decode_kernel"), (pa, "_prefill_kernel"), (cw, "_write_kv_kernel")):
+        setattr(mod, name, Recorder(getattr(mod, name)))
+    sr._split_kv_reduce_kernel = Recorder(sr._split_kv_reduce_kernel)
+    bf = torch.bfloat16
+    hkv, g, d, bs = 2, 4, 128, 64
+    kc = torch.zeros(8, hkv, bs, d, dtype=bf)
+    vc = torch.zeros(8, hkv, bs, d, dtype=bf)
+    q = torch.zeros(40, hkv * g, d, dtype=bf)
+    cu = torch.tensor([0, 32, 33, 40], dtype=torch.int32)
+    dec = torch.tensor([5, 70, 0], dtype=torch.int32)
+    tbl = torch.zeros(3, 4, dtype=torch.int32)
+    bid = torch.zeros(40, dtype=torch.int32)
+    err = torch.zeros(8, dtype=torch.int32)
+    sinks = torch.zeros(hkv * g, dtype=torch.float32)
+    plan = pa.AttentionPlan(kc, vc, q, scale=0.1, sink_kind="learnable", sinks=sinks, prefill_impl="portable")
+    plan.run(q, cu, dec, tbl, max_q_len=32, max_context_len=200, errors=err, num_splits=2)
+    cw.CacheWritePlan(kc, vc).run(q[:, :hkv], q[:, :hkv], bid, cu, dec, tbl, errors=err)
+    cases = {}
+    for real, grid, args, consts in calls:
+        name = real.fn.__name__ if hasattr(real, "fn") else real.__name__
+        cases[name] = (real, grid, args, consts)
+    # the decode kernel with TMA descriptors (as on an H200: host descriptors lowered to TMA)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    real, grid, args, consts = cases["_decode_kernel"]
+    kd = TensorDescriptor.from_tensor(kc.view(-1, d), [64, d])
+    vd = TensorDescriptor.from_tensor(vc.view(-1, d), [64, d])
+    args = list(args)
+    args[4], args[5] = kd, vd
+    cases["_decode_kernel_tma"] = (real, grid, tuple(args), dict(consts, USE_TMA=True, BLOCK_N=64))
+    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
+
+    if hp.gluon_available():
+        hq = hkv * g
+        hplan = hp.HopperPlan(kc, vc, hq, sinks, qk_scale=0.1, sink_mode=1, headwise=False, has_window=True,
+                              window=100, win_h0=0, win_h1=hkv, num_ctas=132)  # fmt: skip
+        out = torch.zeros_like(q)
+        hargs = (q, out, vc, hplan.k_desc, hplan.v_desc, sinks, cu, dec, tbl, err,
+                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), vc.stride(2), tbl.stride(0),
+                 tbl.shape[1], hplan.n_pages, q.shape[0], 3, 2, *hplan.scalars, 16)  # fmt: skip
+        cases["_hopper_prefill_kernel"] = (hp._hopper_prefill_kernel, (1,), hargs, hplan._consts[True])
+    for name, (real, grid, args, consts) in cases.items():
+        rec = dict(name=name, triton=triton.__version__)
+        try:
+            kernel = real.warmup(*args, grid=grid, **consts)
+            layout, _meta = cl.layout_of(kernel)
+            rec["refused"] = cl.refusal(kernel) if not isinstance(layout, str) else layout
+            rec["ours"] = (
+                [] if isinstance(layout, str) else [dict(size=p.size, align=p.align) for p in layout]
+            )
+            rec["kinds"] = [] if isinstance(layout, str) else [p.kind for p in layout]
+            rec["ptx"] = _ptx_params(kernel.asm["ptx"])
+        except Exception as e:  # noqa: BLE001 - reported to the parent test
+            rec["error"] = repr(e)[:800]
+        print("RECORD " + json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    _worker()
+    sys.exit(0)
+
+
+# ------------------------------------------------------------------------------ tests
+
+import pytest  # noqa: E402
+
+from fastdeploy_paddlefleet.kernels import _cuda_launch as cl  # noqa: E402
+
+
+def _compile_records(site: str | None) -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    path = [os.path.join(ROOT, "src")]
+    if site:
+        path.insert(0, site)
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env.setdefault("TRITON_CACHE_DIR", os.path.join("/tmp", f"fdfleet-triton-cache-{os.getuid()}"))
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker"], env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    recs = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("RECORD "):
+            rec = json.loads(line[7:])
+            recs[rec["name"]] = rec
+    if not recs:
+        pytest.fail(f"the compile worker printed no record (rc {r.returncode}): {r.stderr[-3000:]}")
+    return recs
+
+
+def _triton_site_version(site: str) -> str | None:
+    try:
+        with open(os.path.join(site, "triton", "__init__.py")) as f:
+            m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", f.read())
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+SITES = ["local"]
+if _triton_site_version(TR36):
+    SITES.insert(0, "triton36")
+
+KERNELS = [
+    "_decode_kernel",
+    "_decode_kernel_tma",
+    "_prefill_kernel",
+    "_write_kv_kernel",
+    "_split_kv_reduce_kernel",
+]
+
+
+@pytest.fixture(scope="module", params=SITES)
+def compiled(request):
+    if request.param == "triton36":
+        return _compile_records(TR36)
+    pytest.importorskip("triton")
+    return _compile_records(None)
+
+
+@pytest.mark.parametrize("name", [*KERNELS, "_hopper_prefill_kernel"])
+def test_layout_matches_the_kernels_ptx_params(compiled, name):
+    """Count, size and alignment of every parameter as the compiled PTX declares them."""
+    if name not in compiled:
+        if name == "_hopper_prefill_kernel":
+            pytest.skip("no Gluon in this Triton")
+        pytest.fail(f"{name} was not compiled: {sorted(compiled)}")
+    rec = compiled[name]
+    if "error" in rec:
+        if name == "_hopper_prefill_kernel" and not rec["triton"].startswith("3.6"):
+            pytest.skip(f"the Hopper kernel is written for Triton 3.6's Gluon: {rec['error'][:200]}")
+        pytest.fail(rec["error"])
+    assert rec["refused"] is None, rec["refused"]
+    ptx, ours = rec["ptx"], rec["ours"]
+    assert len(ours) == len(ptx), (rec["kinds"], ptx)
+    for i, (a, b) in enumerate(zip(ours, ptx, strict=True)):
+        assert a["size"] == b["size"], (i, rec["kinds"][i], a, b)
+        assert a["align"] % b["align"] == 0, (i, rec["kinds"][i], a, b)
+    if name in ("_decode_kernel_tma", "_hopper_prefill_kernel"):
+        assert rec["kinds"].count("tensormap") == 2
+        assert [p for p in ptx if p["size"] == 128] == [dict(size=128, align=64)] * 2
+
+
+# ---- (2) packing against hand-built bytes
+
+
+def _hand(code: str, v) -> bytes:
+    """One value as the C type Triton's launcher stores it, built without struct for the integers."""
+    ints = {"b": (1, True), "B": (1, False), "h": (2, True), "H": (2, False), "i": (4, True), "I": (4, False),
+            "q": (8, True), "Q": (8, False)}  # fmt: skip
+    if code in ints:
+        n, signed = ints[code]
+        return int(v).to_bytes(n, "little", signed=signed)
+    import numpy as np
+
+    return {"f": np.float32, "e": np.float16, "d": np.float64}[code](v).tobytes()
+
+
+TYPES = ["*bf16", "i1", "i32", "i64", "u64", "fp32", "u8", "i16", "u32", "fp16", "fp64", "i8", "u16", "u1"]
+VALUES = {"*bf16": 0x7F12_3456_7800, "i1": True, "i32": -123456, "i64": -(2**40) - 3, "u64": 2**63 + 5,
+          "fp32": 0.1, "u8": 200, "i16": -300, "u32": 2**31 + 7, "fp16": 1 / 3, "fp64": -2.5e-300, "i8": -5,
+          "u16": 65535, "u1": 1}  # fmt: skip
+
+
+def test_one_call_packs_each_type_as_tritons_c_types():
+    sig = ["constexpr", *TYPES, "constexpr"]
+    layout = cl.param_layout(sig, [])
+    assert [p.kind for p in layout] == ["ptr"] + ["scalar"] * (len(TYPES) - 1) + ["scratch", "scratch"]
+    buf = cl.ParamBuffer(layout, n_args=len(sig) - 1, tail=(7,))
+    args = (None, *[VALUES[t] for t in TYPES])
+    buf.pack(args)
+    for i, t in enumerate(TYPES):
+        code = cl.SCALAR_CODES.get(t, "Q")
+        got = buf.param_bytes(i)
+        assert got == _hand(code, VALUES[t]), (t, got)
+        assert buf.address(i) % struct.calcsize(code) == 0  # natural alignment
+    assert buf.param_bytes(len(TYPES)) == bytes(8) == buf.param_bytes(len(TYPES) + 1)  # no scratch
+    # the kernelParams array holds each slot's address, in parameter order
+    import ctypes
+
+    arr = (ctypes.c_void_p * len(layout)).from_address(buf.kernel_params)
+    assert list(arr) == [buf.address(i) for i in range(len(layout))]
+    # a second call with other values overwrites every slot (tensors for pointers: their address)
+    tensor_like = SimpleNamespace(data_ptr=lambda: 0x1000)
+    args2 = (None, tensor_like, False, 7, 8, 9, -1.5, 1, 2, 3, 0.5, 1.0, 4, 5, 0)
+    buf.pack(args2)
+    for i, t in enumerate(TYPES):
+        want = 0x1000 if t == "*bf16" else args2[i + 1]
+        assert buf.param_bytes(i) == _hand(cl.SCALAR_CODES.get(t, "Q"), want), t
+
+
+def test_trailing_runtime_arguments_are_fixed_and_descriptor_slots_follow_tritons_expansion():
+    meta = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 64], fp4_padded=False)]
+    sig = ["*fp16", "tensordesc<bf16[64, 64],NVMMA>", "i32", "constexpr", "i64"]
+    layout = cl.param_layout(sig, meta)
+    kinds = [p.kind for p in layout]
+    assert kinds == ["ptr", "tensormap", "desc_shape", "desc_shape", "desc_stride", "desc_stride", "scalar",
+                     "scalar", "scratch", "scratch"]  # fmt: skip
+    assert [p.size for p in layout] == [8, 128, 4, 4, 8, 8, 4, 8, 8, 8]
+    buf = cl.ParamBuffer(layout, n_args=4, tail=(-9,))
+    assert buf.address(1) % 128 == 0
+    buf.pack((0xABC0, object(), 41, None))  # the descriptor and the constexpr are not packed
+    assert buf.param_bytes(0) == _hand("Q", 0xABC0) and buf.param_bytes(6) == _hand("i", 41)
+    assert buf.param_bytes(7) == _hand("q", -9)  # the fixed trailing i64
+
+
+def test_tma_encode_arguments_follow_tritons_fill_tma_descriptor():
+    """Hand-derived from Triton 3.6's fillTMADescriptor: innermost dim first, byte strides, box from the
+    metadata, NaN padding requests the NaN fill, the device data type enum mapped to the host's."""
+    base = SimpleNamespace(data_ptr=lambda: 0x7000_0000)
+    desc = SimpleNamespace(base=base, shape=[4096, 128], strides=[256, 1], padding="zero")
+    meta = dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 64], fp4_padded=False)
+    assert cl.tma_encode_args(desc, meta) == (9, 2, 0x7000_0000, [128, 4096], [512], [64, 64], 3, 0)
+    desc3 = SimpleNamespace(base=base, shape=[2, 8, 32], strides=[512, 64, 1], padding="nan")
+    meta3 = dict(swizzle=2, elem_size=4, elem_type=7, block_size=[1, 4, 32], fp4_padded=False)
+    assert cl.tma_encode_args(desc3, meta3) == (7, 3, 0x7000_0000, [32, 8, 2], [256, 2048], [32, 4, 1], 2, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        cl.tma_encode_args(SimpleNamespace(base=base, shape=[4, 4], strides=[1, 4], padding="zero"), meta)
+
+
+# ---- (3) refusals
+
+
+def _fake_kernel(**md):
+    meta = dict(num_ctas=1, global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+                launch_pdl=False, tensordesc_meta=None, name="fake_kernel")  # fmt: skip
+    meta.update(md)
+    sig = md.pop("signature", {"A": "*fp32", "n": "i32"})
+    return SimpleNamespace(
+        metadata=SimpleNamespace(**{k: v for k, v in meta.items() if k != "signature"}),
+        src=SimpleNamespace(signature=sig), function=1, packed_metadata=(4, meta["num_ctas"], 0),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(num_ctas=2), "num_ctas 2"),
+        (dict(launch_cooperative_grid=True), "cooperative"),
+        (dict(launch_pdl=True), "programmatic dependent launch"),
+        (dict(global_scratch_size=64), "scratch memory"),
+        (dict(profile_scratch_size=8), "scratch memory"),
+        (dict(signature={"A": "*fp32", "x": "bf16"}), "'bf16'"),
+        (dict(signature={"A": "*fp32", "t": ("i32", "i32")}), "tuples"),
+        (dict(signature={"A": "*fp32", "d": "tensordesc<fp16[64, 64]>"}), "without TMA metadata"),
+        (dict(signature={"A": "*fp32", "n": "i32", "m": "i32"}), "arguments for 3 parameters"),
+    ],
+)
+def test_refusals_return_none_and_log_why(change, reason, caplog):
+    with caplog.at_level(logging.INFO, logger=cl.__name__):
+        assert cl.own_launcher(_fake_kernel(**change), 1, (0,)) is None
+    assert reason in caplog.text and "fake_kernel" in caplog.text
+
+
+def test_refuses_a_triton_without_the_attributes_it_reads(caplog):
+    k = _fake_kernel()
+    del k.metadata.launch_pdl
+    with caplog.at_level(logging.INFO, logger=cl.__name__):
+        assert cl.own_launcher(k, 1, (0,)) is None
+    assert "lack" in caplog.text
+    with caplog.at_level(logging.INFO, logger=cl.__name__):
+        assert cl.own_launcher(SimpleNamespace(run=None), 1, ()) is None
+
+
+def test_refuses_without_libcuda(monkeypatch, caplog):
+    monkeypatch.setattr(cl, "_LIBCUDA", False)  # as on a machine without the driver
+    with caplog.at_level(logging.INFO, logger=cl.__name__):
+        assert cl.own_launcher(_fake_kernel(), 1, (0,)) is None
+    assert "no libcuda" in caplog.text
+
+
+def test_kernel_cache_keeps_tritons_launcher_where_ours_refuses(monkeypatch):
+    """With launch hooks set when the plan is built, or our launcher switched off, no plan uses it;
+    a refused kernel keeps the compiled launcher's tuple (tests/test_launch_cost.py drives that path)."""
+    from fastdeploy_paddlefleet.kernels import _launch
+
+    monkeypatch.setattr(_launch, "OWN_LAUNCHER", False)
+    cache = _launch.KernelCache(0)
+    assert not cache.own
+    monkeypatch.setattr(_launch, "OWN_LAUNCHER", None)
+    monkeypatch.setenv("FDFLEET_OWN_LAUNCHER", "off")
+    assert not _launch.own_wanted()
+    monkeypatch.setenv("FDFLEET_OWN_LAUNCHER", "on")
+    assert _launch.own_wanted()
+    assert _launch.KernelCache(None).own is False  # off the GPU: never
