@@ -640,24 +640,32 @@ class HopperPlan:
         kernels: object = None,
         key: object = None,
         stream: int | None = None,
+        ptrs: tuple | None = None,
     ) -> None:
         """Prefill rows of ``q [T, Hq, Dqk]`` into ``out [T, Hq, Dv]`` (rows of one-token requests
         untouched). ``errors``: the ``int32 [8]`` device error flag (``kernels/errors.py``) or ``None``;
         table entries outside the cache are never dereferenced either way. ``kernels`` / ``key`` /
-        ``stream``: a :class:`._launch.KernelCache` and this call's key for direct launches."""
+        ``stream``: a :class:`._launch.KernelCache` and this call's key for direct launches; ``ptrs``:
+        the addresses of ``(q, key_cache, value_cache, out, sinks, cu_seqlens_q, seq_lens_decoder,
+        block_tables, errors)`` a direct launch passes (sinks / errors: any pointer when unused)."""
         t = q.shape[0]
         num_reqs = cu_seqlens_q.shape[0] - 1
-        n_items = (
-            t // self.tile_q + num_reqs
-        ) * self.hkv  # (query tile, kv head) ids, some past a request's end
+        n_items = (t // self.tile_q + num_reqs) * self.hkv  # (query tile, kv head) ids, some past the end
         grid = (max(1, min(n_items, self.ctas)),)
+        tail = (
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), self.value_cache.stride(2),
+            block_tables.stride(0), block_tables.shape[1], self.n_pages, t, num_reqs, 2, *self.scalars,
+            n_items,
+        )  # fmt: skip
+        hit = kernels.kernel(key) if kernels is not None and ptrs is not None and kernels.addresses else None
+        if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.run)
+            qp, _, vp, op, sp, cp, dp, tp, ep = ptrs
+            kernels.run(hit, grid, (qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, *tail), stream)
+            return
         has_err = errors is not None
         args = (
             q, out, self.value_cache, self.k_desc, self.v_desc, self.sinks if self.sinks is not None else q,
-            cu_seqlens_q, seq_lens_decoder, block_tables, errors if has_err else block_tables,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), self.value_cache.stride(2),
-            block_tables.stride(0), block_tables.shape[1], self.n_pages, t,
-            num_reqs, 2, *self.scalars, n_items,
+            cu_seqlens_q, seq_lens_decoder, block_tables, errors if has_err else block_tables, *tail,
         )  # fmt: skip
         consts = self._consts[has_err]
         if kernels is None:

@@ -502,7 +502,7 @@ class AttentionPlan:
             if out3 is None:
                 out3 = out.view(t, hq, dv)
             hkey = None if key is None else ("hopper", key)
-            self.hopper.run(q, out3, step.cu, step.dec, table, errors, cache, hkey, stream)
+            self.hopper.run(q, out3, step.cu, step.dec, table, errors, cache, hkey, stream, direct)
         elif run_prefill:
             cfg, desc = self.prefill_cfg, self.prefill_desc
             pkey = None if key is None else ("prefill", key)

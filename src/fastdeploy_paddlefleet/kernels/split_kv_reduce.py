@@ -66,7 +66,13 @@ def split_kv_reduce(
     count and ``out``'s strides)."""
     bsz, hq, splits, dv = mid_o.shape
     sink_arg = sinks if sinks is not None else mid_o  # any pointer when unused
-    args = (mid_o, mid_lse, out, sink_arg, cu_seqlens_q, out.stride(0), out.stride(1), out.shape[0])
+    tail = (out.stride(0), out.stride(1), out.shape[0])
+    hit = kernels.kernel(key) if kernels is not None and kernels.addresses else None
+    if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.run)
+        ptrs = (mid_o.data_ptr(), mid_lse.data_ptr(), out.data_ptr(), sink_arg.data_ptr())
+        kernels.run(hit, (bsz, hq), (*ptrs, cu_seqlens_q.data_ptr(), *tail), stream)
+        return
+    args = (mid_o, mid_lse, out, sink_arg, cu_seqlens_q, *tail)
     consts = dict(
         HQ=hq, DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), NUM_SPLITS=splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), SINK_MODE=sink_mode, num_warps=4,
