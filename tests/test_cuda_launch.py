@@ -386,3 +386,204 @@ def test_kernel_cache_keeps_tritons_launcher_where_ours_refuses(monkeypatch):
     monkeypatch.setenv("FDFLEET_OWN_LAUNCHER", "on")
     assert _launch.own_wanted()
     assert _launch.KernelCache(None).own is False  # off the GPU: never
+
+
+# ---- (4) GPU: bitwise equal to Triton's own launcher
+
+try:
+    import torch
+
+    CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is in the CI env
+    torch, CUDA = None, False
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+DECODE_TMA = dict(block_m=16, block_n=64, num_warps=4, num_stages=3, use_tma=True)
+
+
+def _own_on(monkeypatch):
+    from fastdeploy_paddlefleet.kernels import _launch
+
+    monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(_launch, "OWN_LAUNCHER", True)
+
+
+def _reqs(kind: str, seed: int) -> list[tuple[int, int]]:
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, 600, (6,), generator=gen).tolist()
+    if kind.startswith("decode"):
+        return [(c, 1) for c in ctx]
+    if kind == "mixed":
+        return [(c, 1 if i % 2 else 37) for i, c in enumerate(ctx)]
+    return [(c if i else 0, 70 + 9 * i) for i, c in enumerate(ctx[:3])]  # prefill only, one without context
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    "kind", ["decode", "decode-split", "decode-tma", "mixed", "prefill-portable", "prefill-hopper"]
+)
+def test_gpu_own_launcher_equals_tritons_launch(kind, monkeypatch):
+    """Four steps (fresh metadata and cache contents in the same tensors) through plans whose kept
+    kernels launch through our launcher, against plans that launch every call through Triton's own path
+    (``cached=False``) on copies: cache writes and outputs bitwise equal; every kept kernel is ours."""
+    sys.path.insert(0, HERE)
+    from test_triton_kernels import REAL, make_step
+
+    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    impl = "hopper" if kind == "prefill-hopper" else "portable"
+    if impl == "hopper" and not (hp.gluon_available() and hp.is_hopper(torch.device("cuda"))):
+        pytest.skip("the Hopper prefill kernel needs sm_90 and Gluon")
+    _own_on(monkeypatch)
+    hkv, bf = REAL["hkv"], torch.bfloat16
+    big_k = torch.empty(80, hkv, REAL["block_size"], 128, dtype=bf, device="cuda")
+    big_v = torch.empty_like(big_k)
+    sinks = torch.randn(hkv * REAL["group"], device="cuda")
+    dcfg = pa.TileConfig(**DECODE_TMA) if kind == "decode-tma" else None
+    splits = 4 if kind == "decode-split" else None
+    opts = dict(scale=0.1, sink_kind="learnable", sinks=sinks, prefill_impl=impl, decode_config=dcfg)
+    q_like = torch.empty(1, hkv * REAL["group"], 128, dtype=bf, device="cuda")
+    plan = pa.AttentionPlan(big_k, big_v, q_like, **opts)
+    wplan = cw.CacheWritePlan(big_k, big_v)
+    assert plan.kernels.own and wplan.kernels.own
+    err, ref_err = (torch.zeros(8, dtype=torch.int32, device="cuda") for _ in range(2))
+    for seed in range(4):
+        reqs = _reqs(kind, seed)
+        s = make_step(reqs, dtype=bf, seed=seed, **REAL)
+        nb = s.key_cache.shape[0]
+        assert nb <= big_k.shape[0]
+        big_k.fill_(float("nan"))
+        big_v.fill_(float("nan"))
+        big_k[:nb].copy_(s.key_cache)
+        big_v[:nb].copy_(s.value_cache)
+        kc, vc = big_k.clone(), big_v.clone()
+        mq, mc = max(n for _, n in reqs), max(c + n for c, n in reqs)
+        step = _launch.LaunchStep(s.cu, s.dec, s.table, s.bid, max_q_len=mq, max_context_len=mc, errors=err)
+        wplan.run_step(s.k, s.v, step)
+        out = plan.run_step(s.q, step, num_splits=splits)
+        cw.CacheWritePlan(kc, vc, cached=False).run(s.k, s.v, s.bid, s.cu, s.dec, s.table, errors=ref_err)
+        ref = pa.AttentionPlan(kc, vc, q_like, cached=False, **opts)
+        want = ref.run(s.q, s.cu, s.dec, s.table, max_q_len=mq, max_context_len=mc, num_splits=splits,
+                       errors=ref_err)  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(big_k.nan_to_num(7.0), kc.nan_to_num(7.0)), (kind, seed)
+        assert torch.equal(big_v.nan_to_num(7.0), vc.nan_to_num(7.0)), (kind, seed)
+        assert torch.equal(out, want), (kind, seed)
+    assert not err.any() and not ref_err.any()
+    kept = [*plan.kernels._kernels.values(), *wplan.kernels._kernels.values()]
+    assert len(kept) >= 2 and all(isinstance(h, cl.OwnLauncher) for h in kept), kept
+    with_desc = [h for h in kept if h.descs]
+    if kind in ("decode-tma", "prefill-hopper"):
+        assert with_desc and all(h.encodes == 2 for h in with_desc)  # once per descriptor, not per launch
+    else:
+        assert not with_desc
+
+
+def _triton_tensormap_bytes(desc, meta) -> bytes:
+    """The CUtensorMap Triton's launcher would pass for ``desc``: its own ``make_tensordesc_arg``."""
+    import ctypes
+    import inspect
+
+    from triton.backends.nvidia import driver as nd
+
+    n = len(inspect.signature(nd.make_tensordesc_arg).parameters)
+    tmap = nd.make_tensordesc_arg(desc, meta, *([None] * (n - 2)))[0]
+    return ctypes.string_at(id(tmap) + 128, 128)  # PyObject_HEAD, then the 128-byte aligned map
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["decode-tma", "prefill-hopper"])
+def test_gpu_descriptors_are_encoded_as_tritons_launcher_encodes_them(kind, monkeypatch):
+    """The 128 bytes of each CUtensorMap and the shape / stride parameters after it equal what Triton's
+    launcher builds; a different descriptor object is encoded again, the same one is not."""
+    sys.path.insert(0, HERE)
+    from test_triton_kernels import REAL, make_step
+
+    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    if kind == "prefill-hopper" and not (hp.gluon_available() and hp.is_hopper(torch.device("cuda"))):
+        pytest.skip("the Hopper prefill kernel needs sm_90 and Gluon")
+    _own_on(monkeypatch)
+    reqs = _reqs(kind, 0)
+    s = make_step(reqs, dtype=torch.bfloat16, seed=0, **REAL)
+    impl = "hopper" if kind == "prefill-hopper" else "portable"
+    dcfg = pa.TileConfig(**DECODE_TMA) if kind == "decode-tma" else None
+    plan = pa.AttentionPlan(s.key_cache, s.value_cache, s.q, scale=0.1, prefill_impl=impl, decode_config=dcfg)
+    step = _launch.LaunchStep(s.cu, s.dec, s.table, s.bid, max_q_len=max(n for _, n in reqs))
+    for _ in range(2):
+        plan.run_step(s.q, step)
+    (hit,) = [h for h in plan.kernels._kernels.values() if h.descs]
+    for d, (_arg, tm, shape_idx, stride_idx) in enumerate(hit.descs):
+        desc = hit._held[d][0]
+        assert hit.buf.param_bytes(tm) == _triton_tensormap_bytes(desc, hit.meta[d]), d
+        assert [int.from_bytes(hit.buf.param_bytes(j), "little", signed=True) for j in shape_idx] == list(
+            desc.shape
+        )
+        assert [int.from_bytes(hit.buf.param_bytes(j), "little", signed=True) for j in stride_idx] == list(
+            desc.strides
+        )
+    n = hit.encodes
+    plan.run_step(s.q, step)
+    assert hit.encodes == n  # same descriptors: nothing encoded
+    if kind == "prefill-hopper":
+        old = plan.hopper.k_desc
+        plan.hopper.k_desc = hp._descriptor(s.key_cache, old.block_shape[0])
+        plan.run_step(s.q, step)
+        assert hit.encodes == n + 1
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_captured_through_own_launcher(monkeypatch):
+    """A decode step (cache write + attention) captured in a CUDA graph through our launcher, replayed
+    with new contents in the same tensors: equal to Triton's path on each replay's inputs."""
+    sys.path.insert(0, HERE)
+    from test_triton_kernels import REAL, make_step
+
+    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    _own_on(monkeypatch)
+    reqs = [(300, 1), (41, 1), (7, 1), (130, 1)]
+    s = make_step(reqs, dtype=torch.bfloat16, seed=3, **REAL)
+    kc, vc = s.key_cache, s.value_cache
+    plan = pa.AttentionPlan(kc, vc, s.q, scale=0.1)
+    wplan = cw.CacheWritePlan(kc, vc)
+    step = _launch.LaunchStep(s.cu, s.dec, s.table, s.bid, max_q_len=1, max_context_len=301)
+    q, k, v = s.q.clone(), s.k.clone(), s.v.clone()
+    out = torch.empty(q.shape[0], q.shape[1], 128, dtype=q.dtype, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile, keep, launch through ours once
+            wplan.run_step(k, v, step)
+            plan.run_step(q, step, out=out, num_splits=1)
+    torch.cuda.current_stream().wait_stream(side)
+    kept = [*plan.kernels._kernels.values(), *wplan.kernels._kernels.values()]
+    assert kept and all(isinstance(h, cl.OwnLauncher) for h in kept)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wplan.run_step(k, v, step)
+        plan.run_step(q, step, out=out, num_splits=1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(3):
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=gen, device="cuda").to(x.dtype))
+        rk, rv = kc.clone(), vc.clone()
+        graph.replay()
+        cw.CacheWritePlan(rk, rv, cached=False).run(k, v, s.bid, s.cu, s.dec, s.table)
+        want = pa.AttentionPlan(rk, rv, q, scale=0.1, cached=False).run(
+            q, s.cu, s.dec, s.table, max_q_len=1, max_context_len=301, num_splits=1
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(kc.nan_to_num(7.0), rk.nan_to_num(7.0))
+        assert torch.equal(out, want)
