@@ -723,7 +723,8 @@ def _host_us(fn, calls: int, repeats: int = 5) -> dict:
 def host_cost_cases(fh, calls: int = 2000) -> None:
     """Host (CPU) time per eager launch of each kernel wrapper at tiny shapes (the GPU idles between
     calls), beside what bounds it: a trivial Triton kernel with 20 / 40 arguments through Triton's
-    launcher and the same kernel's compiled launcher called directly, and a torch elementwise op."""
+    launcher, the same kernel's compiled launcher called directly (the pointer as a tensor, and as an
+    address), our own launcher on it (``kernels/_cuda_launch.py``), and a torch elementwise op."""
     import inspect
 
     import torch
@@ -794,6 +795,27 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
             k40.run(1, 1, 1, stream, k40.function, k40.packed_metadata, None, None, None, *all40)
 
         cases.append(("triton-40-args-direct", direct40))
+        addr40 = (x.data_ptr(), *ints40, 16)
+
+        def direct40_addr():  # as the plans call it: pointers as addresses
+            stream = driver.active.get_current_stream(driver.active.get_current_device())
+            k40.run(1, 1, 1, stream, k40.function, k40.packed_metadata, None, None, None, *addr40)
+
+        cases.append(("triton-40-args-direct-addr", direct40_addr))
+        try:  # our launcher (kernels/_cuda_launch.py) on the same compiled kernel; older trees: none
+            from fastdeploy_paddlefleet.kernels._cuda_launch import own_launcher
+
+            own40 = own_launcher(k40, len(addr40) - 1, (16,))
+        except ImportError:
+            own40 = None
+        if own40 is not None:
+            lead40 = addr40[:-1]
+
+            def own40_call():
+                stream = driver.active.get_current_stream(driver.active.get_current_device())
+                own40((1,), lead40, stream)
+
+            cases.append(("own-launcher-40-args", own40_call))
     cases += [
         ("write_kv_cache", write),
         ("paged_attention-decode", attn(dec_b, 1)),
@@ -849,6 +871,8 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
 
     direct = getattr(_launch, "direct_wanted", lambda: bool(_launch.DIRECT_LAUNCH))()  # older trees: the flag
     launch_kw = {"direct_launch": direct, "address_args": getattr(_launch, "ADDRESS_ARGS", False)}
+    if hasattr(_launch, "own_wanted"):  # FDFLEET_OWN_LAUNCHER=off: the A/B against Triton's compiled launcher
+        launch_kw["own_launcher"] = direct and _launch.own_wanted()
     for name, fn in cases:
         try:
             rec = _host_us(fn, calls)
