@@ -321,6 +321,44 @@ def test_tma_encode_arguments_follow_tritons_fill_tma_descriptor():
         cl.tma_encode_args(SimpleNamespace(base=base, shape=[4, 4], strides=[1, 4], padding="zero"), meta)
 
 
+def test_descriptors_are_encoded_once_per_object_and_base_address():
+    """A stub libcuda records the encodes: the same descriptor again encodes nothing, another object or
+    a base at another address encodes again, another base tensor over the same memory does not; the
+    shape / stride parameters after the map carry the descriptor's."""
+    torch = pytest.importorskip("torch")
+    encoded = []
+
+    def encode(addr, dtype, rank, base, dims, strides, box, elem_strides, *rest):
+        encoded.append(
+            (dtype, rank, base, list(dims)[:rank], list(strides)[: rank - 1], list(box)[:rank], rest)
+        )
+        return 0
+
+    lib = SimpleNamespace(cuLaunchKernel=lambda *a: 0, cuTensorMapEncodeTiled=encode)
+    meta = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 64], fp4_padded=False)]
+    layout = cl.param_layout(["*bf16", "tensordesc<bf16[64, 64],L>", "i32"], meta)
+    own = cl.OwnLauncher("k", 1, (4, 1, 0), layout, meta, 3, (), lib)
+    cache = torch.zeros(256, 64, dtype=torch.bfloat16)
+
+    def desc(base):
+        return SimpleNamespace(base=base, shape=[256, 64], strides=[64, 1], padding="zero")
+
+    d = desc(cache)
+    for _ in range(3):
+        own((2,), (0x1000, d, 5), 0)
+    assert len(encoded) == 1
+    assert encoded[0] == (9, 2, cache.data_ptr(), [64, 256], [128], [64, 64], (0, 3, 2, 0))
+    assert [int.from_bytes(own.buf.param_bytes(j), "little") for j in (2, 3, 4, 5)] == [256, 64, 64, 1]
+    d.base = cache.view(256, 64)  # another tensor object over the same memory (a plan's bind)
+    own((2,), (0x1000, d, 5), 0)
+    assert len(encoded) == 1
+    d.base = cache.clone()  # other memory
+    own((2,), (0x1000, d, 5), 0)
+    assert len(encoded) == 2 and encoded[1][2] == d.base.data_ptr()
+    own((2,), (0x1000, desc(d.base), 5), 0)  # another descriptor object
+    assert len(encoded) == 3
+
+
 # ---- (3) refusals
 
 

@@ -30,6 +30,7 @@ import ctypes
 import logging
 import re
 import struct
+import weakref
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -267,6 +268,14 @@ def tma_encode_args(desc: Any, meta: dict) -> tuple:
     return dtype, rank, desc.base.data_ptr(), dims, byte_strides, box, meta["swizzle"], fill
 
 
+def _weak(x: Any) -> Any:
+    """A weak reference to ``x``, or ``None`` where ``x`` takes none."""
+    try:
+        return weakref.ref(x)
+    except TypeError:
+        return None
+
+
 class OwnLauncher:
     """Launches one compiled Triton kernel: ``launcher(grid, args, stream)`` with ``args`` the kernel's
     ``n_args`` leading arguments (pointers as addresses or tensors, descriptors as Triton's
@@ -306,7 +315,9 @@ class OwnLauncher:
                     [j for j in idx if layout[j].kind == "desc_stride"],
                 )
             )
-        self._held: list = [None] * len(self.descs)  # (descriptor, base address) encoded per slot
+        self._desc_args = [(d, t[0]) for d, t in enumerate(self.descs)]
+        # per descriptor: (the object encoded, a weak reference to its base or None, the base's address)
+        self._held: list = [None] * len(self.descs)
         self.encodes = 0
         self._grid3 = (1, 1)
 
@@ -328,15 +339,26 @@ class OwnLauncher:
             self.buf.write(j, "i", int(v))
         for j, v in zip(stride_idx, desc.strides, strict=True):
             self.buf.write(j, "q", int(v))
-        self._held[d] = (desc, addr)
+        self._held[d] = (desc, _weak(desc.base), addr)
         self.encodes += 1
 
     def _check_descs(self, args: tuple) -> None:
-        for d, (arg, *_) in enumerate(self.descs):
+        """Encode a descriptor argument again only when it is another object than the one encoded, or its
+        ``base`` is another tensor (identity through a weak reference: the launcher keeps no cache alive)
+        whose address differs. Descriptors are taken as immutable: a changed shape in place is not seen."""
+        held = self._held
+        for d, arg in self._desc_args:
             desc = args[arg]
-            held = self._held[d]
-            if held is None or held[0] is not desc or held[1] != desc.base.data_ptr():
+            h = held[d]
+            if h is None or h[0] is not desc:
                 self._encode(d, desc)
+                continue
+            base = desc.base
+            if h[1] is None or h[1]() is not base:  # another base tensor (bind): same memory?
+                if base.data_ptr() != h[2]:
+                    self._encode(d, desc)
+                else:
+                    held[d] = (desc, _weak(base), h[2])
 
     def __call__(self, grid: tuple, args: tuple, stream: int | None) -> None:
         buf = self.buf
