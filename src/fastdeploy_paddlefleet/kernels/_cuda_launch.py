@@ -120,6 +120,18 @@ def param_layout(signature: list, tensordesc_meta: list | None) -> list[Param] |
     return out
 
 
+def _same(args: tuple) -> tuple:
+    return args
+
+
+def _nothing(args: tuple) -> tuple:
+    return ()
+
+
+def _one(i: int) -> Any:
+    return lambda args: (args[i],)
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -156,8 +168,8 @@ class ParamBuffer:
             at += p.size
         self._struct = struct.Struct(fmt)
         size = pos + at + TENSORMAP_ALIGN
-        self._raw = (ctypes.c_char * size)()
-        base = ctypes.addressof(self._raw)
+        self.raw = (ctypes.c_char * size)()
+        base = ctypes.addressof(self.raw)
         self._shift = _align(base, TENSORMAP_ALIGN) - base  # the buffer's TENSORMAP_ALIGN-aligned start
         self.offsets = offsets  # per parameter, from the aligned start
         addrs = [base + self._shift + o for o in self.offsets]
@@ -166,48 +178,45 @@ class ParamBuffer:
         self.pack_into = self._struct.pack_into
         self.dyn_at = self._shift + self._dyn_offset
         idx = [layout[j].arg for j in dynamic]
-        #: picks a call's packed arguments out of its argument tuple (None: all of them, in order)
-        self.pick = None if idx == list(range(n_args)) else (itemgetter(*idx) if len(idx) > 1 else None)
-        self._one = idx[0] if len(idx) == 1 else None
-        self._none = not idx
+        #: picks a call's packed values out of its argument tuple (as a tuple)
+        if idx == list(range(n_args)):
+            self.pick = _same
+        elif len(idx) > 1:
+            self.pick = itemgetter(*idx)
+        elif idx:
+            self.pick = _one(idx[0])
+        else:
+            self.pick = _nothing
         self.ptr_args = [k for k, j in enumerate(dynamic) if layout[j].kind == "ptr"]
         for p, off in zip(layout, self.offsets, strict=True):
             if p.kind in ("ptr", "scalar") and p.arg >= n_args:
                 v = tail[p.arg - n_args]
-                struct.pack_into("<" + p.code, self._raw, self._shift + off, 0 if v is None else v)
-
-    def values(self, args: tuple) -> tuple:
-        """The values one call packs, from its ``n_args`` leading arguments."""
-        if self.pick is not None:
-            return self.pick(args)
-        if self._one is not None:
-            return (args[self._one],)
-        return () if self._none else args
+                struct.pack_into("<" + p.code, self.raw, self._shift + off, 0 if v is None else v)
 
     def pack(self, args: tuple) -> None:
         """Pack one call's arguments (pointers as addresses, or objects with ``data_ptr()``)."""
-        vals = self.values(args)
+        vals = self.pick(args)
         try:
-            self.pack_into(self._raw, self.dyn_at, *vals)
+            self.pack_into(self.raw, self.dyn_at, *vals)
         except struct.error:
             vals = list(vals)
             for j in self.ptr_args:  # tensors (or None) for pointers: their addresses
                 v = vals[j]
                 vals[j] = 0 if v is None else (v if isinstance(v, int) else v.data_ptr())
-            self.pack_into(self._raw, self.dyn_at, *vals)
+            self.pack_into(self.raw, self.dyn_at, *vals)
 
     def write(self, index: int, code: str, value: Any) -> None:
         """Write parameter ``index`` (a fixed slot) as struct ``code``."""
-        struct.pack_into("<" + code, self._raw, self._shift + self.offsets[index], value)
+        struct.pack_into("<" + code, self.raw, self._shift + self.offsets[index], value)
 
     def address(self, index: int) -> int:
         """Host address of parameter ``index``'s slot."""
-        return ctypes.addressof(self._raw) + self._shift + self.offsets[index]
+        return ctypes.addressof(self.raw) + self._shift + self.offsets[index]
 
     def param_bytes(self, index: int) -> bytes:
         """The bytes of parameter ``index`` as the driver will read them."""
         p, off = self.layout[index], self._shift + self.offsets[index]
-        return bytes(self._raw[off : off + p.size])
+        return bytes(self.raw[off : off + p.size])
 
 
 _LIBCUDA: Any = None
@@ -364,7 +373,10 @@ class OwnLauncher:
         buf = self.buf
         if self.descs:
             self._check_descs(args)
-        buf.pack(args)
+        try:  # inline ParamBuffer.pack: a frame less per launch
+            buf.pack_into(buf.raw, buf.dyn_at, *buf.pick(args))
+        except struct.error:  # tensors for pointers: their addresses
+            buf.pack(args)
         n = len(grid)
         gx = grid[0]
         gy = grid[1] if n > 1 else 1
@@ -373,7 +385,7 @@ class OwnLauncher:
             return
         res = self._launch(
             self.function, gx, gy, gz, self.block, 1, 1, self.shared, stream, buf.kernel_params, None
-        )
+        )  # fmt: skip
         if res:
             if res == _CUDA_ERROR_INVALID_CONTEXT and self._make_context():
                 res = self._launch(

@@ -83,6 +83,27 @@ def _direct_ok() -> bool:
         return False
 
 
+class TritonHit:
+    """A kept kernel launched through its compiled Triton launcher: ``hit(grid, args, stream)`` passes
+    the grid padded to 3-D, the stream, the function handle, the packed metadata, no launch metadata or
+    hooks, then ``args`` and the kernel's trailing parameters (``tail``: constexprs included)."""
+
+    __slots__ = ("function", "packed", "run", "tail")
+
+    def __init__(self, run: Any, function: Any, packed: Any, tail: tuple) -> None:
+        self.run, self.function, self.packed, self.tail = run, function, packed, tail
+
+    def __call__(self, grid: tuple, args: tuple, stream: int | None) -> None:
+        n = len(grid)
+        run, function, packed, tail = self.run, self.function, self.packed, self.tail
+        if n == 1:
+            run(grid[0], 1, 1, stream, function, packed, None, None, None, *args, *tail)
+        elif n == 2:
+            run(grid[0], grid[1], 1, stream, function, packed, None, None, None, *args, *tail)
+        else:
+            run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *tail)
+
+
 class KernelCache:
     """Compiled kernels of one launch plan, launched directly after their first call.
 
@@ -91,8 +112,9 @@ class KernelCache:
     ``num_warps`` / ``num_stages``), ``key`` everything about this call that can change the compiled
     kernel beyond ``fn`` and the plan's static setup (``None``: Triton's path, nothing kept). A plan
     that builds its arguments itself asks :meth:`kernel` first and, on a hit, calls :meth:`run` with
-    addresses (no constexprs needed). A hit is an :class:`._cuda_launch.OwnLauncher` (:attr:`own`) or
-    the tuple ``(compiled launcher, function handle, packed metadata, trailing parameters)``."""
+    addresses (no constexprs needed). A hit is a callable ``hit(grid, args, stream)``: an
+    :class:`._cuda_launch.OwnLauncher` (:attr:`own`) or a :class:`TritonHit` (the compiled kernel's own
+    launcher)."""
 
     __slots__ = ("_get_stream", "_kernels", "addresses", "device_index", "direct", "own")
 
@@ -103,8 +125,7 @@ class KernelCache:
         self.addresses = ADDRESS_ARGS
         #: kept kernels launch through :mod:`._cuda_launch` where it reproduces them (:func:`own_wanted`)
         self.own = self.direct and own_wanted()
-        # key -> OwnLauncher, or (launcher, function handle, packed metadata, trailing parameters)
-        self._kernels: dict[Any, Any] = {}
+        self._kernels: dict[Any, Any] = {}  # key -> OwnLauncher or TritonHit
         self._get_stream = None
 
     def stream(self) -> int:
@@ -119,21 +140,12 @@ class KernelCache:
         """The kernel kept for ``key`` (``None``: none yet, or no key): pass it to :meth:`run`."""
         return None if key is None else self._kernels.get(key)
 
-    def run(self, hit: tuple, grid: tuple, args: tuple, stream: int | None) -> None:
-        """Launch a kept kernel (:meth:`kernel`) directly. With :attr:`addresses` its pointer arguments
-        may be addresses (ints): the compiled launcher takes an int as it is, while a tensor costs it a
-        ``data_ptr()`` call and a driver query (``cuPointerGetAttribute``) per pointer."""
-        if hit.__class__ is not tuple:  # our own launcher
-            hit(grid, args, stream)
-            return
-        run, function, packed, tail = hit
-        n = len(grid)
-        if n == 1:
-            run(grid[0], 1, 1, stream, function, packed, None, None, None, *args, *tail)
-        elif n == 2:
-            run(grid[0], grid[1], 1, stream, function, packed, None, None, None, *args, *tail)
-        else:
-            run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args, *tail)
+    def run(self, hit: Any, grid: tuple, args: tuple, stream: int | None) -> None:
+        """Launch a kept kernel (:meth:`kernel`) directly: ``hit(grid, args, stream)`` (plans call the hit
+        itself: a frame less). With :attr:`addresses` its pointer arguments may be addresses (ints): the
+        compiled launcher takes an int as it is, while a tensor costs it a ``data_ptr()`` call and a driver
+        query (``cuPointerGetAttribute``) per pointer."""
+        hit(grid, args, stream)
 
     def launch(self, fn: Any, key: Any, grid: tuple, args: tuple, consts: dict, stream: int | None) -> None:
         """Launch ``fn``: directly if a kernel is kept for ``key``, else through Triton (compiling if
@@ -153,7 +165,7 @@ class KernelCache:
                 from ._cuda_launch import own_launcher
 
                 hit = own_launcher(kernel, len(args), tail, self.device_index)
-            self._kernels[key] = hit or (run, kernel.function, kernel.packed_metadata, tail)
+            self._kernels[key] = hit or TritonHit(run, kernel.function, kernel.packed_metadata, tail)
 
     def __len__(self) -> int:
         return len(self._kernels)
@@ -301,6 +313,7 @@ __all__ = [
     "KernelCache",
     "LaunchStep",
     "PlanMemo",
+    "TritonHit",
     "OWN_LAUNCHER",
     "direct_wanted",
     "own_wanted",

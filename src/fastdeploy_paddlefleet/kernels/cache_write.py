@@ -242,6 +242,6 @@ class CacheWritePlan:
             self.n_pages, step.num_reqs,
         )  # fmt: skip
         if hit is not None:
-            cache.run(hit, (t,), args, stream)
+            hit((t,), args, stream)
         else:
             cache.launch(_write_kv_kernel, key, (t,), args, self._consts[step.errors is not None], stream)

@@ -516,7 +516,7 @@ class AttentionPlan:
                 self.n_pages, t, num_reqs, 2, self.qk_scale, self.window, self.win_h0, self.win_h1,
             )  # fmt: skip
             if hit is not None:
-                cache.run(hit, grid, args, stream)
+                hit(grid, args, stream)
             else:
                 consts = self._consts.get(("prefill", has_err))
                 if consts is None:
@@ -558,7 +558,7 @@ class AttentionPlan:
         )  # fmt: skip
         grid = (num_reqs, self.hkv, num_splits)
         if hit is not None:
-            cache.run(hit, grid, args, stream)
+            hit(grid, args, stream)
         else:
             consts = self._consts.get(("decode", has_err, num_splits))
             if consts is None:
