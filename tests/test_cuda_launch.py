@@ -75,6 +75,29 @@ def _ptx_params(ptx: str) -> list[dict]:
     return out
 
 
+def _launch_with_stub_driver(cl, real, kernel, args, consts) -> list:
+    """Build our launcher for ``kernel`` as KernelCache does (leading arguments, the rest from the
+    constexprs and defaults) over a stub libcuda and launch it once with addresses: the calls the stub
+    saw (the grid, block and shared memory it passes)."""
+    seen = []
+    stub = SimpleNamespace(
+        cuLaunchKernel=lambda *a: seen.append(("launch", *a[1:8])) or 0,
+        cuTensorMapEncodeTiled=lambda *a: seen.append(("encode", a[1], a[2])) or 0,
+    )
+    old, cl._LIBCUDA = cl._LIBCUDA, stub
+    try:
+        names = real.arg_names[len(args) :]
+        tail = tuple(consts.get(n, p.default) for n, p in zip(names, real.params[len(args) :], strict=True))
+        own = cl.own_launcher(kernel, len(args), tail, 0)
+        if own is None:
+            return ["refused"]
+        addrs = tuple(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args)
+        own((3, 2), addrs, 0)
+        return seen
+    finally:
+        cl._LIBCUDA = old
+
+
 def _worker() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
@@ -151,6 +174,8 @@ def _worker() -> None:
             )
             rec["kinds"] = [] if isinstance(layout, str) else [p.kind for p in layout]
             rec["ptx"] = _ptx_params(kernel.asm["ptx"])
+            rec["launched"] = _launch_with_stub_driver(cl, real, kernel, args, consts)
+            rec["num_warps"], rec["shared"] = kernel.metadata.num_warps, kernel.metadata.shared
         except Exception as e:  # noqa: BLE001 - reported to the parent test
             rec["error"] = repr(e)[:800]
         print("RECORD " + json.dumps(rec), flush=True)
@@ -239,6 +264,13 @@ def test_layout_matches_the_kernels_ptx_params(compiled, name):
     for i, (a, b) in enumerate(zip(ours, ptx, strict=True)):
         assert a["size"] == b["size"], (i, rec["kinds"][i], a, b)
         assert a["align"] % b["align"] == 0, (i, rec["kinds"][i], a, b)
+    # our launcher built from the real kernel and launched once over a stub libcuda: Triton's block size
+    # (32 x num_warps) and shared memory, every descriptor encoded once
+    launches = [c for c in rec["launched"] if c[0] == "launch"]
+    assert launches and launches[0][1:4] == [3, 2, 1], rec["launched"]
+    assert launches[0][4] == 32 * rec["num_warps"] and launches[0][7] == rec["shared"]
+    encodes = [c for c in rec["launched"] if c[0] == "encode"]
+    assert len(encodes) == rec["kinds"].count("tensormap")
     if name in ("_decode_kernel_tma", "_hopper_prefill_kernel"):
         assert rec["kinds"].count("tensormap") == 2
         assert [p for p in ptx if p["size"] == 128] == [dict(size=128, align=64)] * 2
