@@ -324,6 +324,12 @@ def test_one_call_packs_each_type_as_tritons_c_types():
         assert buf.param_bytes(i) == _hand(cl.SCALAR_CODES.get(t, "Q"), want), t
 
 
+def test_arguments_that_do_not_fit_are_refused_by_name():
+    buf = cl.ParamBuffer(cl.param_layout(["*fp32", "i32"], []), n_args=2)
+    with pytest.raises(ValueError, match="do not fit"):
+        buf.pack((0x1000, 2**40))  # an i32 parameter (Triton compiled it for a small value)
+
+
 def test_trailing_runtime_arguments_are_fixed_and_descriptor_slots_follow_tritons_expansion():
     meta = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 64], fp4_padded=False)]
     sig = ["*fp16", "tensordesc<bf16[64, 64],NVMMA>", "i32", "constexpr", "i64"]

@@ -203,7 +203,13 @@ class ParamBuffer:
             for j in self.ptr_args:  # tensors (or None) for pointers: their addresses
                 v = vals[j]
                 vals[j] = 0 if v is None else (v if isinstance(v, int) else v.data_ptr())
-            self.pack_into(self.raw, self.dyn_at, *vals)
+            try:
+                self.pack_into(self.raw, self.dyn_at, *vals)
+            except struct.error as e:
+                raise ValueError(
+                    f"arguments {vals!r} do not fit the compiled kernel's parameter types "
+                    f"({self._struct.format!r}): {e}"
+                ) from None
 
     def write(self, index: int, code: str, value: Any) -> None:
         """Write parameter ``index`` (a fixed slot) as struct ``code``."""

@@ -164,7 +164,10 @@ class KernelCache:
             if self.own:
                 from ._cuda_launch import own_launcher
 
-                hit = own_launcher(kernel, len(args), tail, self.device_index)
+                try:
+                    hit = own_launcher(kernel, len(args), tail, self.device_index)
+                except (AttributeError, TypeError, ValueError, OSError) as e:  # keep serving: Triton's
+                    logger.warning("own launcher failed to build for %s: %r", getattr(kernel, "name", fn), e)
             self._kernels[key] = hit or TritonHit(run, kernel.function, kernel.packed_metadata, tail)
 
     def __len__(self) -> int:
