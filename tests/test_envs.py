@@ -109,6 +109,21 @@ def test_check_all_names_the_bad_switch(monkeypatch):
         envs.check_all()
 
 
+def test_raw_values_follow_the_environment(monkeypatch):
+    """Values for cache keys: equal while the variables are unchanged, different once one changes."""
+    monkeypatch.delenv("FDFLEET_OWN_LAUNCHER", raising=False)
+    monkeypatch.setenv("FDFLEET_DIRECT_LAUNCH", "on")
+    a = envs.raw_values("FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER")
+    assert a == envs.raw_values("FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER") and a[1] is None
+    monkeypatch.setenv("FDFLEET_OWN_LAUNCHER", "off")
+    b = envs.raw_values("FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER")
+    assert b[0] == a[0] and b[1] is not None
+    monkeypatch.setenv("FDFLEET_OWN_LAUNCHER", "on")
+    assert envs.raw_values("FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER") != b
+    monkeypatch.delenv("FDFLEET_OWN_LAUNCHER")
+    assert envs.raw_values("FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER") == a
+
+
 def test_own_launcher(monkeypatch):
     monkeypatch.delenv("FDFLEET_OWN_LAUNCHER", raising=False)
     assert envs.own_launcher() is True  # on by default

@@ -63,10 +63,23 @@ def _raw(name: str) -> str | None:
     return value
 
 
-def raw_values(*names: str) -> tuple[str | None, ...]:
-    """The unparsed values of ``names`` (``None`` where unset), for cache keys: something built under
-    one value is built again when it changes, and parses the value strictly where it uses it."""
-    get = os.environ.get
+_ENCODED: dict[tuple[str, ...], tuple] = {}  # names -> os.environ's encoded keys (raw_values)
+
+
+def raw_values(*names: str) -> tuple[str | bytes | None, ...]:
+    """The unparsed values of ``names`` (``None`` where unset), for cache keys only: something built
+    under one value is built again when it changes, and parses the value strictly where it uses it.
+    Read from ``os.environ``'s own mapping where it has one (the encoded values: one dict lookup per
+    name instead of ``os.environ.get``'s Python frames; the one-shot wrappers read these per call)."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if type(data) is dict:
+        keys = _ENCODED.get(names)
+        if keys is None:
+            keys = _ENCODED[names] = tuple(env.encodekey(n) for n in names)
+        get = data.get
+        return tuple([get(k) for k in keys])
+    get = env.get
     return tuple([get(name) for name in names])
 
 
