@@ -47,8 +47,8 @@ DIRECT_LAUNCH: bool | None = None
 ADDRESS_ARGS = True
 
 
-#: ``None``: ``FDFLEET_OWN_LAUNCHER`` decides (default on). ``True`` / ``False`` override it (tests,
-#: ``benchmarks/attention.py --no-own-launcher``). Read when a plan is built.
+#: ``None``: ``FDFLEET_OWN_LAUNCHER`` decides (default on; the benchmark's A/B sets it off). ``True`` /
+#: ``False`` override it (tests). Read when a plan is built.
 OWN_LAUNCHER: bool | None = None
 
 
