@@ -197,10 +197,11 @@ SCHEDULE_CASES = [
      dict(window_left=150, sink_kind="learnable"), {}),  # 256 / 256, group 3 padded, 64-key tiles
     (dict(REAL, block_size=16, reqs=MIXED, headwise=True, release=True, dtype=_BF, **_HW),
      dict(sink_kind="learnable", **_HW), {}),  # head-wise tables, half the kv heads sliding
-    (dict(REAL, reqs=MIXED + [(0, 1500)], dtype=_BF), dict(), dict(num_ctas=2)),  # many uneven items per CTA
+    # many uneven items per CTA through one Q buffer and a 3-stage ring (phases wrap at other points)
+    (dict(REAL, reqs=MIXED + [(0, 1500)], dtype=_BF), dict(), dict(num_ctas=2, q_bufs=1, num_stages=3)),
     (dict(WIDE[1], block_size=64, reqs=MIXED, dtype=_BF), dict(sink_kind="off-by-one"), dict(num_ctas=3)),
 ]  # fmt: skip
-SCHEDULE_CASE_IDS = ["causal", "window-sinks", "mla", "d256-g3-window", "headwise-bs16", "2ctas", "mla-3ctas"]
+SCHEDULE_CASE_IDS = ["causal", "window-sinks", "mla", "d256-g3-window", "headwise-bs16", "2ctas-q1-s3", "mla-3ctas"]
 
 
 @pytest.mark.gpu
