@@ -201,7 +201,7 @@ SCHEDULE_CASES = [
     (dict(REAL, reqs=MIXED + [(0, 1500)], dtype=_BF), dict(), dict(num_ctas=2, q_bufs=1, num_stages=3)),
     (dict(WIDE[1], block_size=64, reqs=MIXED, dtype=_BF), dict(sink_kind="off-by-one"), dict(num_ctas=3)),
 ]  # fmt: skip
-SCHEDULE_CASE_IDS = ["causal", "window-sinks", "mla", "d256-g3-window", "headwise-bs16", "2ctas-s3", "mla-3ctas"]
+SCHEDULE_CASE_IDS = ["causal", "window-sinks", "mla", "d256-window", "headwise-bs16", "2ctas-s3", "mla-3ctas"]
 
 
 @pytest.mark.gpu
