@@ -47,7 +47,7 @@ VARIANTS = {
     "pingpong": (dict(pingpong=True), ALL),
     # peel with a third 128-key stage and one Q buffer (224 KB of shared memory for 128 / 128)
     "peel-q1-s3": (dict(peel=True, q_bufs=1, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
-    "pingpong-q1-s3": (dict(pingpong=True, q_bufs=1, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
+    "pingpong-q1-s3": (dict(pingpong=True, q_bufs=1, num_stages=3), ("prefill-causal",)),
     # peel with 64-key tiles and a third stage (rejected when the wgmma's were serialised: -16 %)
     "peel-n64-s3": (dict(peel=True, block_n=64, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
     "n64-s3": (dict(block_n=64, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
