@@ -86,6 +86,23 @@ def _bars(sass: str) -> dict:
     return out
 
 
+def _inner_loop_spills(sass: str) -> int:
+    """``LDL`` / ``STL`` inside innermost loops: the address ranges ``[target, branch]`` of backward
+    branches that hold no other backward branch (the key-tile loops; the wait spin loops hold none)."""
+    ins = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
+        ins.append((int(m[1], 16), m[2]))
+    loops = []
+    for addr, text in ins:
+        b = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if b and int(b[1], 16) <= addr:
+            loops.append((int(b[1], 16), addr))
+    inner = [lo for lo in loops if not any(o != lo and lo[0] <= o[0] and o[1] <= lo[1] for o in loops)]
+    return sum(
+        1 for addr, text in ins if re.search(r"\b(LDL|STL)\b", text) and any(a <= addr <= b for a, b in inner)
+    )
+
+
 def compile_case(case: dict, sass_dir: str | None = None) -> dict:
     """Compile one case (see the module docstring) and read its resources off the cubin."""
     import torch
@@ -134,7 +151,8 @@ def compile_case(case: dict, sass_dir: str | None = None) -> dict:
     }
     rec = dict(case=case, regs_at_entry=int(m[1]), stack=int(m[2]), local=int(m[3]),
                smem=kernel.metadata.shared, ldl=sass.count(" LDL"), stl=sass.count(" STL"),
-               hgmma=sass.count("HGMMA"), wgmma_serialized=ptxas["serialized"],
+               hgmma=sass.count("HGMMA"), spills_in_inner_loops=_inner_loop_spills(sass),
+               wgmma_serialized=ptxas["serialized"],
                wait_injected=ptxas["injected"], bars=_bars(sass), **tiles)  # fmt: skip
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
@@ -178,6 +196,7 @@ def main(argv=None) -> int:
             print(f"{json.dumps(case)}: entry regs {rec['regs_at_entry']}, stack {rec['stack']} B, "
                   f"LDL {rec['ldl']} / STL {rec['stl']}, smem {rec['smem']} B, BLOCK_N {rec['BLOCK_N']}, "
                   f"Q_BUFS {rec['Q_BUFS']}, stages {rec['NUM_STAGES']}, HGMMA {rec['hgmma']}, "
+                  f"LDL/STL in inner loops {rec['spills_in_inner_loops']}, "
                   f"wgmma serialised {rec['wgmma_serialized']}, injected waits {rec['wait_injected']}, "
                   f"bars {rec['bars']}", flush=True)  # fmt: skip
     return rc
