@@ -10,9 +10,12 @@ Usage::
         [--sass-dir DIR] [--json]
 
 Each case: ``dqk``, ``dv`` and optionally ``hq``, ``hkv``, ``bs``, ``sink_mode``, ``has_window``,
-``headwise``, ``softcap`` and any :class:`HopperPlan` tile keyword (``block_n``, ``q_bufs``,
-``num_stages``, ``q_late``, ``profile``). ``LDL`` / ``STL`` count local-memory loads / stores in the
-SASS: where they sit (per tile, per item, at a partition's entry) needs the SASS (``--sass-dir``).
+``headwise``, ``softcap`` and any :class:`HopperPlan` keyword (``block_n``, ``q_bufs``, ``num_stages``,
+``q_late``, ``profile``, ``peel``, ``pingpong``, ``consumer_regs``, ``producer_regs``). ``LDL`` / ``STL``
+count local-memory loads / stores in the SASS: where they sit (per tile, per item, at a partition's
+entry) needs the SASS (``--sass-dir``). ``wgmma_serialized``: ptxas's reason code when it serialised
+every wgmma (the kernel then runs its tensor-core work one instruction at a time); ``bars``: the
+named-barrier instructions by id and thread count.
 """
 
 from __future__ import annotations
@@ -55,6 +58,51 @@ def _stub_driver() -> None:
     driver.set_active(_Stub())
 
 
+def _ptxas_info(ptx: str, ptxas: str) -> dict:
+    """Re-assemble the PTX with ``ptxas -v`` for the notes Triton's own call hides: every wgmma of the
+    kernel serialised (C7514: a non-wgmma instruction may read an accumulator while its wgmma is in
+    flight; C7512: too few registers to keep them in flight; C75xx: other reasons) and C7517 (a wait
+    the compiler injected)."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        raise ValueError(f"ptxas failed: {r.stderr[-500:]!r}")
+    text = r.stdout + r.stderr
+    why = re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma.mma_async instructions are ser", text)
+    return dict(serialized=",".join(sorted(set(why))) or False, injected=text.count("C7517"))
+
+
+def _bars(sass: str) -> dict:
+    """Named-barrier instructions in the SASS, by kind and id (``BAR.SYNC 0x2, 0x80``: id 2, 128 threads)."""
+    out: dict = {}
+    pat = r"BAR\.(SYNC|ARV|RED\.\w+)(?:\.DEFER_BLOCKING)?\s+(0x[0-9a-f]+)(?:,\s*(0x[0-9a-f]+))?"
+    for m in re.finditer(pat, sass):
+        key = f"{m[1]} {int(m[2], 16)}" + (f"/{int(m[3], 16)}" if m[3] else "")
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _inner_loop_spills(sass: str) -> int:
+    """``LDL`` / ``STL`` inside innermost loops: the address ranges ``[target, branch]`` of backward
+    branches that hold no other backward branch (the key-tile loops; the wait spin loops hold none)."""
+    ins = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
+        ins.append((int(m[1], 16), m[2]))
+    loops = []
+    for addr, text in ins:
+        b = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if b and int(b[1], 16) <= addr:
+            loops.append((int(b[1], 16), addr))
+    inner = [lo for lo in loops if not any(o != lo and lo[0] <= o[0] and o[1] <= lo[1] for o in loops)]
+    return sum(
+        1 for addr, text in ins if re.search(r"\b(LDL|STL)\b", text) and any(a <= addr <= b for a, b in inner)
+    )
+
+
 def compile_case(case: dict, sass_dir: str | None = None) -> dict:
     """Compile one case (see the module docstring) and read its resources off the cubin."""
     import torch
@@ -93,6 +141,7 @@ def compile_case(case: dict, sass_dir: str | None = None) -> dict:
                              text=True, check=True).stdout  # fmt: skip
         sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True,
                               text=True, check=True).stdout  # fmt: skip
+    ptxas = _ptxas_info(kernel.asm["ptx"], os.path.join(tools, "ptxas"))
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
     if m is None:
         raise ValueError(f"no resource line in cuobjdump's report: {res[-300:]!r}")
@@ -102,7 +151,9 @@ def compile_case(case: dict, sass_dir: str | None = None) -> dict:
     }
     rec = dict(case=case, regs_at_entry=int(m[1]), stack=int(m[2]), local=int(m[3]),
                smem=kernel.metadata.shared, ldl=sass.count(" LDL"), stl=sass.count(" STL"),
-               hgmma=sass.count("HGMMA"), **tiles)  # fmt: skip
+               hgmma=sass.count("HGMMA"), spills_in_inner_loops=_inner_loop_spills(sass),
+               wgmma_serialized=ptxas["serialized"],
+               wait_injected=ptxas["injected"], bars=_bars(sass), **tiles)  # fmt: skip
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
         name = "_".join(f"{k}{v}" for k, v in sorted(case.items())).replace(" ", "")
@@ -144,7 +195,10 @@ def main(argv=None) -> int:
         else:
             print(f"{json.dumps(case)}: entry regs {rec['regs_at_entry']}, stack {rec['stack']} B, "
                   f"LDL {rec['ldl']} / STL {rec['stl']}, smem {rec['smem']} B, BLOCK_N {rec['BLOCK_N']}, "
-                  f"Q_BUFS {rec['Q_BUFS']}, stages {rec['NUM_STAGES']}", flush=True)  # fmt: skip
+                  f"Q_BUFS {rec['Q_BUFS']}, stages {rec['NUM_STAGES']}, HGMMA {rec['hgmma']}, "
+                  f"LDL/STL in inner loops {rec['spills_in_inner_loops']}, "
+                  f"wgmma serialised {rec['wgmma_serialized']}, injected waits {rec['wait_injected']}, "
+                  f"bars {rec['bars']}", flush=True)  # fmt: skip
     return rc
 
 

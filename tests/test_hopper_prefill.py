@@ -181,6 +181,46 @@ def test_hopper_prefill_tile_variants(monkeypatch, shape, tiles):
     run_and_check(s, prefill_impl="hopper")
 
 
+# schedule variants (HopperPlan keywords): the first key tile peeled off the loop so ptxas keeps the
+# wgmma's asynchronous; FA3's ping-pong of the two consumer warpgroups on named barriers on top of it
+SCHEDULES = [dict(peel=True), dict(pingpong=True)]
+SCHEDULE_IDS = ["peel", "pingpong"]
+_HW = dict(window_left=120, sliding_heads=(4, 8))
+_BF, _FP = torch.bfloat16, torch.float16
+SCHEDULE_CASES = [
+    # (shape and step, attention keywords, HopperPlan extras); one dtype each (each compiles a kernel)
+    (dict(REAL, reqs=MIXED, dtype=_FP), dict(), {}),  # causal, GQA 4, chunked prefills, 2-token, decode rows
+    (dict(REAL, reqs=MIXED, window_left=300, release=True, dtype=_BF),
+     dict(window_left=300, sink_kind="learnable"), {}),  # released (-1, NaN-filled) pages below the window
+    (dict(WIDE[0], block_size=64, reqs=MIXED, dtype=_BF), dict(), {}),  # MLA 192 / 128, one Q buffer
+    (dict(WIDE[3], block_size=64, reqs=MIXED, window_left=150, release=True, dtype=_FP),
+     dict(window_left=150, sink_kind="learnable"), {}),  # 256 / 256, group 3 padded, 64-key tiles
+    (dict(REAL, block_size=16, reqs=MIXED, headwise=True, release=True, dtype=_BF, **_HW),
+     dict(sink_kind="learnable", **_HW), {}),  # head-wise tables, half the kv heads sliding
+    # many uneven items per CTA through one Q buffer and a 3-stage ring (phases wrap at other points)
+    (dict(REAL, reqs=MIXED + [(0, 1500)], dtype=_BF), dict(), dict(num_ctas=2, q_bufs=1, num_stages=3)),
+    (dict(WIDE[1], block_size=64, reqs=MIXED, dtype=_BF), dict(sink_kind="off-by-one"), dict(num_ctas=3)),
+]  # fmt: skip
+SCHEDULE_CASE_IDS = ["causal", "window-sinks", "mla", "d256-window", "headwise-bs16", "2ctas-s3", "mla-3ctas"]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=SCHEDULE_CASE_IDS)
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
+def test_hopper_prefill_schedule_variants(monkeypatch, schedule, case):
+    """The peeled and ping-pong schedules against the dense reference: causal, window + sinks with
+    released pages, MLA, 256-wide heads, head-wise tables, few CTAs walking many items of uneven
+    length (the consumers' turns must stay balanced across item boundaries, and a consumer whose
+    half of a tile is all padding still takes its turns); bf16 and fp16."""
+    step_kw, attend, extra = case
+    step_kw = dict(step_kw)
+    reqs = step_kw.pop("reqs")
+    _hopper_tiles(monkeypatch, **schedule, **extra)
+    s = make_step(reqs, seed=31, **step_kw)
+    run_and_check(s, prefill_impl="hopper", **attend)
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize(
@@ -273,3 +313,23 @@ def test_prefill_kernel_choice(monkeypatch):
     k256 = torch.zeros(2, 2, 64, 256, dtype=torch.bfloat16, device=dev)
     assert hp.choose_prefill_impl(None, None, q256, k256, k256) == ("hopper" if HOPPER else "portable")
     assert hp.choose_prefill_impl(None, None, q192, k192, k256) == "portable"  # 192 / 256: not built
+
+
+@pytest.mark.skipif(not hp.gluon_available(), reason="needs triton.experimental.gluon (descriptors)")
+def test_plan_schedule_options_and_register_split():
+    """``pingpong`` implies the peeled loop (its turns need the unconditional waits); the register split
+    is checked against the SM's 65536 registers (2 consumer warpgroups + the producer, 128 threads each)."""
+    kc = torch.zeros(2, 2, 64, 128, dtype=torch.bfloat16)
+    kw = dict(
+        qk_scale=0.1, sink_mode=0, headwise=False, has_window=False, window=0, win_h0=0, win_h1=0, num_ctas=4
+    )
+    plain = hp.HopperPlan(kc, kc, 8, None, **kw)
+    assert (plain.consts["PEEL"], plain.consts["PINGPONG"]) == (False, False)  # defaults unchanged
+    assert (plain.consts["CONSUMER_REGS"], plain.consts["PRODUCER_REGS"]) == (232, 40)
+    pp = hp.HopperPlan(kc, kc, 8, None, pingpong=True, **kw)
+    assert (pp.consts["PEEL"], pp.consts["PINGPONG"]) == (True, True)
+    ok = hp.HopperPlan(kc, kc, 8, None, consumer_regs=240, producer_regs=24, **kw)  # 2*240*128 + 24*128
+    assert ok.consts["CONSUMER_REGS"] == 240
+    for regs in (dict(consumer_regs=248), dict(consumer_regs=236), dict(producer_regs=16)):
+        with pytest.raises(ValueError, match="consumer_regs"):
+            hp.HopperPlan(kc, kc, 8, None, **regs, **kw)

@@ -28,7 +28,10 @@ a request's longest tiles come first. Three warpgroups per CTA:
   cores on their own. An enforced ping-pong (each warpgroup issuing its wgmma's only after the
   other's, through two mbarriers) measured 10 % slower on the H200 and was dropped
   (benchmarks/NOTES.md). Each consumer frees a ring slot (``k_empty`` / ``v_empty``, two arrivals)
-  as soon as its wgmma's have read it.
+  as soon as its wgmma's have read it. Variants (``HopperPlan(peel=, pingpong=)``, off by default
+  until measured): ``peel`` takes the first key tile out of the loop so every wgmma wait is
+  unconditional (today's loop makes ptxas serialise every wgmma of the kernel: C7514 in ``ptxas
+  -v``); ``pingpong`` adds FA3's turn-taking of the consumers on named barriers (inline PTX).
 
 Masks: a tile gets the mask only when it touches the causal diagonal or the window's leading edge
 of that consumer's rows (a runtime branch); tiles wholly outside every row's window are never
@@ -356,6 +359,156 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.arrive(q_ready.index(qs), count=1)
 
     @gluon.jit
+    def _qk(q_bufs, k_bufs, qs, st, s_zero, HALF: gl.constexpr, NQC: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Issue ``S = Q K^T`` for this warpgroup's ``[BLOCK_M]`` rows of Q buffer ``qs`` and K stage ``st``
+        (async, one commit group; Dqk in ``NQC`` parts: shared-memory shapes are powers of 2)."""
+        s_tok = s_zero
+        for c in gl.static_range(NQC):
+            s_tok = gh.warpgroup_mma(
+                q_bufs.index(qs * NQC + c).slice(HALF * BLOCK_M, BLOCK_M, dim=0),
+                k_bufs.index(st * NQC + c).permute((1, 0)),
+                s_tok,
+                use_acc=c > 0,
+                is_async=True,
+            )
+        return s_tok
+
+    @gluon.jit
+    def _softmax_tile(
+        s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+        BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr,
+    ):  # fmt: skip
+        """Online softmax of one tile's scores ``s [BLOCK_M, BLOCK_N]`` (keys from ``key0``): ``(p, m_i,
+        l_i, alpha)``, ``alpha`` the factor for the accumulator. The mask only on tiles touching the
+        causal diagonal or the window's edge of these rows."""
+        if PROFILE == 1:  # timing ablation (benchmarks only): no softmax, P = S
+            p = s
+            alpha = m_i
+        else:
+            if SOFTCAP != 0.0:  # cap * log2(e) * tanh(scale * q.k / cap): qk_scale is scale / cap
+                s = _tanh(s * qk_scale) * SOFTCAP
+            need_mask = key0 + BLOCK_N - 1 > p_lo
+            if HAS_WINDOW:
+                need_mask = need_mask | (key0 < p_hi - w)
+            if need_mask:
+                keys = key0 + offs_n
+                vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
+                if HAS_WINDOW:
+                    vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
+                s = gl.where(vis, s * sc, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, 1) * sc)
+                p = gl.exp2(s * sc - gl.expand_dims(m_new, 1))
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+        return p, m_i, l_i, alpha
+
+    @gluon.jit
+    def _turn(tok, HALF: gl.constexpr, MODE: gl.constexpr):
+        """FA3's ping-pong between the two consumer warpgroups on hardware named barriers 8 (warpgroup 0's
+        turn) and 9 (warpgroup 1's); Triton 3.6 takes 0 for the default partition's own barrier, 1 for
+        warp_specialize's entry / exit and 2, 3 for the other partitions. ``MODE`` 0: wait for this
+        warpgroup's turn (``bar.sync`` on its barrier: its 128 threads plus the other warpgroup's 128
+        arrivals); 1: pass the turn (``bar.arrive`` on the other's barrier, no wait); 2: give this
+        warpgroup the first turn (``bar.arrive`` on its own barrier, once, warpgroup 0). ``tok``: one
+        int32 per thread (``[128]`` over 4 warps), so the barrier runs exactly once per thread."""
+        if MODE == 0:
+            if HALF == 0:
+                asm: gl.constexpr = "bar.sync 8, 256;\n\tmov.b32 $0, $1;"
+            else:
+                asm: gl.constexpr = "bar.sync 9, 256;\n\tmov.b32 $0, $1;"
+        elif MODE == 1:
+            if HALF == 0:
+                asm: gl.constexpr = "bar.arrive 9, 256;\n\tmov.b32 $0, $1;"
+            else:
+                asm: gl.constexpr = "bar.arrive 8, 256;\n\tmov.b32 $0, $1;"
+        else:
+            asm: gl.constexpr = "bar.arrive 8, 256;\n\tmov.b32 $0, $1;"  # warpgroup 0's first turn
+        return gl.inline_asm_elementwise(asm, "=r,r", [tok], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _item_peeled(
+        q_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, q_empty, qs, it, n_tiles, a,
+        acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, tok,
+        HALF: gl.constexpr, NQC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr,
+        PINGPONG: gl.constexpr,
+    ):  # fmt: skip
+        """One item's key tiles with the first tile peeled off the loop, so every wgmma wait in the loop
+        is unconditional: with ``if j > 0`` around the ``P @ V`` issue and again around its wait, ptxas
+        cannot tell the branches agree, finds a path on which the accumulator is read with its wgmma in
+        flight, and serialises every wgmma of the kernel (C7514 / C7512 in ``ptxas -v``;
+        ``benchmarks/hopper_compile.py`` reports it). Returns ``(acc, l_i, tok)``.
+
+        ``PINGPONG``: each group of wgmma issues (tile 0's ``S``; ``S(j)`` with ``P(j-1) V(j-1)``; the
+        last ``P @ V``) is one turn: wait for the turn, issue, pass it. Cannot deadlock: (1) both
+        consumers walk the same items with the same ``n_tiles`` (``_work_item`` of the same item; a
+        half whose rows are all padding still walks every tile), so they take ``n_tiles + 1`` turns per
+        item each and the turns strictly alternate, warpgroup 0 first; (2) nothing blocks inside a turn
+        (the mbarrier waits for K / V come before it), so a turn is always passed; (3) a consumer
+        waiting for its turn is at most one turn ahead of the other, which has already released every
+        stage and Q buffer older than its current tile, so the producer is never waiting on it. The
+        last pass of a CTA stays unmatched (128 arrivals on a barrier nobody waits on): harmless at exit."""
+        dtype: gl.constexpr = p_prev.dtype
+        p_layout: gl.constexpr = p_prev.type.layout
+        o_layout: gl.constexpr = acc.type.layout
+        if n_tiles > 0:  # always (a valid item has a key tile); the guard keeps the turns balanced anyway
+            st = it % NUM_STAGES
+            mbarrier.wait(k_ready.index(st), (it // NUM_STAGES) & 1)
+            if PINGPONG:
+                tok = _turn(tok, HALF, 0)
+            s_tok = _qk(q_bufs, k_bufs, qs, st, s_zero, HALF, NQC, BLOCK_M)
+            if PINGPONG:
+                tok = _turn(tok, HALF, 1)
+            s = gh.warpgroup_mma_wait(0, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(st), count=1)
+            # acc is still zero: nothing to rescale
+            p, m_i, l_i, alpha = _softmax_tile(
+                s, m_i, l_i, a, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+                BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
+            )  # fmt: skip
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, n_tiles):
+                st = (it + j) % NUM_STAGES
+                pst = (it + j - 1) % NUM_STAGES
+                mbarrier.wait(k_ready.index(st), ((it + j) // NUM_STAGES) & 1)
+                mbarrier.wait(v_ready.index(pst), ((it + j - 1) // NUM_STAGES) & 1)
+                if PINGPONG:
+                    tok = _turn(tok, HALF, 0)
+                s_tok = _qk(q_bufs, k_bufs, qs, st, s_zero, HALF, NQC, BLOCK_M)
+                # P(j-1) V(j-1) behind S(j): retires while this tile's softmax runs
+                acc = gh.warpgroup_mma(p_prev, v_bufs.index(pst), acc, is_async=True)
+                if PINGPONG:
+                    tok = _turn(tok, HALF, 1)
+                s, acc = gh.warpgroup_mma_wait(1, deps=[s_tok, acc])
+                mbarrier.arrive(k_empty.index(st), count=1)
+                p, m_i, l_i, alpha = _softmax_tile(
+                    s, m_i, l_i, a + j * BLOCK_N, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+                    BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
+                )  # fmt: skip
+                acc = gh.warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(v_empty.index(pst), count=1)
+                if PROFILE != 1:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.arrive(q_empty.index(qs), count=1)  # every S wgmma of this item has retired
+            lst = (it + n_tiles - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(lst), ((it + n_tiles - 1) // NUM_STAGES) & 1)
+            if PINGPONG:
+                tok = _turn(tok, HALF, 0)
+            acc = gh.warpgroup_mma(p_prev, v_bufs.index(lst), acc, is_async=True)
+            if PINGPONG:
+                tok = _turn(tok, HALF, 1)
+            acc = gh.warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(v_empty.index(lst), count=1)
+        else:
+            mbarrier.arrive(q_empty.index(qs), count=1)
+        return acc, l_i, tok
+
+    @gluon.jit
     def _consumer(
         O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
         CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
@@ -363,7 +516,8 @@ if GLUON_IMPORT_ERROR is None:
         HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
         DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
-        SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr,
+        SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr, PEEL: gl.constexpr,
+        PINGPONG: gl.constexpr,
     ):  # fmt: skip
         """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA."""
         BLOCK_Q: gl.constexpr = BLOCK_M // GP
@@ -388,6 +542,11 @@ if GLUON_IMPORT_ERROR is None:
             sc = 1.0
         else:
             sc = qk_scale
+        # ping-pong token: one int32 per thread, so each inline-asm named barrier runs once per thread
+        tok = gl.zeros([128], gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+        if PINGPONG:
+            if HALF == 0:  # warpgroup 0 takes the first turn (see _turn)
+                tok = _turn(tok, 0, 2)
         it = 0
         qi = 0
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -415,62 +574,44 @@ if GLUON_IMPORT_ERROR is None:
                     l_i = gl.zeros([BLOCK_M], gl.float32, row_l)
                 acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
                 p_prev = gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout)
-                for j in range(n_tiles):
-                    st = (it + j) % NUM_STAGES
-                    key0 = a + j * BLOCK_N
-                    mbarrier.wait(k_ready.index(st), ((it + j) // NUM_STAGES) & 1)
-                    s_tok = s_zero
-                    for c in gl.static_range(NQC):  # Dqk in QKC-wide parts (smem shapes are powers of 2)
-                        s_tok = gh.warpgroup_mma(
-                            q_bufs.index(qs * NQC + c).slice(HALF * BLOCK_M, BLOCK_M, dim=0),
-                            k_bufs.index(st * NQC + c).permute((1, 0)),
-                            s_tok,
-                            use_acc=c > 0,
-                            is_async=True,
-                        )
-                    if j > 0:  # P(j-1) V(j-1) behind S(j): retires while this tile's softmax runs
-                        pst = (it + j - 1) % NUM_STAGES
-                        mbarrier.wait(v_ready.index(pst), ((it + j - 1) // NUM_STAGES) & 1)
-                        acc = gh.warpgroup_mma(p_prev, v_bufs.index(pst), acc, is_async=True)
-                        s, acc = gh.warpgroup_mma_wait(1, deps=[s_tok, acc])
-                    else:
-                        s = gh.warpgroup_mma_wait(0, deps=[s_tok])
-                    mbarrier.arrive(k_empty.index(st), count=1)
-                    if PROFILE == 1:  # timing ablation (benchmarks only): no softmax, P = S
-                        p = s
-                    else:
-                        if SOFTCAP != 0.0:  # cap * log2(e) * tanh(scale * q.k / cap): qk_scale is scale / cap
-                            s = _tanh(s * qk_scale) * SOFTCAP
-                        need_mask = key0 + BLOCK_N - 1 > p_lo
-                        if HAS_WINDOW:
-                            need_mask = need_mask | (key0 < p_hi - w)
-                        if need_mask:
-                            keys = key0 + offs_n
-                            vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
-                            if HAS_WINDOW:
-                                vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
-                            s = gl.where(vis, s * sc, float("-inf"))
-                            m_new = gl.maximum(m_i, gl.max(s, 1))
-                            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+                if PEEL:
+                    acc, l_i, tok = _item_peeled(
+                        q_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, q_empty, qs, it, n_tiles,
+                        a, acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, tok,
+                        HALF, NQC, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_WINDOW, SOFTCAP, PROFILE, PINGPONG,
+                    )  # fmt: skip
+                else:
+                    for j in range(n_tiles):
+                        st = (it + j) % NUM_STAGES
+                        key0 = a + j * BLOCK_N
+                        mbarrier.wait(k_ready.index(st), ((it + j) // NUM_STAGES) & 1)
+                        s_tok = _qk(q_bufs, k_bufs, qs, st, s_zero, HALF, NQC, BLOCK_M)
+                        if j > 0:  # P(j-1) V(j-1) behind S(j): retires while this tile's softmax runs
+                            pst = (it + j - 1) % NUM_STAGES
+                            mbarrier.wait(v_ready.index(pst), ((it + j - 1) // NUM_STAGES) & 1)
+                            acc = gh.warpgroup_mma(p_prev, v_bufs.index(pst), acc, is_async=True)
+                            s, acc = gh.warpgroup_mma_wait(1, deps=[s_tok, acc])
                         else:
-                            m_new = gl.maximum(m_i, gl.max(s, 1) * sc)
-                            p = gl.exp2(s * sc - gl.expand_dims(m_new, 1))
-                        alpha = gl.exp2(m_i - m_new)
-                        l_i = l_i * alpha + gl.sum(p, 1)
-                        m_i = m_new
-                    if j > 0:
+                            s = gh.warpgroup_mma_wait(0, deps=[s_tok])
+                        mbarrier.arrive(k_empty.index(st), count=1)
+                        p, m_i, l_i, alpha = _softmax_tile(
+                            s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+                            BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
+                        )  # fmt: skip
+                        if j > 0:
+                            acc = gh.warpgroup_mma_wait(0, deps=[acc])
+                            mbarrier.arrive(v_empty.index((it + j - 1) % NUM_STAGES), count=1)
+                        if PROFILE != 1:
+                            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+                            acc = acc * gl.expand_dims(alpha_o, 1)
+                        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+                    mbarrier.arrive(q_empty.index(qs), count=1)  # every S wgmma of this item has retired
+                    if n_tiles > 0:
+                        lst = (it + n_tiles - 1) % NUM_STAGES
+                        mbarrier.wait(v_ready.index(lst), ((it + n_tiles - 1) // NUM_STAGES) & 1)
+                        acc = gh.warpgroup_mma(p_prev, v_bufs.index(lst), acc, is_async=True)
                         acc = gh.warpgroup_mma_wait(0, deps=[acc])
-                        mbarrier.arrive(v_empty.index((it + j - 1) % NUM_STAGES), count=1)
-                    if PROFILE != 1:
-                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                    p_prev = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.arrive(q_empty.index(qs), count=1)  # every S wgmma of this item has retired
-                if n_tiles > 0:
-                    lst = (it + n_tiles - 1) % NUM_STAGES
-                    mbarrier.wait(v_ready.index(lst), ((it + n_tiles - 1) // NUM_STAGES) & 1)
-                    acc = gh.warpgroup_mma(p_prev, v_bufs.index(lst), acc, is_async=True)
-                    acc = gh.warpgroup_mma_wait(0, deps=[acc])
-                    mbarrier.arrive(v_empty.index(lst), count=1)
+                        mbarrier.arrive(v_empty.index(lst), count=1)
                 it += n_tiles
                 qi += 1
                 l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -495,6 +636,7 @@ if GLUON_IMPORT_ERROR is None:
         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, PROFILE: gl.constexpr = 0,
+        PEEL: gl.constexpr = False, PINGPONG: gl.constexpr = False,
     ):  # fmt: skip
         # persistent: CTA p takes work items p, p + grid, ... (items are ordered longest first)
         # Q and K rows held in DQK // QKC parts of QKC columns (192 = 3 x 64: smem shapes are powers of 2)
@@ -528,14 +670,14 @@ if GLUON_IMPORT_ERROR is None:
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
@@ -567,7 +709,10 @@ class HopperPlan:
     ``block_n`` / ``q_bufs`` / ``num_stages``: key tile, Q buffers, K/V ring depth (default
     :func:`tile_for`; others for tuning, checked against shared memory). ``num_ctas``: persistent grid
     size (default: one CTA per SM). ``profile=1``: a timing ablation with the softmax left out (wrong
-    results; ``benchmarks/hopper_variants.py`` only)."""
+    results; ``benchmarks/hopper_variants.py`` only). ``peel``: the first key tile out of the loop
+    (wgmma's stay asynchronous, :func:`_item_peeled`); ``pingpong``: ``peel`` plus the consumers'
+    ping-pong on named barriers (:func:`_turn`). ``consumer_regs`` / ``producer_regs``: the
+    ``setmaxnreg`` split (``2 * 128 * consumer + 128 * producer <= 65536``)."""
 
     def __init__(
         self,
@@ -590,6 +735,10 @@ class HopperPlan:
         num_ctas: int | None = None,
         q_late: bool = False,
         profile: int = 0,
+        peel: bool = False,
+        pingpong: bool = False,
+        consumer_regs: int = 232,
+        producer_regs: int = 40,
     ) -> None:
         hkv, bs = key_cache.shape[1], key_cache.shape[2]
         dqk, dv = key_cache.shape[3], value_cache.shape[3]
@@ -610,6 +759,14 @@ class HopperPlan:
                 f"block_n {block_n}, q_bufs {q_bufs}, num_stages {num_stages} need {need} B of shared memory "
                 f"for head dims {dqk}/{dv} (limit {SMEM_LIMIT})"
             )
+        if (
+            consumer_regs % 8 or producer_regs % 8 or not 24 <= producer_regs <= consumer_regs <= 256
+            or 128 * (2 * consumer_regs + producer_regs) > 65536
+        ):  # fmt: skip
+            raise ValueError(
+                f"consumer_regs {consumer_regs} / producer_regs {producer_regs}: multiples of 8 in [24, 256] "
+                "whose 2 x 128 + 128 threads fit the 65536 registers of an SM"
+            )
         box = min(block_n, bs)
         qkc = dqk if dqk & (dqk - 1) == 0 else CHUNK  # Q / K smem parts: powers of two (192 = 3 x 64)
         self.tile_q = 2 * (block_m // gp)
@@ -625,7 +782,8 @@ class HopperPlan:
             G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, QKC=qkc, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
             NUM_STAGES=num_stages, Q_BUFS=q_bufs, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
             SINK_MODE=sink_mode, SOFTCAP=float(softcap), PROFILE=int(profile), Q_LATE=bool(q_late),
-            PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4,
+            PEEL=bool(peel or pingpong), PINGPONG=bool(pingpong),
+            PRODUCER_REGS=int(producer_regs), CONSUMER_REGS=int(consumer_regs), num_warps=4,
         )  # fmt: skip
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
 
