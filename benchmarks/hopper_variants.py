@@ -35,7 +35,12 @@ CASES = {
     "prefill-swa1024-sinks": (32, 8, 128, 128, 1023, "learnable"),
     "mla-prefill-causal": (16, 16, 192, 128, None, "vanilla"),
     "d256-prefill-causal": (32, 8, 256, 256, None, "vanilla"),
+    # the mixed batch's prefill chunk alone (attention.py's `mixed` case): few items per CTA, where
+    # the order of the items decides the tail
+    "prefill2048-causal": (32, 8, 128, 128, None, "vanilla"),
 }
+#: query tokens per case (default: attention.py's prefill length)
+CASE_TOKENS = {"prefill2048-causal": 2048}
 # variant -> (HopperPlan keywords, the cases it applies to)
 ALL = tuple(CASES)
 VARIANTS = {
@@ -45,6 +50,9 @@ VARIANTS = {
     "peel": (dict(peel=True), ALL),
     # peel + FA3's ping-pong of the two consumer warpgroups on named barriers (inline PTX)
     "pingpong": (dict(pingpong=True), ALL),
+    # peel with every second full wave of items reversed (hopper_prefill._scheduled): a balanced tail
+    "peel-snake": (dict(peel=True, snake=True), ALL),
+    "snake": (dict(snake=True), ALL),
     # peel with a third 128-key stage and one Q buffer (224 KB of shared memory for 128 / 128)
     "peel-q1-s3": (dict(peel=True, q_bufs=1, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
     "pingpong-q1-s3": (dict(pingpong=True, q_bufs=1, num_stages=3), ("prefill-causal",)),
@@ -83,7 +91,7 @@ def run(variants: list[str], fh, check: bool = True) -> list[dict]:
     from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
-    n, recs = A.SH["n"], []
+    recs = []
     base = hp.HopperPlan
     for vname in variants:
         tiles, cases = VARIANTS[vname]
@@ -93,6 +101,7 @@ def run(variants: list[str], fh, check: bool = True) -> list[dict]:
         try:
             for case in cases:
                 hq, hkv, dqk, dv, window, sink_kind = CASES[case]
+                n = CASE_TOKENS.get(case, A.SH["n"])
                 rec = {"issue": "20", "variant": vname, "tiles": tiles, "case": case, "impl": "triton"}
                 try:
                     batch = A.paged_batch([0], [n], hq, hkv, dqk, dv, seed=2)

@@ -1,0 +1,132 @@
+"""Where a direct launch's host time goes on this machine (issue 20): each part of a launch timed alone.
+
+Parts: torch ``add_`` (yardstick), the current-stream query, one ``struct.pack_into`` of 39 values,
+a ctypes call of a one-argument driver function, ``cuLaunchKernel`` through ctypes with packed
+parameters (no pack), the same through a 10-line C extension (METH_FASTCALL, built with Triton's
+``compile_module_from_src``), our launcher whole, Triton's compiled launcher with addresses. Prints
+JSON lines (median of 5 loops of 2000 calls, us per call).
+
+Usage::
+
+    python benchmarks/launch_parts.py [--out FILE.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import struct
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+C_SRC = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        void *, void **, void **);
+static launch_t fn = NULL;
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+  if (n != 8) { PyErr_SetString(PyExc_TypeError, "launch takes 8 arguments"); return NULL; }
+  unsigned long long v[8];
+  for (int i = 0; i < 8; i++) {
+    v[i] = PyLong_AsUnsignedLongLong(args[i]);
+    if (v[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+  }
+  if (!fn) {
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY);
+    if (h) fn = (launch_t)dlsym(h, "cuLaunchKernel");
+    if (!fn) { PyErr_SetString(PyExc_RuntimeError, "no cuLaunchKernel"); return NULL; }
+  }
+  int r = fn((void *)v[0], (unsigned)v[1], (unsigned)v[2], (unsigned)v[3], (unsigned)v[4], 1, 1,
+             (unsigned)v[5], (void *)v[6], (void **)v[7], NULL);
+  return PyLong_FromLong(r);
+}
+static PyMethodDef methods[] = {{"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, ""},
+                                {NULL, NULL, 0, NULL}};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "fdfleet_launch_probe", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_fdfleet_launch_probe(void) { return PyModule_Create(&mod); }
+"""
+
+
+def timeit(fn, calls=2000, loops=5):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        res.append((t1 - t0) / calls * 1e6)
+    res.sort()
+    return res[len(res) // 2], res[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.runtime import driver
+
+    from fastdeploy_paddlefleet.kernels._cuda_launch import own_launcher
+
+    @triton.jit
+    def trivial40(
+        X, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+        b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16, b17, b18, N: tl.constexpr,
+    ):  # fmt: skip
+        o = tl.arange(0, N)
+        tl.store(X + o, tl.load(X + o) + a1)
+
+    x = torch.zeros(1024, device="cuda")
+    ints = [3] * 38
+    k = trivial40[(1,)](x, *ints, N=16)
+    addr = (x.data_ptr(), *ints)
+    own = own_launcher(k, len(addr), (16,))
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    buf = own.buf
+    lib = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    byref = ctypes.byref(ctx)
+    st = struct.Struct("<Q" + "i" * 38)
+    raw = (ctypes.c_char * 512)()
+    from triton.runtime.build import compile_module_from_src
+
+    probe = compile_module_from_src(C_SRC, "fdfleet_launch_probe")
+    func, block, smem, params = own.function, own.block, own.shared, buf.kernel_params
+    parts = {
+        "torch-add_": lambda: x.add_(1),
+        "get-current-stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
+        "struct-pack-39": lambda: st.pack_into(raw, 0, *addr),
+        "ctypes-call-1-arg": lambda: lib.cuCtxGetCurrent(byref),
+        "cuLaunchKernel-ctypes": lambda: own._launch(func, 1, 1, 1, block, 1, 1, smem, stream, params, None),
+        "cuLaunchKernel-c-fastcall": lambda: probe.launch(func, 1, 1, 1, block, smem, stream, params),
+        "own-launcher-whole": lambda: own((1,), addr, stream),
+        "triton-compiled-addr": lambda: k.run(
+            1, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *addr, 16
+        ),
+    }
+    fh = open(a.out, "a") if a.out else None
+    for name, fn in parts.items():
+        med, best = timeit(fn)
+        rec = {"kind": "launch-part", "part": name, "us": round(med, 2), "us_min": round(best, 2)}
+        print(json.dumps(rec))
+        if fh:
+            fh.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()
