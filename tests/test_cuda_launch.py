@@ -663,3 +663,30 @@ def test_gpu_cuda_graph_captured_through_own_launcher(monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(kc.nan_to_num(7.0), rk.nan_to_num(7.0))
         assert torch.equal(out, want)
+
+
+def test_kernel_cache_uses_our_launcher_only_with_addresses(monkeypatch):
+    """Plans that pass tensors for pointers (``ADDRESS_ARGS`` off) keep Triton's launcher: the one-struct
+    pack would read a one-element integer tensor (e.g. ``seq_lens_decoder`` of one request) through
+    ``__index__`` as its value, not its address."""
+    from fastdeploy_paddlefleet.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_direct_ok", lambda: True)
+    monkeypatch.setattr(_launch, "OWN_LAUNCHER", True)
+    monkeypatch.setattr(_launch, "ADDRESS_ARGS", True)
+    assert _launch.KernelCache(0).own
+    monkeypatch.setattr(_launch, "ADDRESS_ARGS", False)
+    cache = _launch.KernelCache(0)
+    assert cache.direct and not cache.own
+
+
+def test_a_tensor_for_a_pointer_packs_its_address_not_its_value():
+    """A torch tensor given for a pointer (``__index__`` raises TypeError for several elements) packs
+    its ``data_ptr()``, as Triton's launcher does."""
+    import torch as _torch
+
+    buf = cl.ParamBuffer(cl.param_layout(["*fp32", "i32"], []), n_args=2)
+    t = _torch.zeros(4)
+    buf.pack((t, 3))
+    assert buf.param_bytes(0) == struct.pack("<Q", t.data_ptr())
+    assert buf.param_bytes(1) == struct.pack("<i", 3)

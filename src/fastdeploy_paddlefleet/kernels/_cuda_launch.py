@@ -198,7 +198,7 @@ class ParamBuffer:
         vals = self.pick(args)
         try:
             self.pack_into(self.raw, self.dyn_at, *vals)
-        except struct.error:
+        except (struct.error, TypeError):  # a tensor for an integer code raises TypeError
             vals = list(vals)
             for j in self.ptr_args:  # tensors (or None) for pointers: their addresses
                 v = vals[j]
@@ -381,7 +381,7 @@ class OwnLauncher:
             self._check_descs(args)
         try:  # inline ParamBuffer.pack: a frame less per launch
             buf.pack_into(buf.raw, buf.dyn_at, *buf.pick(args))
-        except struct.error:  # tensors for pointers: their addresses
+        except (struct.error, TypeError):  # tensors for pointers: their addresses
             buf.pack(args)
         n = len(grid)
         gx = grid[0]

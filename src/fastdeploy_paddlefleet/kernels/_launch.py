@@ -123,8 +123,10 @@ class KernelCache:
         self.direct = device_index is not None and _direct_ok()
         #: direct launches pass pointers as addresses (:meth:`run`; :data:`ADDRESS_ARGS` when built)
         self.addresses = ADDRESS_ARGS
-        #: kept kernels launch through :mod:`._cuda_launch` where it reproduces them (:func:`own_wanted`)
-        self.own = self.direct and own_wanted()
+        #: kept kernels launch through :mod:`._cuda_launch` where it reproduces them (:func:`own_wanted`).
+        #: Only with addresses: its one-struct pack would take a one-element integer tensor passed for a
+        #: pointer as its *value* (``__index__``), where Triton's launcher asks for its ``data_ptr()``
+        self.own = self.direct and self.addresses and own_wanted()
         self._kernels: dict[Any, Any] = {}  # key -> OwnLauncher or TritonHit
         self._get_stream = None
 

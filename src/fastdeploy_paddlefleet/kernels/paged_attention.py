@@ -547,12 +547,15 @@ class AttentionPlan:
         hit = cache.kernel(dkey)
         addr = hit is not None and cache.addresses
         pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = direct if addr else self._tensor_args(q, out, step)
-        mid_o = mid_l = pq  # unused unless split
+        mid_o = mid_l = None
         if num_splits > 1:
             mid_o = empty((num_reqs, hq, num_splits, dv), "float32", q)
             mid_l = empty((num_reqs, hq, num_splits), "float32", q)
+            pmo, pml = (mid_o.data_ptr(), mid_l.data_ptr()) if addr else (mid_o, mid_l)
+        else:
+            pmo = pml = pq  # unused
         args = (
-            pq, pk, pv, po, desc and desc[0], desc and desc[1], mid_o, mid_l, ps, pcu, pdec, ptbl, perr,
+            pq, pk, pv, po, desc and desc[0], desc and desc[1], pmo, pml, ps, pcu, pdec, ptbl, perr,
             qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk,
             self.n_pages, t, self.qk_scale, self.window, self.win_h0, self.win_h1,
         )  # fmt: skip
