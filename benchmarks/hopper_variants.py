@@ -45,9 +45,11 @@ CASE_TOKENS = {"prefill2048-causal": 2048}
 ALL = tuple(CASES)
 VARIANTS = {
     "default": ({}, ALL),
-    # the first key tile peeled off the loop: every wgmma wait unconditional, so ptxas no longer
-    # serialises the kernel's wgmma's (C7514 in `ptxas -v`; benchmarks/hopper_compile.py)
+    # the first key tile peeled off the loop (the default since 2026-12-01c): every wgmma wait
+    # unconditional, so ptxas no longer serialises the kernel's wgmma's (C7514 in `ptxas -v`)
     "peel": (dict(peel=True), ALL),
+    # the loop before: the first tile's branches inside it (ptxas serialises every wgmma)
+    "unpeeled": (dict(peel=False), ALL),
     # peel + FA3's ping-pong of the two consumer warpgroups on named barriers (inline PTX)
     "pingpong": (dict(pingpong=True), ALL),
     # peel with every second full wave of items reversed (hopper_prefill._scheduled): a balanced tail

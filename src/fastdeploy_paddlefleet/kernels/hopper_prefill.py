@@ -28,10 +28,11 @@ a request's longest tiles come first. Three warpgroups per CTA:
   cores on their own. An enforced ping-pong (each warpgroup issuing its wgmma's only after the
   other's, through two mbarriers) measured 10 % slower on the H200 and was dropped
   (benchmarks/NOTES.md). Each consumer frees a ring slot (``k_empty`` / ``v_empty``, two arrivals)
-  as soon as its wgmma's have read it. Variants (``HopperPlan(peel=, pingpong=)``, off by default
-  until measured): ``peel`` takes the first key tile out of the loop so every wgmma wait is
-  unconditional (today's loop makes ptxas serialise every wgmma of the kernel: C7514 in ``ptxas
-  -v``); ``pingpong`` adds FA3's turn-taking of the consumers on named barriers (inline PTX).
+  as soon as its wgmma's have read it. The first key tile of an item is peeled off the loop
+  (``HopperPlan(peel=True)``, the default): with the loop's ``j > 0`` branches every wgmma wait was
+  conditional and ptxas serialised every wgmma of the kernel (C7514 in ``ptxas -v``); peeled, the
+  H200 ran 128/128 causal +21-27 %, MLA +21-25 % (benchmarks/NOTES.md). ``pingpong`` (FA3's
+  turn-taking of the consumers on named barriers, inline PTX) measured no better than ``peel``.
 
 Masks: a tile gets the mask only when it touches the causal diagonal or the window's leading edge
 of that consumer's rows (a runtime branch); tiles wholly outside every row's window are never
@@ -728,9 +729,10 @@ class HopperPlan:
     ``block_n`` / ``q_bufs`` / ``num_stages``: key tile, Q buffers, K/V ring depth (default
     :func:`tile_for`; others for tuning, checked against shared memory). ``num_ctas``: persistent grid
     size (default: one CTA per SM). ``profile=1``: a timing ablation with the softmax left out (wrong
-    results; ``benchmarks/hopper_variants.py`` only). ``peel``: the first key tile out of the loop
-    (wgmma's stay asynchronous, :func:`_item_peeled`); ``pingpong``: ``peel`` plus the consumers'
-    ping-pong on named barriers (:func:`_turn`). ``consumer_regs`` / ``producer_regs``: the
+    results; ``benchmarks/hopper_variants.py`` only). ``peel`` (default): the first key tile out of the
+    loop (wgmma's stay asynchronous, :func:`_item_peeled`; ``False``: the old loop); ``pingpong``:
+    ``peel`` plus the consumers' ping-pong on named barriers (:func:`_turn`). ``snake``: every second
+    full wave of work items reversed (:func:`_scheduled`). ``consumer_regs`` / ``producer_regs``: the
     ``setmaxnreg`` split (``2 * 128 * consumer + 128 * producer <= 65536``)."""
 
     def __init__(
@@ -754,7 +756,7 @@ class HopperPlan:
         num_ctas: int | None = None,
         q_late: bool = False,
         profile: int = 0,
-        peel: bool = False,
+        peel: bool = True,
         pingpong: bool = False,
         consumer_regs: int = 232,
         producer_regs: int = 40,
