@@ -53,8 +53,10 @@ VARIANTS = {
     # peel + FA3's ping-pong of the two consumer warpgroups on named barriers (inline PTX)
     "pingpong": (dict(pingpong=True), ALL),
     # peel with every second full wave of items reversed (hopper_prefill._scheduled): a balanced tail
+    # (the default since 2026-12-01c, call 3; before it: round robin, "round-robin")
     "peel-snake": (dict(peel=True, snake=True), ALL),
     "snake": (dict(snake=True), ALL),
+    "round-robin": (dict(snake=False), ALL),
     # peel with a third 128-key stage and one Q buffer (224 KB of shared memory for 128 / 128)
     "peel-q1-s3": (dict(peel=True, q_bufs=1, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
     "pingpong-q1-s3": (dict(pingpong=True, q_bufs=1, num_stages=3), ("prefill-causal",)),

@@ -183,8 +183,8 @@ def test_hopper_prefill_tile_variants(monkeypatch, shape, tiles):
 
 # schedule variants (HopperPlan keywords): the first key tile peeled off the loop so ptxas keeps the
 # wgmma's asynchronous; FA3's ping-pong of the two consumer warpgroups on named barriers on top of it
-SCHEDULES = [dict(peel=False), dict(pingpong=True), dict(peel=True, snake=True)]
-SCHEDULE_IDS = ["unpeeled", "pingpong", "peel-snake"]
+SCHEDULES = [dict(peel=False), dict(pingpong=True), dict(snake=False)]
+SCHEDULE_IDS = ["unpeeled", "pingpong", "round-robin"]
 _HW = dict(window_left=120, sliding_heads=(4, 8))
 _BF, _FP = torch.bfloat16, torch.float16
 SCHEDULE_CASES = [
@@ -325,7 +325,7 @@ def test_plan_schedule_options_and_register_split():
         qk_scale=0.1, sink_mode=0, headwise=False, has_window=False, window=0, win_h0=0, win_h1=0, num_ctas=4
     )
     plain = hp.HopperPlan(kc, kc, 8, None, **kw)
-    assert (plain.consts["PEEL"], plain.consts["PINGPONG"]) == (True, False)  # peeled by default
+    assert (plain.consts["PEEL"], plain.consts["PINGPONG"], plain.consts["SNAKE"]) == (True, False, True)
     assert (plain.consts["CONSUMER_REGS"], plain.consts["PRODUCER_REGS"]) == (232, 40)
     pp = hp.HopperPlan(kc, kc, 8, None, pingpong=True, **kw)
     assert (pp.consts["PEEL"], pp.consts["PINGPONG"]) == (True, True)
