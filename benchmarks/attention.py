@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -720,6 +721,32 @@ def _host_us(fn, calls: int, repeats: int = 5) -> dict:
     return {"us": round(walls[mid], 2), "us_min": round(min(walls), 2), "cpu_us": round(cpus[mid], 2)}
 
 
+@functools.lru_cache(maxsize=1)
+def trivial_kernels() -> tuple:
+    """Two Triton kernels that do nothing worth timing, with 20 and 40 runtime arguments (a pointer
+    ``X``, then ints; ``N`` constexpr): the yardsticks of a launch's host cost (also
+    ``launch_parts.py``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def trivial20(
+        X, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, N: tl.constexpr
+    ):
+        o = tl.arange(0, N)
+        tl.store(X + o, tl.load(X + o) + a1)
+
+    @triton.jit
+    def trivial40(
+        X, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+        b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16, b17, b18, N: tl.constexpr,
+    ):  # fmt: skip
+        o = tl.arange(0, N)
+        tl.store(X + o, tl.load(X + o) + a1)
+
+    return trivial20, trivial40
+
+
 def host_cost_cases(fh, calls: int = 2000) -> None:
     """Host (CPU) time per eager launch of each kernel wrapper at tiny shapes (the GPU idles between
     calls), beside what bounds it: a trivial Triton kernel with 20 / 40 arguments through Triton's
@@ -728,8 +755,6 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
     import inspect
 
     import torch
-    import triton
-    import triton.language as tl
 
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
@@ -761,22 +786,7 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
         )
 
     x = torch.zeros(1024, device=dev)
-
-    @triton.jit
-    def trivial20(
-        X, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, N: tl.constexpr
-    ):
-        o = tl.arange(0, N)
-        tl.store(X + o, tl.load(X + o) + a1)
-
-    @triton.jit
-    def trivial40(
-        X, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
-        b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15, b16, b17, b18, N: tl.constexpr,
-    ):  # fmt: skip
-        o = tl.arange(0, N)
-        tl.store(X + o, tl.load(X + o) + a1)
-
+    trivial20, trivial40 = trivial_kernels()
     ints20 = [3] * 18
     ints40 = [3] * 38
     cases = [

@@ -36,7 +36,7 @@ DEFAULT_CASES = [
 ]
 
 
-def _stub_driver() -> None:
+def stub_driver() -> None:
     """Make Triton compile for sm_90 (device 0, stream 0) on a machine without a GPU."""
     import torch
     from triton.backends.compiler import GPUTarget
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         print(f"error: --case is not JSON: {e}", file=sys.stderr)
         return 2
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
-    _stub_driver()
+    stub_driver()
     from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
 
     if not hp.gluon_available():

@@ -33,28 +33,6 @@ TR36 = os.environ.get("FDFLEET_TRITON36_SITE", "/tmp/tr36site")
 # ------------------------------------------------------------------------------ child process
 
 
-def _stub_driver() -> None:
-    """Compile for sm_90 (device 0, stream 0) without a GPU (as benchmarks/hopper_compile.py does)."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
-    class _Stub:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-    driver.set_active(_Stub())
-
-
 def _ptx_params(ptx: str) -> list[dict]:
     """The ``.param`` declarations of the PTX's ``.entry``: size and alignment of each."""
     m = re.search(r"\.entry\s+\w+\s*\((.*?)\)", ptx, re.S)
@@ -103,7 +81,10 @@ def _worker() -> None:
     import torch
     import triton
 
-    _stub_driver()
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from hopper_compile import stub_driver  # compile for sm_90 (device 0, stream 0) without a GPU
+
+    stub_driver()
     from fastdeploy_paddlefleet.kernels import _cuda_launch as cl
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
