@@ -671,3 +671,19 @@ def test_a_tensor_for_a_pointer_packs_its_address_not_its_value():
     buf.pack((t, 3))
     assert buf.param_bytes(0) == struct.pack("<Q", t.data_ptr())
     assert buf.param_bytes(1) == struct.pack("<i", 3)
+
+
+def test_kernel_cache_launch_gives_a_kept_kernel_addresses(monkeypatch):
+    """``KernelCache.launch`` takes tensors; a kernel it already keeps gets their addresses, so our
+    launcher never reads a one-element integer tensor (``__index__``) as a pointer's value."""
+    import torch as _torch
+
+    from fastdeploy_paddlefleet.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_direct_ok", lambda: True)
+    cache = _launch.KernelCache(0)
+    seen = []
+    cache._kernels["k"] = lambda grid, args, stream: seen.append((grid, args, stream))
+    one = _torch.tensor([5], dtype=_torch.int32)  # e.g. seq_lens_decoder of one request
+    cache.launch(None, "k", (3,), (one, 7, None), {}, 11)
+    assert seen == [((3,), (one.data_ptr(), 7, None), 11)]

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 #: ``benchmarks/attention.py --no-direct-launch``). Read when a plan is built.
 DIRECT_LAUNCH: bool | None = None
 
-#: direct launches pass pointers as addresses (:meth:`KernelCache.run`); False: the tensors
+#: direct launches pass pointers as addresses (a kept kernel, :meth:`KernelCache.kernel`); False: the tensors
 #: (``benchmarks/attention.py --tensor-args``: an A/B of the launcher's per-pointer cost). Read when a
 #: plan is built.
 ADDRESS_ARGS = True
@@ -111,17 +111,18 @@ class KernelCache:
     arguments in order, ``consts`` its remaining parameters by name (constexprs and launch options
     ``num_warps`` / ``num_stages``), ``key`` everything about this call that can change the compiled
     kernel beyond ``fn`` and the plan's static setup (``None``: Triton's path, nothing kept). A plan
-    that builds its arguments itself asks :meth:`kernel` first and, on a hit, calls :meth:`run` with
-    addresses (no constexprs needed). A hit is a callable ``hit(grid, args, stream)``: an
-    :class:`._cuda_launch.OwnLauncher` (:attr:`own`) or a :class:`TritonHit` (the compiled kernel's own
-    launcher)."""
+    that builds its arguments itself asks :meth:`kernel` first and, on a hit, calls it with addresses
+    (no constexprs needed): a tensor costs the compiled launcher a ``data_ptr()`` call and a driver query
+    (``cuPointerGetAttribute``) per pointer, and our launcher takes pointers as ints only. A hit is a
+    callable ``hit(grid, args, stream)``: an :class:`._cuda_launch.OwnLauncher` (:attr:`own`) or a
+    :class:`TritonHit` (the compiled kernel's own launcher)."""
 
     __slots__ = ("_get_stream", "_kernels", "addresses", "device_index", "direct", "own")
 
     def __init__(self, device_index: int | None) -> None:
         self.device_index = device_index
         self.direct = device_index is not None and _direct_ok()
-        #: direct launches pass pointers as addresses (:meth:`run`; :data:`ADDRESS_ARGS` when built)
+        #: direct launches pass pointers as addresses (:data:`ADDRESS_ARGS` when built)
         self.addresses = ADDRESS_ARGS
         #: kept kernels launch through :mod:`._cuda_launch` where it reproduces them (:func:`own_wanted`).
         #: Only with addresses: its one-struct pack would take a one-element integer tensor passed for a
@@ -139,23 +140,17 @@ class KernelCache:
         return self._get_stream(self.device_index)
 
     def kernel(self, key: Any) -> tuple | None:
-        """The kernel kept for ``key`` (``None``: none yet, or no key): pass it to :meth:`run`."""
+        """The kernel kept for ``key`` (``None``: none yet, or no key): ``hit(grid, args, stream)``."""
         return None if key is None else self._kernels.get(key)
-
-    def run(self, hit: Any, grid: tuple, args: tuple, stream: int | None) -> None:
-        """Launch a kept kernel (:meth:`kernel`) directly: ``hit(grid, args, stream)`` (plans call the hit
-        itself: a frame less). With :attr:`addresses` its pointer arguments may be addresses (ints): the
-        compiled launcher takes an int as it is, while a tensor costs it a ``data_ptr()`` call and a driver
-        query (``cuPointerGetAttribute``) per pointer."""
-        hit(grid, args, stream)
 
     def launch(self, fn: Any, key: Any, grid: tuple, args: tuple, consts: dict, stream: int | None) -> None:
         """Launch ``fn``: directly if a kernel is kept for ``key``, else through Triton (compiling if
         needed), keeping the kernel when there is a key. ``args`` are tensors here (Triton specialises
-        on them on its path)."""
+        on them on its path); a kept kernel gets their addresses (our launcher reads a one-element
+        integer tensor through ``__index__`` as its value)."""
         hit = self._kernels.get(key) if key is not None and self.direct else None
         if hit is not None:
-            self.run(hit, grid, args, stream)
+            hit(grid, tuple(a.data_ptr() if hasattr(a, "data_ptr") else a for a in args), stream)
             return
         kernel = fn[grid](*args, **consts)
         if key is not None and self.direct and kernel is not None and hasattr(kernel, "packed_metadata"):

@@ -840,9 +840,9 @@ class HopperPlan:
             n_items,
         )  # fmt: skip
         hit = kernels.kernel(key) if kernels is not None and ptrs is not None and kernels.addresses else None
-        if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.run)
+        if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.kernel)
             qp, _, vp, op, sp, cp, dp, tp, ep = ptrs
-            kernels.run(hit, grid, (qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, *tail), stream)
+            hit(grid, (qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, *tail), stream)
             return
         has_err = errors is not None
         args = (

@@ -68,9 +68,9 @@ def split_kv_reduce(
     sink_arg = sinks if sinks is not None else mid_o  # any pointer when unused
     tail = (out.stride(0), out.stride(1), out.shape[0])
     hit = kernels.kernel(key) if kernels is not None and kernels.addresses else None
-    if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.run)
+    if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.kernel)
         ptrs = (mid_o.data_ptr(), mid_lse.data_ptr(), out.data_ptr(), sink_arg.data_ptr())
-        kernels.run(hit, (bsz, hq), (*ptrs, cu_seqlens_q.data_ptr(), *tail), stream)
+        hit((bsz, hq), (*ptrs, cu_seqlens_q.data_ptr(), *tail), stream)
         return
     args = (mid_o, mid_lse, out, sink_arg, cu_seqlens_q, *tail)
     consts = dict(
