@@ -338,7 +338,6 @@ class OwnLauncher:
         # per descriptor: (the object encoded, a weak reference to its base or None, the base's address)
         self._held: list = [None] * len(self.descs)
         self.encodes = 0
-        self._grid3 = (1, 1)
 
     def _encode(self, d: int, desc: Any) -> None:
         arg, tm, shape_idx, stride_idx = self.descs[d]

@@ -487,7 +487,7 @@ class AttentionPlan:
                 if stream is None:
                     stream = cache.stream()
                 key = (qs[0], qs[1], ost[0], ost[1], step.sig)
-                kp, vp, sp = self.ptrs  # addresses for a direct launch (KernelCache.run)
+                kp, vp, sp = self.ptrs  # addresses for a kept kernel (KernelCache.kernel)
                 direct = (qp, kp, vp, op, sp if self.sink_mode == 1 else qp, *step.ptrs)
 
         # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
