@@ -115,3 +115,29 @@ def test_serving_sim_decode_bound_matches_a_hand_count_for_gpt_oss():
     # a cap both modes reach leaves nothing to gain
     capped = ss.decode_bound("gpt-oss-20b", prompt, out, b_fd)
     assert capped["r"] == 1.0 and capped["gain_bound"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_decode_ceiling_smoke(tmp_path):
+    """benchmarks/decode_ceiling.py at --smoke shapes: the plain reader's sums over each layout equal
+    torch's (checked inside the script: it raises otherwise) and our kernel matches the dense reference."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    out = tmp_path / "ceiling.jsonl"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
+    script = ROOT / "benchmarks" / "decode_ceiling.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--json", "--out", str(out), "--tag", "run=smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    impls = {r["impl"] for r in rows}
+    assert impls == {"read-paged-random", "read-paged-ordered", "read-contiguous", "triton-paged-random",
+                     "triton-paged-ordered"}  # fmt: skip
+    assert all("error" not in r and r["run"] == "smoke" for r in rows), rows
+    assert all(r["max_abs_err"] < 1e-4 for r in rows if r["impl"].startswith("triton")), rows
+    assert set(json.loads(proc.stdout.splitlines()[-1])["gbps"]) == impls

@@ -1,0 +1,209 @@
+"""What a paged decode can read per second: the read-only ceilings beside our decode kernel and cuDNN.
+
+Issue 20 asks full decode (64 requests x 4096 keys, 8 kv heads, head 128, bf16, block 64) for >= 1.0x
+cuDNN SDPA, which reads contiguous ``[B, H, S, D]`` K/V. Our kernel reads 16 KB pages through a block
+table whose physical blocks ``attention.py`` shuffles. This script separates the two effects with one
+plain Triton kernel that only reads (each program sums one (request, kv head)'s K and V pages, a tile
+of ``BS`` keys at a time) over the same bytes laid out three ways:
+
+* ``paged-random``: the cache ``[NB, Hkv, BS, D]``, physical blocks in random order (as benchmarked);
+* ``paged-ordered``: the same cache layout, each request's blocks consecutive and in order;
+* ``contiguous``: ``[B, Hkv, S, D]`` (what cuDNN reads; the table then lists consecutive tiles).
+
+Beside them: our decode kernel on ``paged-random`` and ``paged-ordered`` tables, and cuDNN SDPA on
+contiguous K/V. Bandwidth = K and V bytes read / time (the queries, outputs and tables add < 0.2 %),
+each with ``attention.py``'s timing (do_bench and CUDA-graph replay, the better one). If the plain
+reader on shuffled pages stays below cuDNN on contiguous K/V while our kernel matches that reader, the
+gap is the layout, not the kernel.
+
+Usage::
+
+    python benchmarks/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tag KEY=VALUE] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
+
+STAGES = (3, 4)  # pipeline depths of the plain reader; the best one is its figure
+
+
+def _reader():
+    """The plain read-only kernel: program ``(b, h)`` loads every tile ``j < n_tiles`` of K and V at
+    ``table[b, j] * stride_page + h * stride_h`` (``[BS, D]`` rows of ``D`` contiguous elements) and
+    stores the column sums, so no load is dead."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_pages(
+        K, V, Tbl, Out, stride_page, stride_h, stride_tbl, n_tiles, HKV: tl.constexpr, BS: tl.constexpr,
+        D: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BS)[:, None] * D + tl.arange(0, D)[None, :]
+        acc = tl.zeros([BS, D], tl.float32)
+        for j in range(n_tiles):
+            base = tl.load(Tbl + b * stride_tbl + j).to(tl.int64) * stride_page + h * stride_h
+            acc += tl.load(K + base + offs).to(tl.float32) + tl.load(V + base + offs).to(tl.float32)
+        tl.store(Out + (b * HKV + h) * D + tl.arange(0, D), tl.sum(acc, 0))
+
+    return read_pages
+
+
+def layouts(batch: dict, bsz: int, ctx: int) -> dict:
+    """``name -> (K, V, table, stride_page, stride_h)`` over the same K/V values: the benchmark's
+    shuffled cache, the same cache with blocks in order, and contiguous ``[B, Hkv, S, D]``."""
+    import torch
+
+    kc, vc, tbl = batch["kc"], batch["vc"], batch["table"]
+    nb, hkv, bs, d = kc.shape
+    n_tiles = ctx // bs
+    used = tbl[:, :n_tiles].long()
+    # in order: request b's tiles are blocks b * n_tiles + j of a new cache holding the same pages
+    k_ord = kc[used.reshape(-1)].contiguous()
+    v_ord = vc[used.reshape(-1)].contiguous()
+    ordered = torch.arange(bsz * n_tiles, dtype=torch.int32, device=kc.device).view(bsz, n_tiles)
+    # contiguous [B, Hkv, S, D]: tile j of (b, h) starts at ((b * Hkv + h) * n_tiles + j) * BS * D
+    k_con = k_ord.view(bsz, n_tiles, hkv, bs, d).permute(0, 2, 1, 3, 4).contiguous()
+    v_con = v_ord.view(bsz, n_tiles, hkv, bs, d).permute(0, 2, 1, 3, 4).contiguous()
+    con_tbl = (torch.arange(bsz, device=kc.device)[:, None] * hkv * n_tiles + ordered % n_tiles).to(
+        torch.int32
+    )
+    page = bs * d
+    return {
+        "paged-random": (kc, vc, tbl, hkv * page, page),
+        "paged-ordered": (k_ord, v_ord, ordered, hkv * page, page),
+        "contiguous": (k_con, v_con, con_tbl, page, n_tiles * page),
+    }
+
+
+def run(fh=None, smoke: bool = False) -> list[dict]:
+    """Every figure of this benchmark, one record each (errors recorded, not raised)."""
+    import torch
+
+    if smoke:
+        A.SH.update(A.SMOKE)
+    bsz, ctx, hkv, d, bs = A.SH["bsz"], A.SH["ctx"] // A.BS * A.BS, A.HKV, A.D, A.BS
+    batch = A.paged_batch([ctx - 1] * bsz, [1] * bsz, A.HQ, hkv, d, d, seed=1)
+    nbytes = bsz * hkv * ctx * 2 * d * batch["kc"].element_size()
+    recs: list[dict] = []
+
+    def record(impl: str, timed, **extra) -> None:
+        """Run ``timed()`` -> ``(ms, extra fields)`` and emit the record (an exception is recorded)."""
+        rec = {"case": "decode-full", "impl": impl, "kind": "decode-ceiling", "kv_bytes": nbytes, **extra}
+        try:
+            ms, more = timed()
+            rec.update(ms=round(ms, 4), gbps=round(nbytes / (ms * 1e-3) / 1e9, 1), **more)
+        except Exception as e:  # noqa: BLE001 - keep the other figures
+            rec["error"] = repr(e)[:300]
+        A.emit(rec, fh)
+        recs.append(rec)
+
+    def best(fn):
+        t = A.bench_best(fn)
+        return t.pop("ms"), t
+
+    read_pages = _reader()
+    out = torch.empty(bsz * hkv * d, dtype=torch.float32, device=batch["kc"].device)
+    lays = layouts(batch, bsz, ctx)
+    k_con, v_con = lays["contiguous"][:2]
+    want = (k_con.float() + v_con.float()).view(bsz, hkv, -1, d).sum(2).reshape(-1)
+    for name, (k, v, tbl, sp, sh) in lays.items():
+        for stages in STAGES if not smoke else (1,):
+            kw = {} if smoke else dict(num_warps=4, num_stages=stages)
+
+            def fn(k=k, v=v, tbl=tbl, sp=sp, sh=sh, kw=kw):
+                read_pages[(bsz, hkv)](k, v, tbl, out, sp, sh, tbl.stride(0), ctx // bs, hkv, bs, d, **kw)
+
+            if stages == STAGES[0] or smoke:  # each layout reads the same bytes, each exactly once
+                fn()
+                if not torch.allclose(out, want, rtol=1e-3, atol=1e-1):
+                    raise ValueError(f"the plain reader's sums over {name} disagree with torch's")
+            record(f"read-{name}", lambda fn=fn: best(fn), stages=stages)
+    check = [(0, [0]), (bsz - 1, [0])]  # our kernel's rows checked against the dense reference
+    for name in ("paged-random", "paged-ordered"):
+        k, v, tbl, _, _ = lays[name]
+        ours = dict(batch, kc=k, vc=v, table=tbl)
+        record(
+            f"triton-{name}", lambda o=ours, n=name: A.run_ours(n, o, max_q_len=1, max_ctx=ctx, check=check)
+        )
+    if not smoke:  # cuDNN on contiguous K/V, as attention.py times it
+        k, v = k_con.view(bsz, hkv, ctx, d), v_con.view(bsz, hkv, ctx, d)
+        q = torch.randn(bsz, A.HQ, 1, d, device=k.device, dtype=k.dtype)
+
+        def cudnn():
+            ms, how, t = A.peer_sdpa(q, k, v, "cudnn", causal=False)
+            return ms, {"note": how, **{x: y for x, y in t.items() if x != "ms"}}
+
+        record("sdpa-cudnn", cudnn)
+    return recs
+
+
+def summary(recs: list[dict]) -> dict:
+    """Best figure per implementation, and the ratios the issue's target reads."""
+    best: dict[str, float] = {}
+    for r in recs:
+        if "gbps" in r:
+            key = r["impl"]
+            best[key] = max(best.get(key, 0.0), r["gbps"])
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(best[a] / best[b], 3) if a in best and b in best and best[b] else None
+
+    return {
+        "gbps": best,
+        "ours_vs_cudnn": ratio("triton-paged-random", "sdpa-cudnn"),
+        "ours_vs_reader_same_layout": ratio("triton-paged-random", "read-paged-random"),
+        "reader_random_vs_contiguous": ratio("read-paged-random", "read-contiguous"),
+        "ours_ordered_vs_cudnn": ratio("triton-paged-ordered", "sdpa-cudnn"),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="JSON lines file to append to (default: print only)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter without a GPU)")
+    ap.add_argument("--tag", action="append", default=[], help="KEY=VALUE added to every record (repeatable)")
+    ap.add_argument(
+        "--json", action="store_true", help="the summary as one JSON object on stdout's last line"
+    )
+    args = ap.parse_args(argv)
+    tags = {}
+    for t in args.tag:
+        key, sep, val = t.partition("=")
+        if not sep or not key:
+            print(f"error: --tag wants KEY=VALUE, got {t!r}", file=sys.stderr)
+            return 2
+        tags[key] = int(val) if val.isdigit() else val
+    emit = A.emit
+    A.emit = lambda rec, f=None: emit({**rec, **tags}, f)
+    fh = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
+    try:
+        recs = run(fh, smoke=args.smoke)
+    finally:
+        A.emit = emit
+        if fh is not None:
+            fh.close()
+    s = summary(recs)
+    if args.json:
+        print(json.dumps(s))
+    else:
+        for impl, g in sorted(s["gbps"].items(), key=lambda kv: -kv[1]):
+            print(f"{impl:24} {g:8.1f} GB/s", file=sys.stderr)
+        print({k: v for k, v in s.items() if k != "gbps"}, file=sys.stderr)
+    return 0 if all(math.isfinite(v) for v in s["gbps"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
