@@ -39,10 +39,15 @@ CASES = {
     # the order of the items decides the tail
     "prefill2048-causal": (32, 8, 128, 128, None, "vanilla"),
 }
+# other windows (+ sinks) over the same 8192 tokens: the same items with 3 to 33 key tiles each, so a
+# line through time against tiles per item splits the time into a cost per item and one per tile
+WINDOWS = (256, 512, 2048, 4096)
+CASES.update({f"prefill-swa{w}-sinks": (32, 8, 128, 128, w - 1, "learnable") for w in WINDOWS})
+WINDOW_CASES = ("prefill-causal", "prefill-swa1024-sinks", *(f"prefill-swa{w}-sinks" for w in WINDOWS))
 #: query tokens per case (default: attention.py's prefill length)
 CASE_TOKENS = {"prefill2048-causal": 2048}
 # variant -> (HopperPlan keywords, the cases it applies to)
-ALL = tuple(CASES)
+ALL = tuple(c for c in CASES if c not in WINDOW_CASES[2:])
 VARIANTS = {
     "default": ({}, ALL),
     # the first key tile peeled off the loop (the default since 2026-12-01c): every wgmma wait
@@ -61,7 +66,9 @@ VARIANTS = {
     "peel-q1-s3": (dict(peel=True, q_bufs=1, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
     "pingpong-q1-s3": (dict(pingpong=True, q_bufs=1, num_stages=3), ("prefill-causal",)),
     # peel with 64-key tiles and a third stage (rejected when the wgmma's were serialised: -16 %)
-    "peel-n64-s3": (dict(peel=True, block_n=64, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
+    "peel-n64-s3": (dict(peel=True, block_n=64, num_stages=3), WINDOW_CASES),
+    # today's kernel over every window: the cost per item against the cost per key tile
+    "window-fit": ({}, WINDOW_CASES),
     "n64-s3": (dict(block_n=64, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
     "n64-s4": (dict(block_n=64, num_stages=4), ("prefill-causal",)),
     "mla-n64-q2-s2": (dict(block_n=64, q_bufs=2, num_stages=2), ("mla-prefill-causal",)),
