@@ -70,7 +70,7 @@ def raw_values(*names: str) -> tuple[str | bytes | None, ...]:
     """The unparsed values of ``names`` (``None`` where unset), for cache keys only: something built
     under one value is built again when it changes, and parses the value strictly where it uses it.
     Read from ``os.environ``'s own mapping where it has one (the encoded values: one dict lookup per
-    name instead of ``os.environ.get``'s Python frames; the one-shot wrappers read these per call)."""
+    name instead of ``os.environ.get``'s Python frames). Per call paths use :func:`raw_reader`."""
     env = os.environ
     data = getattr(env, "_data", None)
     if type(data) is dict:
@@ -81,6 +81,27 @@ def raw_values(*names: str) -> tuple[str | bytes | None, ...]:
         return tuple([get(k) for k in keys])
     get = env.get
     return tuple([get(name) for name in names])
+
+
+def raw_reader(*names: str):
+    """A function of no arguments returning :func:`raw_values` ``(*names)``: the names encoded once,
+    ``os.environ``'s mapping looked up again only when ``os.environ`` is another object (the one-shot
+    kernel wrappers read their switches on every call: ~0.3 us instead of ~0.8)."""
+    seen: list = [None, None, names]  # the os.environ seen, its lookup, the names as it keys them
+
+    def read() -> tuple:
+        env = os.environ
+        if env is not seen[0]:
+            data = getattr(env, "_data", None)
+            if type(data) is dict:
+                seen[1], seen[2] = data.get, tuple(env.encodekey(n) for n in names)
+            else:  # another mapping: its own lookup by name
+                seen[1], seen[2] = env.get, names
+            seen[0] = env
+        get = seen[1]
+        return tuple([get(k) for k in seen[2]])
+
+    return read
 
 
 def get_bool(name: str, default: bool) -> bool:

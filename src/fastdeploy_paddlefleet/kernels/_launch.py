@@ -171,11 +171,6 @@ class KernelCache:
         return len(self._kernels)
 
 
-def _on_gpu(x: Any) -> bool:
-    """Whether ``x`` is a CUDA tensor (paddle tensors: never launched directly)."""
-    return getattr(x, "is_cuda", False) is True
-
-
 class LaunchStep:
     """One step's metadata as the kernels take it: ``cu_seqlens_q [bsz + 1]``, ``seq_lens_decoder
     [bsz]``, ``block_tables [rows, width]`` and (cache writes) ``batch_id_per_token [T]``, integer
@@ -213,29 +208,39 @@ class LaunchStep:
         max_context_len: int | None = None,
         errors: Any = None,
     ) -> None:
-        if block_tables.dim() != 2:
+        st = block_tables.stride()
+        if len(st) != 2:
             raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
-        self.cu, self.dec, self.table = cu_seqlens_q, seq_lens_decoder, block_tables
-        self.bid, self.errors = batch_id_per_token, errors
-        self.err_arg = errors if errors is not None else block_tables  # any pointer when there is no flag
+        err = errors if errors is not None else block_tables  # any pointer when there is no flag
+        self.cu, self.dec, self.table, self.bid, self.errors, self.err_arg = (
+            cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors, err,
+        )  # fmt: skip
         self.max_q_len, self.max_context_len = max_q_len, max_context_len
         self.num_reqs = cu_seqlens_q.shape[0] - 1
-        self.n_blk, self.stride_tbl = block_tables.shape[1], block_tables.stride(0)
+        self.n_blk, self.stride_tbl = block_tables.shape[1], st[0]
         #: addresses of cu_seqlens_q, seq_lens_decoder, block_tables, the error flag (or the table);
         #: ``bid_ptr``: batch_id_per_token's (0 without). What a direct launch passes.
-        self.ptrs = (cu_seqlens_q.data_ptr(), seq_lens_decoder.data_ptr(), block_tables.data_ptr())
-        self.ptrs += (self.err_arg.data_ptr(),)
-        self.bid_ptr = 0
-        bid_dtype = None
-        on_gpu = _on_gpu(cu_seqlens_q) and _on_gpu(seq_lens_decoder) and _on_gpu(self.err_arg)
-        on_gpu = on_gpu and _on_gpu(block_tables)
-        if batch_id_per_token is not None:
-            self.bid_ptr = batch_id_per_token.data_ptr()
+        p0, p1, p2, p3 = (
+            cu_seqlens_q.data_ptr(), seq_lens_decoder.data_ptr(), block_tables.data_ptr(), err.data_ptr()
+        )  # fmt: skip
+        self.ptrs = (p0, p1, p2, p3)
+        # every tensor on a GPU (getattr: paddle tensors, never launched directly, may lack is_cuda)
+        on_gpu = (
+            getattr(cu_seqlens_q, "is_cuda", False) is True
+            and getattr(seq_lens_decoder, "is_cuda", False) is True
+            and getattr(block_tables, "is_cuda", False) is True
+            and getattr(err, "is_cuda", False) is True
+        )
+        if batch_id_per_token is None:
+            bp = 0
+            bid_dtype = None
+        else:
+            bp = batch_id_per_token.data_ptr()
             bid_dtype = batch_id_per_token.dtype
-            on_gpu = on_gpu and _on_gpu(batch_id_per_token)
-        ptrs = self.ptrs
+            on_gpu = on_gpu and getattr(batch_id_per_token, "is_cuda", False) is True
+        self.bid_ptr = bp
         #: every tensor on a GPU and 16-byte aligned: direct launches may take this step
-        self.direct_ok = on_gpu and not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | self.bid_ptr) & 15
+        self.direct_ok = on_gpu and not (p0 | p1 | p2 | p3 | bp) & 15
         #: the metadata's part of a direct launch's key (Triton compiles per pointer dtype; the flag
         #: switches the error recording on)
         self.sig = (
@@ -266,12 +271,14 @@ def tensor_key(x: Any) -> tuple:
     return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, str(getattr(x, "place", None)))
 
 
+_read_switches = envs.raw_reader("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER")
+
+
 def switches_key() -> tuple:
     """What a plan reads from the environment and this module when it is built (``FDFLEET_PREFILL_KERNEL``,
     direct launches, addresses), unparsed: part of a memoised plan's key, so a changed switch builds
     (and parses) anew."""
-    names = ("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER")
-    return (DIRECT_LAUNCH, ADDRESS_ARGS, OWN_LAUNCHER, *envs.raw_values(*names))
+    return (DIRECT_LAUNCH, ADDRESS_ARGS, OWN_LAUNCHER, *_read_switches())
 
 
 class PlanMemo:

@@ -36,6 +36,7 @@ from .attention_kernels import _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl
 from .split_kv_reduce import split_kv_reduce
 
+_Tensor = torch.Tensor if torch is not None else None  # the exact type whose key is read inline
 LOG2E = 1.4426950408889634
 SINK_MODES = {"vanilla": 0, "learnable": 1, "off-by-one": 2}
 #: how the portable kernels find the first bad table entry: True, the key loop carries the smallest bad
@@ -208,24 +209,37 @@ def paged_attention(
     and the module settings a plan reads); the memo holds no cache between calls. A server keeps its
     own plans instead (``backends/triton.py``).
     """
-    if q.dim() != 3 or q.stride(2) != 1:
+    qs = q.stride()
+    if len(qs) != 3 or qs[2] != 1:
         raise ValueError(f"q must be [T, Hq, Dqk] with a contiguous last dim, got shape {list(q.shape)}")
-    if block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
-    if out is not None and (out.dtype != q.dtype or out.dim() != 3 or out.stride(2) != 1):
-        raise ValueError(
-            f"out must be a [T, Hq, Dv] {q.dtype} tensor with a contiguous last dim, got {out.dtype} "
-            f"{list(out.shape)}"
-        )
-    # the plan of an earlier call with the same setup (_PLANS), else a new one
+    if out is not None:
+        ost = out.stride()
+        if out.dtype != q.dtype or len(ost) != 3 or ost[2] != 1:
+            raise ValueError(
+                f"out must be a [T, Hq, Dv] {q.dtype} tensor with a contiguous last dim, got {out.dtype} "
+                f"{list(out.shape)}"
+            )
+    # the plan of an earlier call with the same setup (_PLANS), else a new one. Its key: what the plan
+    # derives from the caches (tensor_key: address, shape, strides, dtype, device; read inline for
+    # plain torch tensors), q's heads, dims, dtype and device, every scalar and flag, the sinks tensor
+    # (identity, in-place version, address), the environment switches and the module settings a plan
+    # reads (tests, benchmarks)
+    kc, vc = key_cache, value_cache
+    if type(kc) is _Tensor and type(vc) is _Tensor and type(q) is _Tensor:
+        caches = (
+            kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
+            vc.data_ptr(), vc.shape, vc.stride(), vc.dtype, vc.device, q.shape[1:],
+        )  # fmt: skip
+    else:  # paddle (list shapes), torch subclasses
+        caches = (tensor_key(kc), tensor_key(vc), q.shape[1], q.shape[2])
     key = (
-        tensor_key(key_cache), tensor_key(value_cache), q.shape[1], q.shape[2], q.dtype, q.device, scale,
-        bool(headwise), window_left, None if sliding_heads is None else tuple(sliding_heads), sink_kind,
+        caches, q.dtype, q.device, scale, headwise, window_left,
+        None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
-        decode_config, prefill_impl, logits_soft_cap, switches_key(),
-        ERR_LOOP_PREFILL, ERR_LOOP_DECODE, HopperPlan,  # module settings a plan reads (tests, benchmarks)
+        decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
+        HopperPlan,
     )  # fmt: skip
     try:
         plan = _PLANS.take(key)
@@ -239,13 +253,16 @@ def paged_attention(
         )  # fmt: skip
     else:
         plan.bind(key_cache, value_cache)
-    if out is not None and tuple(out.shape) != (q.shape[0], plan.hq, plan.dv):
-        raise ValueError(f"out must be [{q.shape[0]}, {plan.hq}, {plan.dv}], got {list(out.shape)}")
     try:
-        return plan.run(
-            q, cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
-            max_context_len=max_context_len, out=out, num_splits=num_splits, errors=errors,
+        if out is not None:
+            osh = out.shape
+            if osh[0] != q.shape[0] or osh[1] != plan.hq or osh[2] != plan.dv:
+                raise ValueError(f"out must be [{q.shape[0]}, {plan.hq}, {plan.dv}], got {list(osh)}")
+        step = LaunchStep(
+            cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
+            max_context_len=max_context_len, errors=errors,
         )  # fmt: skip
+        return plan.run_step(q, step, out=out, num_splits=num_splits)
     finally:
         # portable TMA descriptors (a tuning config) are built over views of the caches: not kept
         if key is not None and plan.prefill_desc is None and plan.decode_desc is None:
@@ -376,7 +393,13 @@ class AttentionPlan:
         self.kernels = KernelCache(index if cached else None)
         self._consts: dict = {}  # per (kernel, has_err[, splits]): the launch's constexprs and options
         self._splits: dict = {}  # (requests, key span) -> split count
-        self.torch_empty = torch.empty if is_torch(q) else None
+        self.torch_out = is_torch(q)  # outputs by q.new_empty, else _framework.empty
+        self.hqdv = hq * dv
+        #: the kernels' trailing scalars, and their TMA descriptor arguments (None: no TMA)
+        self.scalars = (self.qk_scale, self.window, self.win_h0, self.win_h1)
+        pd, dd = self.prefill_desc, self.decode_desc
+        self.descs = (pd[0], pd[1]) if pd is not None else (None, None)
+        self.ddescs = (dd[0], dd[1]) if dd is not None else (None, None)
         # the caches' and sinks' addresses: what a direct launch passes (kernels/_launch.py)
         self.ptrs = (
             key_cache.data_ptr(),
@@ -451,18 +474,19 @@ class AttentionPlan:
         """:meth:`run` on a step's :class:`~._launch.LaunchStep` (derived once per step, shared by every
         layer). ``flat``: a new output is ``[T, Hq * Dv]`` (the backend's shape; no view per call),
         else ``[T, Hq, Dv]``; a given ``out`` is ``[T, Hq, Dv]``."""
-        t = q.shape[0]
         qs = q.stride()
         if qs[2] != 1:
             raise ValueError(f"q needs a contiguous last dim, got strides {qs}")
+        if q.dtype != self.dtype:  # the kept kernels are this dtype's (not in their key)
+            raise ValueError(f"q is {q.dtype}, but this plan was built for {self.dtype}")
+        t = q.shape[0]
         hq, dv = self.hq, self.dv
         given = out is not None
         if not given:
-            shape = (t, hq * dv) if flat else (t, hq, dv)
-            if self.torch_empty is not None:
-                out = self.torch_empty(shape, dtype=self.dtype, device=self.device)
+            if self.torch_out:  # new_empty with int sizes: the cheapest allocation torch has (~1 us)
+                out = q.new_empty(t, self.hqdv) if flat else q.new_empty(t, hq, dv)
             else:
-                out = empty(shape, self.dtype, q)
+                out = empty((t, self.hqdv) if flat else (t, hq, dv), self.dtype, q)
             out3 = None if flat else out
             ost = self.out_strides  # a fresh allocation: contiguous
         else:
@@ -471,10 +495,8 @@ class AttentionPlan:
         num_reqs = step.num_reqs
         if t == 0 or num_reqs <= 0:
             return out
-        table, errors = step.table, step.errors
-        has_err = errors is not None
         cache = self.kernels
-        key = direct = None
+        key = qp = None
         if (
             cache.direct
             and step.direct_ok
@@ -487,8 +509,8 @@ class AttentionPlan:
                 if stream is None:
                     stream = cache.stream()
                 key = (qs[0], qs[1], ost[0], ost[1], step.sig)
-                kp, vp, sp = self.ptrs  # addresses for a kept kernel (KernelCache.kernel)
-                direct = (qp, kp, vp, op, sp if self.sink_mode == 1 else qp, *step.ptrs)
+        # the arguments after the pointers: strides, the step's table, sizes, scalars
+        sizes = (qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk, self.n_pages, t)
 
         # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
         max_q_len = step.max_q_len
@@ -501,32 +523,49 @@ class AttentionPlan:
                 )
             if out3 is None:
                 out3 = out.view(t, hq, dv)
-            hkey = None if key is None else ("hopper", key)
-            self.hopper.run(q, out3, step.cu, step.dec, table, errors, cache, hkey, stream, direct)
+            hkey = direct = None
+            if key is not None:
+                kp, vp, sp = self.ptrs  # addresses for a kept kernel (KernelCache.kernel)
+                hkey = ("hopper", key)
+                direct = (qp, kp, vp, op, sp if self.sink_mode == 1 else qp, *step.ptrs)
+            self.hopper.run(q, out3, step.cu, step.dec, step.table, step.errors, cache, hkey, stream, direct)
         elif run_prefill:
-            cfg, desc = self.prefill_cfg, self.prefill_desc
             pkey = None if key is None else ("prefill", key)
             hit = cache.kernel(pkey)
-            addr = hit is not None and cache.addresses
-            pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = direct if addr else self._tensor_args(q, out, step)
             grid = ((t // self.block_q + num_reqs) * self.hkv,)
-            args = (
-                pq, pk, pv, po, desc and desc[0], desc and desc[1], ps, pcu, pdec, ptbl, perr,
-                qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk,
-                self.n_pages, t, num_reqs, 2, self.qk_scale, self.window, self.win_h0, self.win_h1,
-            )  # fmt: skip
-            if hit is not None:
-                hit(grid, args, stream)
+            if hit is not None and cache.addresses:  # a kept kernel: addresses
+                kp, vp, sp = self.ptrs
+                ptrs = (qp, kp, vp, op, *self.descs, sp if self.sink_mode == 1 else qp, *step.ptrs)
+                hit(grid, (*ptrs, *sizes, num_reqs, 2, *self.scalars), stream)
             else:
-                consts = self._consts.get(("prefill", has_err))
-                if consts is None:
-                    consts = self._consts[("prefill", has_err)] = dict(
-                        G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n,
-                        SINK_MODE=self.sink_mode, USE_TMA=desc is not None, EXP_BF16=self.exp_bf16,
-                        PROFILE=cfg.profile, HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_PREFILL,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
-                    )  # fmt: skip
-                cache.launch(_prefill_kernel, pkey, grid, args, consts, stream)
+                pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
+                args = (
+                    pq,
+                    pk,
+                    pv,
+                    po,
+                    *self.descs,
+                    ps,
+                    pcu,
+                    pdec,
+                    ptbl,
+                    perr,
+                    *sizes,
+                    num_reqs,
+                    2,
+                    *self.scalars,
+                )
+                if hit is not None:
+                    hit(grid, args, stream)
+                else:
+                    cache.launch(
+                        _prefill_kernel,
+                        pkey,
+                        grid,
+                        args,
+                        self._prefill_consts(step.errors is not None),
+                        stream,
+                    )
         if not run_decode:
             return out
 
@@ -542,37 +581,34 @@ class AttentionPlan:
                     self._splits.clear()
                 num_splits = choose_num_splits(num_reqs, self.hkv, span, self.decode_cfg.block_n, self.sms)
                 self._splits[(num_reqs, span)] = num_splits
-        desc = self.decode_desc
         dkey = None if key is None else ("decode", num_splits, key)  # NUM_SPLITS is compiled in
         hit = cache.kernel(dkey)
         addr = hit is not None and cache.addresses
-        pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = direct if addr else self._tensor_args(q, out, step)
         mid_o = mid_l = None
         if num_splits > 1:
             mid_o = empty((num_reqs, hq, num_splits, dv), "float32", q)
             mid_l = empty((num_reqs, hq, num_splits), "float32", q)
-            pmo, pml = (mid_o.data_ptr(), mid_l.data_ptr()) if addr else (mid_o, mid_l)
-        else:
-            pmo = pml = pq  # unused
-        args = (
-            pq, pk, pv, po, desc and desc[0], desc and desc[1], pmo, pml, ps, pcu, pdec, ptbl, perr,
-            qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk,
-            self.n_pages, t, self.qk_scale, self.window, self.win_h0, self.win_h1,
-        )  # fmt: skip
         grid = (num_reqs, self.hkv, num_splits)
-        if hit is not None:
-            hit(grid, args, stream)
+        if addr:  # a kept kernel: addresses
+            kp, vp, sp = self.ptrs
+            pmo, pml = (mid_o.data_ptr(), mid_l.data_ptr()) if num_splits > 1 else (qp, qp)  # unused: any
+            ptrs = (qp, kp, vp, op, *self.ddescs, pmo, pml, sp if self.sink_mode == 1 else qp, *step.ptrs)
+            hit(grid, (*ptrs, *sizes, *self.scalars), stream)
         else:
-            consts = self._consts.get(("decode", has_err, num_splits))
-            if consts is None:
-                cfg = self.decode_cfg
-                consts = self._consts[("decode", has_err, num_splits)] = dict(
-                    G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n,
-                    SINK_MODE=self.sink_mode, NUM_SPLITS=num_splits, USE_TMA=desc is not None,
-                    HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_DECODE, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages, **self.consts,
-                )  # fmt: skip
-            cache.launch(_decode_kernel, dkey, grid, args, consts, stream)
+            pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
+            pmo, pml = (mid_o, mid_l) if num_splits > 1 else (pq, pq)
+            args = (pq, pk, pv, po, *self.ddescs, pmo, pml, ps, pcu, pdec, ptbl, perr, *sizes, *self.scalars)
+            if hit is not None:
+                hit(grid, args, stream)
+            else:
+                cache.launch(
+                    _decode_kernel,
+                    dkey,
+                    grid,
+                    args,
+                    self._decode_consts(step.errors is not None, num_splits),
+                    stream,
+                )
         if num_splits > 1:
             if out3 is None:
                 out3 = out.view(t, hq, dv)
@@ -581,6 +617,31 @@ class AttentionPlan:
                 key=None if key is None else ("reduce", num_splits, key), stream=stream,
             )  # fmt: skip
         return out
+
+    def _prefill_consts(self, has_err: bool) -> dict:
+        """The portable prefill launch's constexprs and options (Triton's path)."""
+        consts = self._consts.get(("prefill", has_err))
+        if consts is None:
+            cfg = self.prefill_cfg
+            consts = self._consts[("prefill", has_err)] = dict(
+                G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
+                USE_TMA=self.prefill_desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile,
+                HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_PREFILL, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **self.consts,
+            )  # fmt: skip
+        return consts
+
+    def _decode_consts(self, has_err: bool, num_splits: int) -> dict:
+        """The decode launch's constexprs and options (Triton's path)."""
+        consts = self._consts.get(("decode", has_err, num_splits))
+        if consts is None:
+            cfg = self.decode_cfg
+            consts = self._consts[("decode", has_err, num_splits)] = dict(
+                G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
+                NUM_SPLITS=num_splits, USE_TMA=self.decode_desc is not None, HAS_ERR=has_err,
+                ERR_LOOP=ERR_LOOP_DECODE, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
+            )  # fmt: skip
+        return consts
 
 
 __all__ = [
