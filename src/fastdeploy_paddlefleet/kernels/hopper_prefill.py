@@ -57,6 +57,7 @@ try:  # Gluon exists in Triton >= 3.5; the interpreter cannot run it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia import hopper as gh
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -264,6 +265,7 @@ if GLUON_IMPORT_ERROR is None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
         DV: gl.constexpr, QKC: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, SNAKE: gl.constexpr,
+        Q_ASYNC: gl.constexpr,
     ):  # fmt: skip
         NQC: gl.constexpr = DQK // QKC
         TILE_Q: gl.constexpr = 2 * (BLOCK_M // GP)
@@ -291,7 +293,7 @@ if GLUON_IMPORT_ERROR is None:
                 lo_key = gl.maximum(ctx + tok0 - w, 0)  # keys below it may be released (-1)
                 if not Q_LATE:
                     _load_q(Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt, stride_qh,
-                            offs_r, offs_q, G, GP, BLOCK_M, DQK, QKC, Q_BUFS)  # fmt: skip
+                            offs_r, offs_q, G, GP, BLOCK_M, DQK, QKC, Q_BUFS, Q_ASYNC)  # fmt: skip
                 for j in range(n_tiles):
                     s = it % NUM_STAGES
                     phase = (it // NUM_STAGES) & 1
@@ -319,7 +321,8 @@ if GLUON_IMPORT_ERROR is None:
                     if Q_LATE:  # Q behind the item's first K tile: its copy overlaps the Q loads
                         if j == 0:
                             _load_q(Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt,
-                                    stride_qh, offs_r, offs_q, G, GP, BLOCK_M, DQK, QKC, Q_BUFS)  # fmt: skip
+                                    stride_qh, offs_r, offs_q, G, GP, BLOCK_M, DQK, QKC, Q_BUFS,
+                                    Q_ASYNC)  # fmt: skip
                     mbarrier.wait(v_empty.index(s), phase)
                     vb = v_bufs.index(s)
                     if absent | (key0 + BLOCK_N > kv_len):
@@ -358,10 +361,14 @@ if GLUON_IMPORT_ERROR is None:
     def _load_q(
         Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt, stride_qh, offs_r, offs_q,
         G: gl.constexpr, GP: gl.constexpr, BLOCK_M: gl.constexpr, DQK: gl.constexpr, QKC: gl.constexpr,
-        Q_BUFS: gl.constexpr,
+        Q_BUFS: gl.constexpr, Q_ASYNC: gl.constexpr,
     ):  # fmt: skip
         """An item's query rows (tokens x padded group heads, both consumers' halves) into Q buffer
-        ``qi % Q_BUFS`` once both consumers released it, by plain loads of ``[16, QKC]`` parts."""
+        ``qi % Q_BUFS`` once both consumers released it, in ``[16, QKC]`` parts: by plain loads (the
+        producer waits for each part's round trip before the item's K/V copies: measured at ~7 us per
+        item on the H200 with the rest of the per-item cost), or with ``Q_ASYNC`` by ``cp.async``
+        (masked rows zero-filled) that complete ``q_ready`` on their own, the producer going straight on
+        to the K/V copies; the consumers then fence before their wgmma's read the buffer."""
         ROWS: gl.constexpr = 16
         NQC: gl.constexpr = DQK // QKC
         qs = qi % Q_BUFS
@@ -374,8 +381,17 @@ if GLUON_IMPORT_ERROR is None:
             q_rows = gl.expand_dims((q0 + tok).to(gl.int64) * stride_qt + (kvh * G + hh) * stride_qh, 1)
             for c in gl.static_range(NQC):
                 q_ptrs = Q + q_rows + gl.expand_dims(c * QKC + offs_q, 0)
-                q_bufs.index(qs * NQC + c).slice(r0, ROWS, dim=0).store(gl.load(q_ptrs, mask=q_ok, other=0.0))
-        gh.fence_async_shared()
+                dst = q_bufs.index(qs * NQC + c).slice(r0, ROWS, dim=0)
+                if Q_ASYNC:
+                    async_copy.async_copy_global_to_shared(dst, q_ptrs, mask=q_ok)
+                else:
+                    dst.store(gl.load(q_ptrs, mask=q_ok, other=0.0))
+        if Q_ASYNC:
+            # each thread's copies hold q_ready's phase open (pending count +1, arrival when they land);
+            # the one plain arrival below is the phase's expected count
+            async_copy.mbarrier_arrive(q_ready.index(qs))
+        else:
+            gh.fence_async_shared()
         mbarrier.arrive(q_ready.index(qs), count=1)
 
     @gluon.jit
@@ -529,6 +545,17 @@ if GLUON_IMPORT_ERROR is None:
         return acc, l_i, tok
 
     @gluon.jit
+    def _sink_logits(Sinks, kvh, offs_m, G: gl.constexpr, GP: gl.constexpr, SINK_MODE: gl.constexpr):
+        """Learnable sinks (``SINK_MODE == 1``): the initial row maxima of kv head ``kvh``'s rows (``offs_m``
+        = token x padded group head), in base 2; zeros otherwise (unused)."""
+        if SINK_MODE == 1:
+            head = kvh * G + offs_m % GP
+            m = gl.load(Sinks + head, mask=(offs_m % GP) < G, other=0.0).to(gl.float32)
+            return m * 1.4426950408889634
+        else:
+            return gl.zeros(offs_m.shape, gl.float32, offs_m.type.layout)
+
+    @gluon.jit
     def _consumer(
         O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
         CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
@@ -537,9 +564,11 @@ if GLUON_IMPORT_ERROR is None:
         DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr, PEEL: gl.constexpr,
-        PINGPONG: gl.constexpr, SNAKE: gl.constexpr,
+        PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, PREFETCH: gl.constexpr,
     ):  # fmt: skip
-        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA."""
+        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA. ``PREFETCH``:
+        the next item's description (``_work_item``'s loads) and sink logits are loaded before this
+        item's key tiles, so their round trips overlap the tiles instead of delaying the next item."""
         BLOCK_Q: gl.constexpr = BLOCK_M // GP
         TILE_Q: gl.constexpr = 2 * BLOCK_Q
         NQC: gl.constexpr = DQK // QKC
@@ -569,23 +598,42 @@ if GLUON_IMPORT_ERROR is None:
                 tok = _turn(tok, 0, 2)
         it = 0
         qi = 0
-        for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            item = _scheduled(step, n_items, SNAKE)
-            valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = _work_item(
-                item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_tok,
-                HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
+        if PREFETCH:
+            nxt = _work_item(
+                _scheduled(gl.program_id(0), n_items, SNAKE), CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len,
+                window, win_h0, win_h1, n_tok, HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
             )  # fmt: skip
+            nxt_sink = _sink_logits(Sinks, nxt[1], offs_m, G, GP, SINK_MODE)
+        for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            if PREFETCH:  # this item was loaded one item ago; load the next one now (past the end: invalid)
+                valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = nxt
+                sink_m = nxt_sink
+                nxt = _work_item(
+                    _scheduled(step + gl.num_programs(0), n_items, SNAKE), CuQ, Ctx, Tbl, stride_tbl,
+                    num_reqs, min_q_len, window, win_h0, win_h1, n_tok, HKV, TILE_Q, BLOCK_N, HEADWISE,
+                    HAS_WINDOW,
+                )  # fmt: skip
+                nxt_sink = _sink_logits(Sinks, nxt[1], offs_m, G, GP, SINK_MODE)
+            else:
+                item = _scheduled(step, n_items, SNAKE)
+                valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = _work_item(
+                    item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_tok,
+                    HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
+                )  # fmt: skip
             if valid:
                 tok0 = tile_tok0 + HALF * BLOCK_Q
                 qs = qi % Q_BUFS
                 mbarrier.wait(q_ready.index(qs), (qi // Q_BUFS) & 1)
+                if Q_ASYNC:  # the producer's cp.async writes (generic proxy) before the wgmma's read them
+                    gh.fence_async_shared()
                 pos = ctx + tok0 + offs_m // GP
                 p_lo = ctx + tok0  # first row's position
                 p_hi = ctx + gl.minimum(tok0 + BLOCK_Q, q_len) - 1  # last valid row's position
                 if SINK_MODE == 1:
-                    head = kvh * G + offs_m % GP
-                    m_i = gl.load(Sinks + head, mask=(offs_m % GP) < G, other=0.0).to(gl.float32)
-                    m_i = m_i * 1.4426950408889634
+                    if PREFETCH:
+                        m_i = sink_m
+                    else:
+                        m_i = _sink_logits(Sinks, kvh, offs_m, G, GP, SINK_MODE)
                     l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_l)
                 elif SINK_MODE == 2:
                     m_i = gl.zeros([BLOCK_M], gl.float32, row_l)
@@ -658,6 +706,7 @@ if GLUON_IMPORT_ERROR is None:
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, PROFILE: gl.constexpr = 0,
         PEEL: gl.constexpr = False, PINGPONG: gl.constexpr = False, SNAKE: gl.constexpr = False,
+        Q_ASYNC: gl.constexpr = False, PREFETCH: gl.constexpr = False,
     ):  # fmt: skip
         # persistent: CTA p takes work items p, p + grid, ... (items are ordered longest first)
         # Q and K rows held in DQK // QKC parts of QKC columns (192 = 3 x 64: smem shapes are powers of 2)
@@ -691,21 +740,21 @@ if GLUON_IMPORT_ERROR is None:
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, PREFETCH,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, PREFETCH,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                     k_empty, v_empty, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window,
                     win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
                     G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
-                    HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE,
+                    HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE, Q_ASYNC,
                 )),
             ],
             [4, 4],
@@ -763,6 +812,8 @@ class HopperPlan:
         consumer_regs: int = 232,
         producer_regs: int = 40,
         snake: bool = True,
+        q_async: bool = False,
+        prefetch: bool = False,
     ) -> None:
         hkv, bs = key_cache.shape[1], key_cache.shape[2]
         dqk, dv = key_cache.shape[3], value_cache.shape[3]
@@ -806,7 +857,8 @@ class HopperPlan:
             G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, QKC=qkc, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
             NUM_STAGES=num_stages, Q_BUFS=q_bufs, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
             SINK_MODE=sink_mode, SOFTCAP=float(softcap), PROFILE=int(profile), Q_LATE=bool(q_late),
-            PEEL=bool(peel or pingpong), PINGPONG=bool(pingpong), SNAKE=bool(snake),
+            PEEL=bool(peel or pingpong), PINGPONG=bool(pingpong), SNAKE=bool(snake), Q_ASYNC=bool(q_async),
+            PREFETCH=bool(prefetch),
             PRODUCER_REGS=int(producer_regs), CONSUMER_REGS=int(consumer_regs), num_warps=4,
         )  # fmt: skip
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
