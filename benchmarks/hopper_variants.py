@@ -70,11 +70,10 @@ VARIANTS = {
     # today's kernel over every window: the cost per item against the cost per key tile
     "window-fit": ({}, WINDOW_CASES),
     # what each item costs beyond its tiles (window-fit, 2026-12-01d: ~7 us, 3.8 tiles' worth): the
-    # producer's plain Q loads replaced by cp.async that complete q_ready on their own; the consumers'
-    # next item (its description and sink logits) loaded one item ahead; both
+    # producer's Q by cp.async that complete q_ready on their own (the default since 2026-12-01d) or
+    # by plain loads through its registers (before: the producer waits out their round trips)
     "qasync": (dict(q_async=True), ALL + WINDOW_CASES[2:]),
-    "prefetch": (dict(prefetch=True), ALL + WINDOW_CASES[2:]),
-    "qasync-prefetch": (dict(q_async=True, prefetch=True), ALL + WINDOW_CASES[2:]),
+    "plain-q": (dict(q_async=False), ALL + WINDOW_CASES[2:]),
     "n64-s3": (dict(block_n=64, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
     "n64-s4": (dict(block_n=64, num_stages=4), ("prefill-causal",)),
     "mla-n64-q2-s2": (dict(block_n=64, q_bufs=2, num_stages=2), ("mla-prefill-causal",)),

@@ -16,9 +16,11 @@ Three warpgroups per CTA:
 * a **producer** (4 warps, few registers) walks the block table and streams K/V tiles of
   ``BLOCK_N`` keys into a ``NUM_STAGES``-deep shared-memory ring by TMA, one ``[box, 64]`` copy per
   page and 64-column chunk (the cache viewed as ``[pages * block_size, D]``), completing on
-  ``k_ready`` / ``v_ready`` mbarriers; it also loads each item's query rows into one of two Q
-  buffers (one where shared memory is short), so the next item's Q and first K/V tiles arrive while
-  the consumers finish the current one (no pipeline refill between items). A tile whose keys run
+  ``k_ready`` / ``v_ready`` mbarriers; it also copies each item's query rows into one of two Q
+  buffers (one where shared memory is short) by ``cp.async`` that complete ``q_ready`` on their own,
+  so the next item's Q and first K/V tiles arrive while the consumers finish the current one (no
+  pipeline refill between items, and no producer stall on Q's round trips: the plain loads it used
+  before cost 2-6 % on the H200, ``q_async=False``). A tile whose keys run
   past the sequence end or into an absent page (``-1``) gets its V rows by plain loads instead, the
   invalid rows zero-filled (stale slots may hold NaN and ``0 * NaN`` would poison ``P @ V``);
 * two **consumers** own 64-row halves of the query rows (tokens x padded group heads) and run
@@ -364,11 +366,10 @@ if GLUON_IMPORT_ERROR is None:
         Q_BUFS: gl.constexpr, Q_ASYNC: gl.constexpr,
     ):  # fmt: skip
         """An item's query rows (tokens x padded group heads, both consumers' halves) into Q buffer
-        ``qi % Q_BUFS`` once both consumers released it, in ``[16, QKC]`` parts: by plain loads (the
-        producer waits for each part's round trip before the item's K/V copies: measured at ~7 us per
-        item on the H200 with the rest of the per-item cost), or with ``Q_ASYNC`` by ``cp.async``
-        (masked rows zero-filled) that complete ``q_ready`` on their own, the producer going straight on
-        to the K/V copies; the consumers then fence before their wgmma's read the buffer."""
+        ``qi % Q_BUFS`` once both consumers released it, in ``[16, QKC]`` parts: with ``Q_ASYNC`` by
+        ``cp.async`` (masked rows zero-filled) that complete ``q_ready`` on their own, so the producer
+        goes straight on to the item's K/V copies (the consumers fence before their wgmma's read the
+        buffer); else by plain loads through registers, whose round trips the producer waits out."""
         ROWS: gl.constexpr = 16
         NQC: gl.constexpr = DQK // QKC
         qs = qi % Q_BUFS
@@ -545,17 +546,6 @@ if GLUON_IMPORT_ERROR is None:
         return acc, l_i, tok
 
     @gluon.jit
-    def _sink_logits(Sinks, kvh, offs_m, G: gl.constexpr, GP: gl.constexpr, SINK_MODE: gl.constexpr):
-        """Learnable sinks (``SINK_MODE == 1``): the initial row maxima of kv head ``kvh``'s rows (``offs_m``
-        = token x padded group head), in base 2; zeros otherwise (unused)."""
-        if SINK_MODE == 1:
-            head = kvh * G + offs_m % GP
-            m = gl.load(Sinks + head, mask=(offs_m % GP) < G, other=0.0).to(gl.float32)
-            return m * 1.4426950408889634
-        else:
-            return gl.zeros(offs_m.shape, gl.float32, offs_m.type.layout)
-
-    @gluon.jit
     def _consumer(
         O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
         CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
@@ -564,11 +554,9 @@ if GLUON_IMPORT_ERROR is None:
         DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr, PEEL: gl.constexpr,
-        PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, PREFETCH: gl.constexpr,
+        PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr,
     ):  # fmt: skip
-        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA. ``PREFETCH``:
-        the next item's description (``_work_item``'s loads) and sink logits are loaded before this
-        item's key tiles, so their round trips overlap the tiles instead of delaying the next item."""
+        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA."""
         BLOCK_Q: gl.constexpr = BLOCK_M // GP
         TILE_Q: gl.constexpr = 2 * BLOCK_Q
         NQC: gl.constexpr = DQK // QKC
@@ -598,28 +586,12 @@ if GLUON_IMPORT_ERROR is None:
                 tok = _turn(tok, 0, 2)
         it = 0
         qi = 0
-        if PREFETCH:
-            nxt = _work_item(
-                _scheduled(gl.program_id(0), n_items, SNAKE), CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len,
-                window, win_h0, win_h1, n_tok, HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
-            )  # fmt: skip
-            nxt_sink = _sink_logits(Sinks, nxt[1], offs_m, G, GP, SINK_MODE)
         for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            if PREFETCH:  # this item was loaded one item ago; load the next one now (past the end: invalid)
-                valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = nxt
-                sink_m = nxt_sink
-                nxt = _work_item(
-                    _scheduled(step + gl.num_programs(0), n_items, SNAKE), CuQ, Ctx, Tbl, stride_tbl,
-                    num_reqs, min_q_len, window, win_h0, win_h1, n_tok, HKV, TILE_Q, BLOCK_N, HEADWISE,
-                    HAS_WINDOW,
-                )  # fmt: skip
-                nxt_sink = _sink_logits(Sinks, nxt[1], offs_m, G, GP, SINK_MODE)
-            else:
-                item = _scheduled(step, n_items, SNAKE)
-                valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = _work_item(
-                    item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_tok,
-                    HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
-                )  # fmt: skip
+            item = _scheduled(step, n_items, SNAKE)
+            valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = _work_item(
+                item, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_tok,
+                HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,
+            )  # fmt: skip
             if valid:
                 tok0 = tile_tok0 + HALF * BLOCK_Q
                 qs = qi % Q_BUFS
@@ -630,10 +602,9 @@ if GLUON_IMPORT_ERROR is None:
                 p_lo = ctx + tok0  # first row's position
                 p_hi = ctx + gl.minimum(tok0 + BLOCK_Q, q_len) - 1  # last valid row's position
                 if SINK_MODE == 1:
-                    if PREFETCH:
-                        m_i = sink_m
-                    else:
-                        m_i = _sink_logits(Sinks, kvh, offs_m, G, GP, SINK_MODE)
+                    head = kvh * G + offs_m % GP
+                    m_i = gl.load(Sinks + head, mask=(offs_m % GP) < G, other=0.0).to(gl.float32)
+                    m_i = m_i * 1.4426950408889634
                     l_i = gl.full([BLOCK_M], 1.0, gl.float32, row_l)
                 elif SINK_MODE == 2:
                     m_i = gl.zeros([BLOCK_M], gl.float32, row_l)
@@ -706,7 +677,7 @@ if GLUON_IMPORT_ERROR is None:
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, PROFILE: gl.constexpr = 0,
         PEEL: gl.constexpr = False, PINGPONG: gl.constexpr = False, SNAKE: gl.constexpr = False,
-        Q_ASYNC: gl.constexpr = False, PREFETCH: gl.constexpr = False,
+        Q_ASYNC: gl.constexpr = False,
     ):  # fmt: skip
         # persistent: CTA p takes work items p, p + grid, ... (items are ordered longest first)
         # Q and K rows held in DQK // QKC parts of QKC columns (192 = 3 x 64: smem shapes are powers of 2)
@@ -740,14 +711,14 @@ if GLUON_IMPORT_ERROR is None:
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, PREFETCH,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, PREFETCH,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
@@ -784,7 +755,8 @@ class HopperPlan:
     ``peel`` plus the consumers' ping-pong on named barriers (:func:`_turn`). ``snake`` (default): every
     second full wave of work items reversed (:func:`_scheduled`; the H200 ran 2-10 % faster in 9 of 10
     same-call cases over two calls; ``False``: round robin). ``consumer_regs`` / ``producer_regs``: the
-    ``setmaxnreg`` split (``2 * 128 * consumer + 128 * producer <= 65536``)."""
+    ``setmaxnreg`` split (``2 * 128 * consumer + 128 * producer <= 65536``). ``q_async`` (default): Q
+    copied by ``cp.async`` (:func:`_load_q`; ``False``: plain loads through the producer's registers)."""
 
     def __init__(
         self,
@@ -812,8 +784,7 @@ class HopperPlan:
         consumer_regs: int = 232,
         producer_regs: int = 40,
         snake: bool = True,
-        q_async: bool = False,
-        prefetch: bool = False,
+        q_async: bool = True,
     ) -> None:
         hkv, bs = key_cache.shape[1], key_cache.shape[2]
         dqk, dv = key_cache.shape[3], value_cache.shape[3]
@@ -858,7 +829,6 @@ class HopperPlan:
             NUM_STAGES=num_stages, Q_BUFS=q_bufs, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
             SINK_MODE=sink_mode, SOFTCAP=float(softcap), PROFILE=int(profile), Q_LATE=bool(q_late),
             PEEL=bool(peel or pingpong), PINGPONG=bool(pingpong), SNAKE=bool(snake), Q_ASYNC=bool(q_async),
-            PREFETCH=bool(prefetch),
             PRODUCER_REGS=int(producer_regs), CONSUMER_REGS=int(consumer_regs), num_warps=4,
         )  # fmt: skip
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
