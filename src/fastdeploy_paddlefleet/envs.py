@@ -86,20 +86,33 @@ def raw_values(*names: str) -> tuple[str | bytes | None, ...]:
 def raw_reader(*names: str):
     """A function of no arguments returning :func:`raw_values` ``(*names)``: the names encoded once,
     ``os.environ``'s mapping looked up again only when ``os.environ`` is another object (the one-shot
-    kernel wrappers read their switches on every call: ~0.3 us instead of ~0.8)."""
-    seen: list = [None, None, names]  # the os.environ seen, its lookup, the names as it keys them
+    kernel wrappers read their switches on every call: ~0.1 us for three names instead of ~0.8)."""
+    seen = env_get = None
+    keys = names
 
-    def read() -> tuple:
+    def bind() -> None:
+        nonlocal seen, env_get, keys
         env = os.environ
-        if env is not seen[0]:
-            data = getattr(env, "_data", None)
-            if type(data) is dict:
-                seen[1], seen[2] = data.get, tuple(env.encodekey(n) for n in names)
-            else:  # another mapping: its own lookup by name
-                seen[1], seen[2] = env.get, names
-            seen[0] = env
-        get = seen[1]
-        return tuple([get(k) for k in seen[2]])
+        data = getattr(env, "_data", None)
+        if type(data) is dict:
+            env_get, keys = data.get, tuple(env.encodekey(n) for n in names)
+        else:  # another mapping: its own lookup by name
+            env_get, keys = env.get, names
+        seen = env
+
+    if len(names) == 3:  # unrolled: a comprehension costs ~0.25 us more
+
+        def read() -> tuple:
+            if os.environ is not seen:
+                bind()
+            get = env_get
+            return (get(keys[0]), get(keys[1]), get(keys[2]))
+    else:
+
+        def read() -> tuple:
+            if os.environ is not seen:
+                bind()
+            return tuple(map(env_get, keys))
 
     return read
 

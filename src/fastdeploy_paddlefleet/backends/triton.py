@@ -56,6 +56,7 @@ from .base import AttentionBackend, BatchMeta
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("float16", "bfloat16", "float32")
+_Tensor = fw.torch.Tensor if fw.torch is not None else None  # the exact type (is_torch without a call)
 
 
 def _to_torch(x: Any, device: Any = None, int32: bool = False) -> Any:
@@ -116,7 +117,9 @@ _STEP_ATTR = "_fdfleet_triton_step"
 class _LayerPlan:
     """One layer's launch plans for one pair of caches (and sinks tensor).
     ``kernels``: the attention plan's :class:`~..kernels._launch.KernelCache` (its stream is read once
-    per layer for both launches), ``direct`` whether it launches directly."""
+    per layer for both launches), ``direct`` whether it launches directly. Stale (``_run`` builds a new
+    one) when the caches moved (same objects, other storage: ``ptrs``), another sinks tensor came, or
+    the sinks were written in place (``sinks_version``: the attention plan holds their float32 copy)."""
 
     __slots__ = (
         "attend",
@@ -137,14 +140,6 @@ class _LayerPlan:
         self.direct = attend.kernels.direct
         self.ptrs = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
         self.sinks_version = tensor_version(sinks)
-
-    def stale(self, kv_cache, sinks) -> bool:
-        """Whether the caches moved (same objects, other storage), another sinks tensor came, or the
-        sinks were written in place (the plan holds their float32 copy)."""
-        if sinks is not self.sinks or (sinks is not None and tensor_version(sinks) != self.sinks_version):
-            return True
-        ptrs = self.ptrs
-        return kv_cache[0].data_ptr() != ptrs[0] or kv_cache[1].data_ptr() != ptrs[1]
 
 
 class _StepState:
@@ -335,7 +330,7 @@ class TritonBackend(AttentionBackend):
         kept per layer and cache; compiled kernels are launched directly (``kernels/_launch.py``)."""
         if self.validate:
             self._validate(q, k, v, layer, meta, kv_cache, sinks)
-        if is_torch(q):
+        if type(q) is _Tensor or is_torch(q):
             return self._run(q, k, v, layer, meta, kv_cache, sinks, True)
         if fw.torch is not None:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
             tq = _to_torch(q)
@@ -351,13 +346,28 @@ class TritonBackend(AttentionBackend):
     def _run(self, q, k, v, layer, meta, kv_cache, sinks, torch_views: bool) -> Any:
         """The cache write and the attention launch (``q``/``k``/``v`` in the kernels' framework);
         returns ``[T, Hq * Dv]``."""
-        step = _step_state(meta, q, torch_views, self)
+        # the step's state (_step_state, inlined: this runs once per layer)
+        step = meta.__dict__.get(_STEP_ATTR)
+        if (
+            step is None
+            or step.backend is not self
+            or step.torch_views != torch_views
+            or not _same_step(step.fields, meta)
+        ):
+            step = _step_state(meta, q, torch_views, self)
         lt = step.layers.get(layer.index)
         if lt is None:
             lt = step.layers[layer.index] = step.table(meta, layer.index)
         launch, headwise = lt
-        plan = self._plans.get((id(layer), id(kv_cache[0]), id(kv_cache[1]), headwise, q.dtype))
-        if plan is None or plan.stale(kv_cache, sinks):
+        kc, vc = kv_cache
+        plan = self._plans.get((id(layer), id(kc), id(vc), headwise, q.dtype))
+        if (  # stale (_LayerPlan.stale, inlined): caches moved, other sinks, sinks written in place
+            plan is None
+            or sinks is not plan.sinks
+            or (sinks is not None and tensor_version(sinks) != plan.sinks_version)
+            or kc.data_ptr() != plan.ptrs[0]
+            or vc.data_ptr() != plan.ptrs[1]
+        ):
             plan = self._new_plan(q, layer, kv_cache, sinks, headwise, torch_views)
         stream = plan.kernels.stream() if plan.direct else None
         plan.write.run_step(k, v, launch, stream=stream)

@@ -278,7 +278,7 @@ def switches_key() -> tuple:
     """What a plan reads from the environment and this module when it is built (``FDFLEET_PREFILL_KERNEL``,
     direct launches, addresses), unparsed: part of a memoised plan's key, so a changed switch builds
     (and parses) anew."""
-    return (DIRECT_LAUNCH, ADDRESS_ARGS, OWN_LAUNCHER, *_read_switches())
+    return (DIRECT_LAUNCH, ADDRESS_ARGS, OWN_LAUNCHER, _read_switches())
 
 
 class PlanMemo:

@@ -18,6 +18,8 @@ from ._framework import is_torch, torch
 from ._launch import KernelCache, LaunchStep, PlanMemo, switches_key, tensor_key
 from .errors import KERNEL_CACHE_WRITE, check_entries
 
+_Tensor = torch.Tensor if torch is not None else None  # the exact type whose key is read inline
+
 
 @triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "num_reqs"])
 def _write_kv_kernel(
@@ -99,12 +101,22 @@ def write_kv_cache(
     Repeated calls with the same caches reuse one :class:`CacheWritePlan` (a memo of the last 16, keyed
     by the caches' address, shape, strides, dtype and device, ``headwise`` and the environment
     switches); the memo holds no cache between calls."""
-    if k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")
-    if k.shape[0] == 0:
+    ksh = k.shape
+    if len(ksh) != 3 or v.dim() != 3:
+        raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(ksh)} and {list(v.shape)}")
+    if ksh[0] == 0:
         return
-    # the plan of an earlier call with the same caches (_PLANS), else a new one
-    key = (tensor_key(key_cache), tensor_key(value_cache), bool(headwise), switches_key())
+    # the plan of an earlier call with the same caches (_PLANS), else a new one; its key: what the plan
+    # derives from the caches (tensor_key, read inline for plain torch tensors), headwise, the switches
+    kc, vc = key_cache, value_cache
+    if type(kc) is _Tensor and type(vc) is _Tensor:
+        caches = (
+            kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
+            vc.data_ptr(), vc.shape, vc.stride(), vc.dtype, vc.device,
+        )  # fmt: skip
+    else:  # paddle (list shapes), torch subclasses
+        caches = (tensor_key(kc), tensor_key(vc))
+    key = (caches, headwise, switches_key())
     try:
         plan = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo
@@ -214,12 +226,15 @@ class CacheWritePlan:
     ) -> None:
         """:meth:`run` on a step's :class:`~._launch.LaunchStep` (with ``batch_id_per_token``), derived
         once per step and shared by every layer."""
+        ks, vs = k.stride(), v.stride()
+        if len(ks) != 3 or len(vs) != 3 or ks[2] != 1 or vs[2] != 1:
+            raise ValueError(
+                f"k and v must be [T, Hkv, D] with a contiguous last dim, got shapes {list(k.shape)} and "
+                f"{list(v.shape)}, strides {ks} and {vs}"
+            )
         t = k.shape[0]
         if t == 0:
             return
-        ks, vs = k.stride(), v.stride()
-        if ks[2] != 1 or vs[2] != 1:
-            raise ValueError(f"k and v need a contiguous last dim, got strides {ks} and {vs}")
         if step.bid is None:
             raise ValueError("a cache write's LaunchStep needs batch_id_per_token")
         cache = self.kernels
@@ -231,16 +246,15 @@ class CacheWritePlan:
                 if stream is None:
                     stream = cache.stream()
         hit = cache.kernel(key)
-        if hit is not None and cache.addresses:
-            ptr_args = (kp, vp, *self.ptrs, step.bid_ptr, *step.ptrs)
-        else:
-            ptr_args = (
-                k, v, self.key_cache, self.value_cache, step.bid, step.cu, step.dec, step.table, step.err_arg
-            )  # fmt: skip
-        args = (
-            *ptr_args, ks[0], ks[1], vs[0], vs[1], *self.cache_strides, step.stride_tbl, step.n_blk,
-            self.n_pages, step.num_reqs,
+        sizes = (ks[0], ks[1], vs[0], vs[1], *self.cache_strides, step.stride_tbl, step.n_blk, self.n_pages)
+        if hit is not None and cache.addresses:  # a kept kernel: addresses
+            kcp, vcp = self.ptrs
+            hit((t,), (kp, vp, kcp, vcp, step.bid_ptr, *step.ptrs, *sizes, step.num_reqs), stream)
+            return
+        ptr_args = (
+            k, v, self.key_cache, self.value_cache, step.bid, step.cu, step.dec, step.table, step.err_arg
         )  # fmt: skip
+        args = (*ptr_args, *sizes, step.num_reqs)
         if hit is not None:
             hit((t,), args, stream)
         else:
