@@ -459,7 +459,7 @@ def test_one_shot_plan_follows_the_module_settings(fresh_memos, monkeypatch):
             s.q, s.key_cache, s.value_cache, s.cu, s.dec, s.table, scale=0.25, max_q_len=4, errors=flag
         )
         _assert_dense(s, out, scale=0.25)
-        plan, _ = list(pa._PLANS._plans.values())[-1]  # the most recent
+        plan = pa._PLANS.plans()[-1]  # the most recent
         consts.append({k: c["ERR_LOOP"] for k, c in plan._consts.items()})
     assert fresh_memos["attend"] == 2
     assert all(v is False for v in consts[0].values()) and all(v is True for v in consts[1].values())
@@ -671,5 +671,5 @@ def test_gpu_one_shot_wrappers_reuse_their_plan_and_launch_directly(kind, direct
         assert torch.equal(kc.nan_to_num(7.0), ref_k.nan_to_num(7.0)), seed
         assert torch.equal(got, want), seed
     assert len(pa._PLANS) == 1 and len(cw._PLANS) == 1
-    ((plan, _),) = pa._PLANS._plans.values()
+    (plan,) = pa._PLANS.plans()
     assert len(plan.kernels) >= 1 and plan.key_cache is None  # direct kernels kept, no cache held

@@ -27,6 +27,7 @@ sizes, dtypes, alignment), derived once and shared by the layers that read the s
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from typing import Any
@@ -287,26 +288,47 @@ class PlanMemo:
     caches, dims, scalars, flags), so eager calls with the same caches reuse one plan and its compiled
     kernels (direct launches) instead of deriving them again.
 
-    A plan is *taken* out for a call and *given* back after it (two threads never share one), and the
-    wrapper unbinds the caller's caches before giving it back: the memo keeps no cache alive. Values
-    are ``(plan, keep)``: ``keep`` holds what must outlive the plan for its key to stay unique (e.g. a
-    sinks tensor keyed by ``id``)."""
+    A plan is *taken* out for a call and *given* back after it (two threads never share one: a slot's
+    idle plans are a list, taken by one atomic ``pop``), and the wrapper unbinds the caller's caches
+    before giving it back: the memo keeps no cache alive. Each key has a slot ``[keep, idle plans, last
+    use]``: ``keep`` holds what must outlive the plan for its key to stay unique (e.g. a sinks tensor
+    keyed by ``id``). The key is hashed once per call (giving a plan back to its slot needs no lookup);
+    past ``size`` keys the least recently taken is dropped."""
 
     def __init__(self, size: int = 16) -> None:
         self.size = size
-        self._plans: dict[Any, tuple[Any, Any]] = {}
+        self._plans: dict[Any, list] = {}
+        self._clock = itertools.count()
 
-    def take(self, key: Any) -> Any:
-        """The plan kept under ``key`` (removed until :meth:`give`), or ``None``. ``TypeError`` if
-        ``key`` holds an unhashable argument (the wrapper then builds a plan and keeps none)."""
-        hit = self._plans.pop(key, None)
-        return None if hit is None else hit[0]
+    def take(self, key: Any) -> tuple[Any, Any]:
+        """``(plan, slot)``: a plan kept under ``key`` (out of the memo until :meth:`give`) and its slot,
+        or ``(None, None)``. ``TypeError`` if ``key`` holds an unhashable argument (the wrapper then
+        builds a plan and keeps none)."""
+        slot = self._plans.get(key)
+        if slot is not None:
+            try:
+                plan = slot[1].pop()
+            except IndexError:  # its plan is out (another thread's call)
+                return None, None
+            slot[2] = next(self._clock)
+            return plan, slot
+        return None, None
 
-    def give(self, key: Any, plan: Any, keep: Any = None) -> None:
-        """Keep ``plan`` under ``key`` as the most recent; drop the least recent past ``size``."""
-        self._plans[key] = (plan, keep)
-        while len(self._plans) > self.size:
-            self._plans.pop(next(iter(self._plans)), None)
+    def give(self, key: Any, plan: Any, keep: Any = None, slot: Any = None) -> None:
+        """Keep ``plan`` under ``key``: back into ``slot`` (what :meth:`take` returned), or a new slot
+        (dropping the least recently taken past ``size``)."""
+        if slot is not None:
+            slot[1].append(plan)
+            return
+        plans = self._plans
+        plans[key] = [keep, [plan], next(self._clock)]
+        while len(plans) > self.size:
+            oldest = min(plans, key=lambda k: plans[k][2])
+            plans.pop(oldest, None)
+
+    def plans(self) -> list:
+        """The idle plans, least recently taken first (tests)."""
+        return [p for _, idle, _ in sorted(self._plans.values(), key=lambda s: s[2]) for p in idle]
 
     def clear(self) -> None:
         self._plans.clear()

@@ -118,9 +118,9 @@ def write_kv_cache(
         caches = (tensor_key(kc), tensor_key(vc))
     key = (caches, headwise, switches_key())
     try:
-        plan = _PLANS.take(key)
+        plan, slot = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo
-        key = plan = None
+        key = plan = slot = None
     if plan is None:
         plan = CacheWritePlan(key_cache, value_cache, headwise=headwise)
     else:
@@ -131,7 +131,7 @@ def write_kv_cache(
     finally:
         if key is not None:
             plan.bind(None, None)  # the memo keeps no cache alive
-            _PLANS.give(key, plan)
+            _PLANS.give(key, plan, None, slot)
 
 
 #: one-shot plans of :func:`write_kv_cache` (``kernels/_launch.py`` :class:`PlanMemo`)

@@ -214,11 +214,13 @@ def paged_attention(
         raise ValueError(f"q must be [T, Hq, Dqk] with a contiguous last dim, got shape {list(q.shape)}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+    qsh, qdt = q.shape, q.dtype
+    ost = None
     if out is not None:
         ost = out.stride()
-        if out.dtype != q.dtype or len(ost) != 3 or ost[2] != 1:
+        if out.dtype != qdt or len(ost) != 3 or ost[2] != 1:
             raise ValueError(
-                f"out must be a [T, Hq, Dv] {q.dtype} tensor with a contiguous last dim, got {out.dtype} "
+                f"out must be a [T, Hq, Dv] {qdt} tensor with a contiguous last dim, got {out.dtype} "
                 f"{list(out.shape)}"
             )
     # the plan of an earlier call with the same setup (_PLANS), else a new one. Its key: what the plan
@@ -227,24 +229,24 @@ def paged_attention(
     # (identity, in-place version, address), the environment switches and the module settings a plan
     # reads (tests, benchmarks)
     kc, vc = key_cache, value_cache
-    if type(kc) is _Tensor and type(vc) is _Tensor and type(q) is _Tensor:
-        caches = (
+    if type(kc) is _Tensor and type(vc) is _Tensor:
+        key = (
             kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
-            vc.data_ptr(), vc.shape, vc.stride(), vc.dtype, vc.device, q.shape[1:],
+            vc.data_ptr(), vc.shape, vc.stride(), vc.dtype, vc.device,
         )  # fmt: skip
     else:  # paddle (list shapes), torch subclasses
-        caches = (tensor_key(kc), tensor_key(vc), q.shape[1], q.shape[2])
+        key = (tensor_key(kc), tensor_key(vc))
     key = (
-        caches, q.dtype, q.device, scale, headwise, window_left,
+        key, qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
         None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
         HopperPlan,
     )  # fmt: skip
     try:
-        plan = _PLANS.take(key)
+        plan, slot = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo
-        key = plan = None
+        key = plan = slot = None
     if plan is None:
         plan = AttentionPlan(
             key_cache, value_cache, q, scale=scale, headwise=headwise, window_left=window_left,
@@ -254,20 +256,22 @@ def paged_attention(
     else:
         plan.bind(key_cache, value_cache)
     try:
+        t = qsh[0]
         if out is not None:
             osh = out.shape
-            if osh[0] != q.shape[0] or osh[1] != plan.hq or osh[2] != plan.dv:
-                raise ValueError(f"out must be [{q.shape[0]}, {plan.hq}, {plan.dv}], got {list(osh)}")
+            if osh[0] != t or osh[1] != plan.hq or osh[2] != plan.dv:
+                raise ValueError(f"out must be [{t}, {plan.hq}, {plan.dv}], got {list(osh)}")
         step = LaunchStep(
             cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
             max_context_len=max_context_len, errors=errors,
         )  # fmt: skip
-        return plan.run_step(q, step, out=out, num_splits=num_splits)
+        # q's dtype is the plan's (in the key), its strides and out's are checked above
+        return plan._launch_step(q, qs, t, step, out, ost, False, num_splits, None)
     finally:
         # portable TMA descriptors (a tuning config) are built over views of the caches: not kept
         if key is not None and plan.prefill_desc is None and plan.decode_desc is None:
             plan.bind(None, None)  # the memo keeps no cache alive
-            _PLANS.give(key, plan, sinks)
+            _PLANS.give(key, plan, sinks, slot)
 
 
 #: one-shot plans of :func:`paged_attention` (``kernels/_launch.py`` :class:`PlanMemo`)
@@ -479,7 +483,24 @@ class AttentionPlan:
             raise ValueError(f"q needs a contiguous last dim, got strides {qs}")
         if q.dtype != self.dtype:  # the kept kernels are this dtype's (not in their key)
             raise ValueError(f"q is {q.dtype}, but this plan was built for {self.dtype}")
-        t = q.shape[0]
+        return self._launch_step(
+            q, qs, q.shape[0], step, out, None if out is None else out.stride(), flat, num_splits, stream
+        )
+
+    def _launch_step(
+        self,
+        q: torch.Tensor,
+        qs: tuple,
+        t: int,
+        step: LaunchStep,
+        out: torch.Tensor | None,
+        ost: tuple | None,
+        flat: bool,
+        num_splits: int | None,
+        stream: int | None,
+    ) -> torch.Tensor:
+        """:meth:`run_step` with ``q``'s strides ``qs`` and rows ``t`` and a given ``out``'s strides
+        ``ost`` read (and checked) by the caller."""
         hq, dv = self.hq, self.dv
         given = out is not None
         if not given:
@@ -491,7 +512,6 @@ class AttentionPlan:
             ost = self.out_strides  # a fresh allocation: contiguous
         else:
             out3 = out
-            ost = out.stride()
         num_reqs = step.num_reqs
         if t == 0 or num_reqs <= 0:
             return out
