@@ -215,9 +215,12 @@ def _same_step(f: tuple, meta: BatchMeta) -> bool:
     )
 
 
-def _step_state(meta: BatchMeta, q: Any, torch_views: bool, backend: Any) -> _StepState:
+def _step_state(
+    meta: BatchMeta, q: Any, torch_views: bool, backend: Any, fields: tuple | None = None
+) -> _StepState:
     """The step's :class:`_StepState`, derived on the first layer (again if a field was replaced or
-    another backend runs the step)."""
+    another backend runs the step). ``fields``: :func:`_meta_fields` of ``meta`` read this call, if
+    any."""
     st = meta.__dict__.get(_STEP_ATTR)
     if (
         st is not None
@@ -226,7 +229,7 @@ def _step_state(meta: BatchMeta, q: Any, torch_views: bool, backend: Any) -> _St
         and _same_step(st.fields, meta)
     ):
         return st
-    st = _StepState(meta, q, torch_views, _meta_fields(meta), backend)
+    st = _StepState(meta, q, torch_views, fields if fields is not None else _meta_fields(meta), backend)
     meta.__dict__[_STEP_ATTR] = st
     return st
 
@@ -328,33 +331,37 @@ class TritonBackend(AttentionBackend):
         layer (cache geometry, tile shapes, compile-time constants, the Hopper kernel's descriptors) is
         a :class:`~..kernels.paged_attention.AttentionPlan` / :class:`~..kernels.cache_write.CacheWritePlan`
         kept per layer and cache; compiled kernels are launched directly (``kernels/_launch.py``)."""
-        if self.validate:
-            self._validate(q, k, v, layer, meta, kv_cache, sinks)
+        # served checks: the metadata fields they found current (the step state below skips that check)
+        fields = self._validate(q, k, v, layer, meta, kv_cache, sinks) if self.validate else None
         if type(q) is _Tensor or is_torch(q):
-            return self._run(q, k, v, layer, meta, kv_cache, sinks, True)
+            return self._run(q, k, v, layer, meta, kv_cache, sinks, True, fields)
         if fw.torch is not None:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
             tq = _to_torch(q)
             dev = tq.device
             tk, tv = _to_torch(k, dev), _to_torch(v, dev)
             with fw.paddle_stream(dev):
-                out = self._run(tq, tk, tv, layer, meta, kv_cache, sinks, True)
+                out = self._run(tq, tk, tv, layer, meta, kv_cache, sinks, True, fields)
             return _to_paddle(out)
         # paddle tensors, no torch: FastDeploy's way (Triton on Paddle's torch proxy)
         fw.ensure_paddle_compat()
-        return self._run(q, k, v, layer, meta, kv_cache, sinks, False)
+        return self._run(q, k, v, layer, meta, kv_cache, sinks, False, fields)
 
-    def _run(self, q, k, v, layer, meta, kv_cache, sinks, torch_views: bool) -> Any:
+    def _run(
+        self, q, k, v, layer, meta, kv_cache, sinks, torch_views: bool, fields: tuple | None = None
+    ) -> Any:
         """The cache write and the attention launch (``q``/``k``/``v`` in the kernels' framework);
-        returns ``[T, Hq * Dv]``."""
-        # the step's state (_step_state, inlined: this runs once per layer)
+        returns ``[T, Hq * Dv]``. ``fields``: :func:`_meta_fields` of ``meta`` found current this call
+        (the served checks), else ``None``."""
+        # the step's state (_step_state, inlined: this runs once per layer); current when it was
+        # derived from the fields the served checks just found current, else checked field by field
         step = meta.__dict__.get(_STEP_ATTR)
         if (
             step is None
             or step.backend is not self
             or step.torch_views != torch_views
-            or not _same_step(step.fields, meta)
+            or (step.fields is not fields and not _same_step(step.fields, meta))
         ):
-            step = _step_state(meta, q, torch_views, self)
+            step = _step_state(meta, q, torch_views, self, fields)
         lt = step.layers.get(layer.index)
         if lt is None:
             lt = step.layers[layer.index] = step.table(meta, layer.index)
@@ -409,12 +416,14 @@ class TritonBackend(AttentionBackend):
         self._plans[(id(layer), id(kc), id(vc), headwise, q.dtype)] = plan
         return plan
 
-    def _validate(self, q, k, v, layer, meta, kv_cache, sinks) -> None:
+    def _validate(self, q, k, v, layer, meta, kv_cache, sinks) -> tuple | None:
+        """Check a call (``validate``); returns :func:`_meta_fields` of ``meta`` as the served checks
+        found them current this call, or ``None`` (the host checks)."""
         if self.host_checks and not _capturing(q):
             from .checks import validate_inputs  # also checks the host maxima the launches are sized from
 
             validate_inputs(q, k, v, layer, meta, kv_cache, sinks)
-            return
+            return None
         # served (no host copy): validate_shapes reads the step's metadata and token count, the layer's
         # table, the layer, q / k / v's dtypes and shapes, the caches and the sinks. It runs on a step's
         # first call per table and on a layer setup not seen before; any other call only checks in O(1)
@@ -424,17 +433,18 @@ class TritonBackend(AttentionBackend):
             rec = meta.__dict__[_CHECKED_ATTR] = _Checked(meta, self)
         qs, ks, vs = q.shape, k.shape, v.shape
         kc, vc = kv_cache[0], kv_cache[1]
-        if is_torch(q):
-            sig = (qs[1:], ks[1:], vs[1:])
-        else:  # paddle shapes are lists
-            sig = (tuple(qs[1:]), tuple(ks[1:]), tuple(vs[1:]))
-        sig += (
-            type(q), q.dtype, k.dtype, v.dtype, id(layer), id(kc), id(vc), kc.data_ptr(), vc.data_ptr(),
-            id(sinks), meta.block_size,
-        )  # fmt: skip
-        table = None if meta.block_tables_headwise is None else meta.headwise_table(layer.index)
-        if rec.t == qs[0] == ks[0] == vs[0] and id(table) in rec.tables and sig in self._checked:
-            return
+        sig = None
+        if len(qs) == 3 and len(ks) == 3 and len(vs) == 3:  # else checked in full (and refused)
+            # the shapes by element: a torch.Size slice costs ~0.4 us
+            sig = (
+                qs[1], qs[2], ks[1], ks[2], vs[1], vs[2], type(q), q.dtype, k.dtype, v.dtype, id(layer),
+                id(kc), id(vc), kc.data_ptr(), vc.data_ptr(), id(sinks), meta.block_size,
+            )  # fmt: skip
+            table = None if meta.block_tables_headwise is None else meta.headwise_table(layer.index)
+            if rec.t == qs[0] == ks[0] == vs[0] and id(table) in rec.tables and sig in self._checked:
+                return rec.fields
+        else:
+            table = None if meta.block_tables_headwise is None else meta.headwise_table(layer.index)
         from .checks import validate_shapes
 
         validate_shapes(q, k, v, layer, meta, kv_cache, sinks)
@@ -442,4 +452,6 @@ class TritonBackend(AttentionBackend):
         rec.tables.add(id(table))
         if len(self._checked) >= _MAX_CHECKED:
             self._checked.clear()
-        self._checked[sig] = (layer, kc, vc, sinks)  # kept: the ids in the key stay unique
+        if sig is not None:
+            self._checked[sig] = (layer, kc, vc, sinks)  # kept: the ids in the key stay unique
+        return rec.fields
