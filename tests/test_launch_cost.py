@@ -673,3 +673,30 @@ def test_gpu_one_shot_wrappers_reuse_their_plan_and_launch_directly(kind, direct
     assert len(pa._PLANS) == 1 and len(cw._PLANS) == 1
     (plan,) = pa._PLANS.plans()
     assert len(plan.kernels) >= 1 and plan.key_cache is None  # direct kernels kept, no cache held
+
+
+def test_plan_memo_takes_gives_and_drops_the_least_recently_taken():
+    """One plan per key out at a time; a plan goes back to its slot; past ``size`` keys the least
+    recently taken is dropped, also when it was the last key taken (its slot then no longer serves)."""
+    from fastdeploy_paddlefleet.kernels._launch import PlanMemo
+
+    memo = PlanMemo(size=2)
+    assert memo.take(("a",)) == (None, None)
+    memo.give(("a",), "plan-a", keep="sinks-a")
+    plan, slot = memo.take(("a",))
+    assert plan == "plan-a" and memo.take(("a",)) == (None, None)  # out: a second caller builds its own
+    memo.give(("a",), plan, slot=slot)
+    assert memo.take(("a",))[0] == "plan-a"  # equal key, other tuple: the last-key path
+    memo.give(("a",), "plan-a", slot=slot)
+    memo.give(("b",), "plan-b")
+    assert memo.take(("b",))[0] == "plan-b"  # now "a" is the least recently taken
+    memo.give(("c",), "plan-c")  # past size: "a" goes
+    assert len(memo) == 2 and memo.take(("a",)) == (None, None)
+    plan, slot = memo.take(("c",))
+    memo.give(("c",), plan, slot=slot)
+    memo.give(("d",), "plan-d")  # drops "b"; "c", the last key taken, stays
+    assert memo.take(("c",))[0] == "plan-c" and memo.take(("b",)) == (None, None)
+    memo.clear()
+    assert len(memo) == 0 and memo.take(("c",)) == (None, None)  # the last-key path does not outlive clear
+    with pytest.raises(TypeError):
+        memo.take((["unhashable"],))
