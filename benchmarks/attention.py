@@ -49,6 +49,8 @@ SH = dict(bsz=64, ctx=4096, n=8192, window=1023, mixed=(32, 4096, 2048), dev="cu
 SMOKE = dict(bsz=3, ctx=200, n=150, window=63, mixed=(2, 200, 100), dev="cpu", dtype="float32")
 DEFAULT_OUT = os.path.join(HERE, "results", "attention-h200.jsonl")
 RECORDS: list[dict] = []
+#: FlexAttention among the peers (``--no-flex``: SDPA only; Flex compiles for about a minute per mask)
+FLEX = True
 
 
 def emit(rec: dict, fh=None) -> None:
@@ -378,7 +380,7 @@ def peer_records(kind, case, q, k, v, *, causal, window, sinks, work, unit, fh, 
             )
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
             emit({"case": case, "impl": f"sdpa-{backend}{tag}", "kind": kind, "error": repr(e)[:200]}, fh)
-    if not flex:
+    if not (flex and FLEX):
         return
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -1063,6 +1065,7 @@ def main(argv=None) -> int:
         "--cases", default="copy,decode,prefill,mixed,mla,host", help="comma list (default: %(default)s)"
     )
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / FlexAttention")
+    ap.add_argument("--no-flex", action="store_true", help="peers: SDPA only (FlexAttention compiles slowly)")
     ap.add_argument("--no-check", action="store_true", help="skip the dense-reference checks")
     ap.add_argument("--sweep", action="store_true", help="time tile / split / TMA variants instead")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter without a GPU)")
@@ -1161,6 +1164,8 @@ def main(argv=None) -> int:
         )
         cases = set(args.cases.split(","))
         check, peers = not args.no_check, not args.no_peers
+        global FLEX
+        FLEX = not args.no_flex
         if "copy" in cases:
             emit({"case": "copy", "impl": "copy", "kind": "copy", **copy_bandwidth()}, fh)
             # the same bytes as the sliding-window decode (268 MB moved): what a small transfer reaches
