@@ -246,11 +246,17 @@ class CacheWritePlan:
                 if stream is None:
                     stream = cache.stream()
         hit = cache.kernel(key)
-        sizes = (ks[0], ks[1], vs[0], vs[1], *self.cache_strides, step.stride_tbl, step.n_blk, self.n_pages)
-        if hit is not None and cache.addresses:  # a kept kernel: addresses
+        if hit is not None and cache.addresses:  # a kept kernel: addresses, one flat tuple
             kcp, vcp = self.ptrs
-            hit((t,), (kp, vp, kcp, vcp, step.bid_ptr, *step.ptrs, *sizes, step.num_reqs), stream)
+            p0, p1, p2, p3 = step.ptrs
+            c0, c1, c2, c3 = self.cache_strides
+            args = (
+                kp, vp, kcp, vcp, step.bid_ptr, p0, p1, p2, p3, ks[0], ks[1], vs[0], vs[1], c0, c1, c2, c3,
+                step.stride_tbl, step.n_blk, self.n_pages, step.num_reqs,
+            )  # fmt: skip
+            hit((t,), args, stream)
             return
+        sizes = (ks[0], ks[1], vs[0], vs[1], *self.cache_strides, step.stride_tbl, step.n_blk, self.n_pages)
         ptr_args = (
             k, v, self.key_cache, self.value_cache, step.bid, step.cu, step.dec, step.table, step.err_arg
         )  # fmt: skip

@@ -529,8 +529,8 @@ class AttentionPlan:
                 if stream is None:
                     stream = cache.stream()
                 key = (qs[0], qs[1], ost[0], ost[1], step.sig)
-        # the arguments after the pointers: strides, the step's table, sizes, scalars
-        sizes = (qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk, self.n_pages, t)
+        # Triton's path: the arguments after the pointers (strides, the step's table, sizes; scalars follow)
+        sizes = None if key is not None else self._sizes(qs, ost, step, t)
 
         # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
         max_q_len = step.max_q_len
@@ -553,11 +553,21 @@ class AttentionPlan:
             pkey = None if key is None else ("prefill", key)
             hit = cache.kernel(pkey)
             grid = ((t // self.block_q + num_reqs) * self.hkv,)
-            if hit is not None and cache.addresses:  # a kept kernel: addresses
+            if hit is not None and cache.addresses:  # a kept kernel: addresses, one flat tuple
                 kp, vp, sp = self.ptrs
-                ptrs = (qp, kp, vp, op, *self.descs, sp if self.sink_mode == 1 else qp, *step.ptrs)
-                hit(grid, (*ptrs, *sizes, num_reqs, 2, *self.scalars), stream)
+                d0, d1 = self.descs
+                p0, p1, p2, p3 = step.ptrs
+                c0, c1, c2, c3 = self.common
+                s0, s1, s2, s3 = self.scalars
+                args = (
+                    qp, kp, vp, op, d0, d1, sp if self.sink_mode == 1 else qp, p0, p1, p2, p3,
+                    qs[0], qs[1], ost[0], ost[1], c0, c1, c2, c3, step.stride_tbl, step.n_blk, self.n_pages,
+                    t, num_reqs, 2, s0, s1, s2, s3,
+                )  # fmt: skip
+                hit(grid, args, stream)
             else:
+                if sizes is None:
+                    sizes = self._sizes(qs, ost, step, t)
                 pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
                 args = (
                     pq,
@@ -609,12 +619,22 @@ class AttentionPlan:
             mid_o = empty((num_reqs, hq, num_splits, dv), "float32", q)
             mid_l = empty((num_reqs, hq, num_splits), "float32", q)
         grid = (num_reqs, self.hkv, num_splits)
-        if addr:  # a kept kernel: addresses
+        if addr:  # a kept kernel: addresses, one flat tuple (a starred one costs ~0.3 us per star here)
             kp, vp, sp = self.ptrs
+            d0, d1 = self.ddescs
+            p0, p1, p2, p3 = step.ptrs
+            c0, c1, c2, c3 = self.common
+            s0, s1, s2, s3 = self.scalars
             pmo, pml = (mid_o.data_ptr(), mid_l.data_ptr()) if num_splits > 1 else (qp, qp)  # unused: any
-            ptrs = (qp, kp, vp, op, *self.ddescs, pmo, pml, sp if self.sink_mode == 1 else qp, *step.ptrs)
-            hit(grid, (*ptrs, *sizes, *self.scalars), stream)
+            args = (
+                qp, kp, vp, op, d0, d1, pmo, pml, sp if self.sink_mode == 1 else qp, p0, p1, p2, p3,
+                qs[0], qs[1], ost[0], ost[1], c0, c1, c2, c3, step.stride_tbl, step.n_blk, self.n_pages, t,
+                s0, s1, s2, s3,
+            )  # fmt: skip
+            hit(grid, args, stream)
         else:
+            if sizes is None:
+                sizes = self._sizes(qs, ost, step, t)
             pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
             pmo, pml = (mid_o, mid_l) if num_splits > 1 else (pq, pq)
             args = (pq, pk, pv, po, *self.ddescs, pmo, pml, ps, pcu, pdec, ptbl, perr, *sizes, *self.scalars)
@@ -637,6 +657,11 @@ class AttentionPlan:
                 key=None if key is None else ("reduce", num_splits, key), stream=stream,
             )  # fmt: skip
         return out
+
+    def _sizes(self, qs: tuple, ost: tuple, step: LaunchStep, t: int) -> tuple:
+        """The kernels' arguments after the pointers, up to the scalars: q's and out's strides, the
+        caches' strides, the table's stride and width, the pages, the tokens."""
+        return (qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk, self.n_pages, t)
 
     def _prefill_consts(self, has_err: bool) -> dict:
         """The portable prefill launch's constexprs and options (Triton's path)."""
