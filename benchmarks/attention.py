@@ -586,6 +586,30 @@ def mixed_case(fh, check):
         del batch
 
 
+def gptoss_case(fh, check):
+    """gpt-oss's sliding layers: 64 q / 8 kv heads, head 64, a 128-key window (``window_left`` 127) with
+    learnable sinks, one 8192-token prefill; the default kernel and, on sm_90, the portable one (short
+    windows give the Hopper kernel's work items only 2-3 key tiles each: its per-item cost dominates)."""
+    from fastdeploy_paddlefleet.kernels.hopper_prefill import choose_prefill_impl
+
+    n, hq, hkv, d = SH["n"], 64, 8, 64
+    window = min(127, SH["window"])
+    batch = paged_batch([0], [n], hq, hkv, d, d, seed=4)
+    flops = 2 * visible_pairs(0, n, window) * 2 * d * hq
+    default = choose_prefill_impl(None, None, batch["q"], batch["kc"], batch["vc"])
+    for impl, kernel in (("triton", default), ("triton-portable", "portable")):
+        if impl != "triton" and kernel == default:
+            continue
+        rows = [0, window, n // 2, n - 1]
+        ms, errs = run_ours("gptoss-prefill-swa128-sinks", batch, window=window, sink_kind="learnable",
+                            max_q_len=n, max_ctx=n, check=[(0, rows)] if check else None,
+                            prefill_impl=kernel)  # fmt: skip
+        emit({"case": "gptoss-prefill-swa128-sinks", "impl": impl, "kind": "prefill", "kernel": kernel,
+              "ms": round(ms, 4), "flops": flops, "tflops": round(flops / (ms * 1e-3) / 1e12, 1), **errs},
+             fh)  # fmt: skip
+    del batch
+
+
 def mla_cases(fh, check, peers):
     import torch
 
@@ -1062,7 +1086,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="plot path, .png/.svg/.pdf (default: --out with .png)")
     ap.add_argument("--plot-only", metavar="FILE", help="draw the PNG from saved JSON lines and exit")
     ap.add_argument(
-        "--cases", default="copy,decode,prefill,mixed,mla,host", help="comma list (default: %(default)s)"
+        "--cases",
+        default="copy,decode,prefill,mixed,mla,gptoss,host",
+        help="comma list (default: %(default)s)",
     )
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / FlexAttention")
     ap.add_argument("--no-flex", action="store_true", help="peers: SDPA only (FlexAttention compiles slowly)")
@@ -1184,6 +1210,7 @@ def main(argv=None) -> int:
                 ("prefill", lambda: prefill_cases(fh, check, peers)),
                 ("mixed", lambda: mixed_case(fh, check)),
                 ("mla", lambda: mla_cases(fh, check, peers)),
+                ("gptoss", lambda: gptoss_case(fh, check)),
                 ("host", lambda: host_cost_cases(fh)),
             )
             for name, step in steps:

@@ -23,6 +23,7 @@ CASES = {
     "mixed",
     "mla-decode",
     "mla-prefill-causal",
+    "gptoss-prefill-swa128-sinks",
 }
 
 
