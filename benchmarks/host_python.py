@@ -18,7 +18,10 @@ bf16 on a GPU): ``write_kv_cache`` one-shot (4 decode tokens); ``paged_attention
 16-token chunks, one over 16 cached tokens); ``TritonBackend.forward`` for one layer of a decode step
 (``validate=False, host_checks=False``), the same with FastDeploy's settings (``validate=True,
 host_checks=False``) and one layer of the prefill step (same step object every call: the per-layer
-cost, the per-step derivation amortised). Yardsticks on the same machine: torch ``add_`` on a
+cost alone); ``backend-step-served`` / ``-checked``: a whole decode step of 8 layers (each its own
+caches) on a new ``BatchMeta`` per step, us per layer (the per-step derivations, e.g. the full shape
+check FastDeploy's settings run on a step's first layer, spread over its layers). Yardsticks on the
+same machine: torch ``add_`` on a
 16-element tensor, ``torch.empty`` and ``Tensor.new_empty`` of a decode output.
 
 Prints one JSON line per case (``{"kind": "host-python", "case", "us", "us_min", "calls", "device",
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -55,7 +59,10 @@ CASES = (
     "backend-layer-served",
     "backend-layer-served-checked",
     "backend-layer-served-prefill",
+    "backend-step-served",
+    "backend-step-served-checked",
 )
+STEP_LAYERS = 8  # layers per step of the backend-step cases
 
 
 def _noop(grid, args, stream) -> None:
@@ -193,6 +200,32 @@ def build_cases(device: str) -> dict:
     empty_shape = (dec_b["q"].shape[0], HQ, D)
     d, p = dec_b, pre_b
     kv, pkv = (d["kc"], d["vc"]), (p["kc"], p["vc"])
+    # a whole decode step as a model runs it: a new BatchMeta (the same metadata tensors), then
+    # STEP_LAYERS layers, each with its own caches: the per-step derivations (step state, the table's
+    # LaunchStep, FastDeploy's settings: the step's first full shape check) spread over the layers
+    layers = [
+        LayerAttention(
+            index=i,
+            kind="full",
+            num_q_heads=HQ,
+            num_kv_heads=HKV,
+            qk_head_dim=D,
+            v_head_dim=D,
+            softmax_scale=0.125,
+        )  # fmt: skip
+        for i in range(STEP_LAYERS)
+    ]
+    layer_kv = [(d["kc"].clone(), d["vc"].clone()) for _ in layers]
+    meta_fields = {f.name: getattr(d["meta"], f.name) for f in dataclasses.fields(BatchMeta)}
+
+    def step(backend):
+        def run():
+            meta = BatchMeta(**meta_fields)
+            for lyr, c in zip(layers, layer_kv, strict=True):
+                backend.forward(d["q"], d["k"], d["v"], lyr, meta, c)
+
+        return run
+
     return {
         "torch-add_": lambda: add_x.add_(1),
         "torch-empty": lambda: torch.empty(empty_shape, dtype=dtype, device=device),
@@ -228,6 +261,8 @@ def build_cases(device: str) -> dict:
         "backend-layer-served": lambda: served.forward(d["q"], d["k"], d["v"], layer, d["meta"], kv),
         "backend-layer-served-checked": lambda: checked.forward(d["q"], d["k"], d["v"], layer, d["meta"], kv),
         "backend-layer-served-prefill": lambda: served.forward(p["q"], p["k"], p["v"], layer, p["meta"], pkv),
+        "backend-step-served": step(served),
+        "backend-step-served-checked": step(checked),
     }
 
 
@@ -291,8 +326,12 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if not name.startswith(("torch-", "new_")):
                         rec["direct_launches"] = direct_launches(fn, stub)
-                    med, best = per_call_us(fn, a.calls, a.repeats)
-                    rec.update(us=round(med, 2), us_min=round(best, 2), calls=a.calls)
+                    per = STEP_LAYERS if name.startswith("backend-step") else 1  # us per layer
+                    calls = max(1, a.calls // per)
+                    med, best = per_call_us(fn, calls, a.repeats)
+                    rec.update(us=round(med / per, 2), us_min=round(best / per, 2), calls=calls)
+                    if per > 1:
+                        rec["layers"] = per
                 except Exception as e:  # noqa: BLE001 - one case's failure is its record
                     rec["error"] = repr(e)[:300]
                     failed += 1

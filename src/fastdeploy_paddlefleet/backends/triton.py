@@ -49,7 +49,7 @@ from typing import Any
 
 from ..kernels import _framework as fw
 from ..kernels._framework import is_torch
-from ..kernels._launch import tensor_version
+from ..kernels._launch import LaunchStep, tensor_version
 from ..plan.layer import LayerAttention
 from .base import AttentionBackend, BatchMeta
 
@@ -163,10 +163,8 @@ class _StepState:
 
     def table(self, meta: BatchMeta, layer_index: int) -> tuple[Any, bool]:
         """The :class:`~..kernels._launch.LaunchStep` over the table layer ``layer_index`` reads (int32)
-        and whether that table is head-wise."""
-        from ..kernels._launch import LaunchStep
-
-        raw = meta.headwise_table(layer_index)
+        and whether that table is head-wise (runs on each layer's first call of a step)."""
+        raw = None if meta.block_tables_headwise is None else meta.headwise_table(layer_index)
         headwise = raw is not None
         if not headwise:
             raw = meta.block_tables
