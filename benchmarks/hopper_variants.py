@@ -74,6 +74,9 @@ VARIANTS = {
     # by plain loads through its registers (before: the producer waits out their round trips)
     "qasync": (dict(q_async=True), ALL + WINDOW_CASES[2:]),
     "plain-q": (dict(q_async=False), ALL + WINDOW_CASES[2:]),
+    # the output stored from the wgmma layout, 4 bytes per store (before 2026-12-01d; now 16-byte row
+    # segments after a layout conversion, `o_vec`)
+    "plain-store": (dict(o_vec=False), ALL + WINDOW_CASES[2:]),
     "n64-s3": (dict(block_n=64, num_stages=3), ("prefill-causal", "prefill-swa1024-sinks")),
     "n64-s4": (dict(block_n=64, num_stages=4), ("prefill-causal",)),
     "mla-n64-q2-s2": (dict(block_n=64, q_bufs=2, num_stages=2), ("mla-prefill-causal",)),

@@ -182,9 +182,10 @@ def test_hopper_prefill_tile_variants(monkeypatch, shape, tiles):
 
 
 # schedule variants (HopperPlan keywords): the first key tile peeled off the loop so ptxas keeps the
-# wgmma's asynchronous; FA3's ping-pong of the two consumer warpgroups on named barriers on top of it
-SCHEDULES = [dict(peel=False), dict(pingpong=True), dict(snake=False), dict(q_async=False)]
-SCHEDULE_IDS = ["unpeeled", "pingpong", "round-robin", "plain-q"]
+# wgmma's asynchronous; FA3's ping-pong of the two consumer warpgroups on named barriers on top of it;
+# round-robin item order; Q by plain loads and the output stored from the wgmma layout (the defaults before)
+SCHEDULES = [dict(peel=False), dict(pingpong=True), dict(snake=False), dict(q_async=False, o_vec=False)]
+SCHEDULE_IDS = ["unpeeled", "pingpong", "round-robin", "plain-q-store"]
 _HW = dict(window_left=120, sliding_heads=(4, 8))
 _BF, _FP = torch.bfloat16, torch.float16
 SCHEDULE_CASES = [

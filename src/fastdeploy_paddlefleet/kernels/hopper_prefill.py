@@ -34,7 +34,8 @@ Three warpgroups per CTA:
   as soon as its wgmma's have read it. The first key tile of an item is peeled off the loop
   (``HopperPlan(peel=True)``, the default): with the loop's ``j > 0`` branches every wgmma wait was
   conditional and ptxas serialised every wgmma of the kernel (C7514 in ``ptxas -v``); peeled, the
-  H200 ran 128/128 causal +21-27 %, MLA +21-25 % (benchmarks/NOTES.md). ``pingpong`` (FA3's
+  H200 ran 128/128 causal +21-27 %, MLA +21-25 % (benchmarks/NOTES.md). Each consumer converts its
+  finished rows to 16-byte row segments before storing them (``o_vec``). ``pingpong`` (FA3's
   turn-taking of the consumers on named barriers, inline PTX) measured no better than ``peel``.
 
 Masks: a tile gets the mask only when it touches the causal diagonal or the window's leading edge
@@ -546,6 +547,18 @@ if GLUON_IMPORT_ERROR is None:
         return acc, l_i, tok
 
     @gluon.jit
+    def _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_m, offs_d, G: gl.constexpr,
+                 GP: gl.constexpr):  # fmt: skip
+        """Store a consumer's output rows ``out [BLOCK_M, DV]`` (rows = tokens from ``tok0`` x padded
+        group heads; ``offs_m`` / ``offs_d`` in ``out``'s layout), rows past the request or the group
+        left out."""
+        otok = tok0 + offs_m // GP
+        ohh = offs_m % GP
+        o_ok = (otok < q_len) & (ohh < G)
+        o_rows = (q0 + otok).to(gl.int64) * stride_ot + (kvh * G + ohh) * stride_oh
+        gl.store(O + gl.expand_dims(o_rows, 1) + gl.expand_dims(offs_d, 0), out, mask=gl.expand_dims(o_ok, 1))
+
+    @gluon.jit
     def _consumer(
         O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
         CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
@@ -554,7 +567,7 @@ if GLUON_IMPORT_ERROR is None:
         DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr, PEEL: gl.constexpr,
-        PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr,
+        PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, O_VEC: gl.constexpr,
     ):  # fmt: skip
         """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA."""
         BLOCK_Q: gl.constexpr = BLOCK_M // GP
@@ -574,6 +587,11 @@ if GLUON_IMPORT_ERROR is None:
         offs_n = gl.arange(0, BLOCK_N, layout=col_l)
         offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_od = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+        # the output's store layout: 8 elements (16 bytes) per thread, a row's DV columns over DV // 8 lanes
+        LANES_D: gl.constexpr = DV // 8 if DV // 8 < 32 else 32
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_D, LANES_D], [4, 1], [1, 0])
+        offs_sm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+        offs_sd = gl.arange(0, DV, layout=gl.SliceLayout(0, st_layout))
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         if SOFTCAP != 0.0:  # capped scores are already scaled (base 2)
             sc = 1.0
@@ -655,16 +673,12 @@ if GLUON_IMPORT_ERROR is None:
                 it += n_tiles
                 qi += 1
                 l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-                out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
-                otok = tok0 + offs_om // GP
-                ohh = offs_om % GP
-                o_ok = (otok < q_len) & (ohh < G)
-                o_rows = (q0 + otok).to(gl.int64) * stride_ot + (kvh * G + ohh) * stride_oh
-                gl.store(
-                    O + gl.expand_dims(o_rows, 1) + gl.expand_dims(offs_od, 0),
-                    out.to(dtype),
-                    mask=gl.expand_dims(o_ok, 1),
-                )
+                out = (acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)).to(dtype)
+                if O_VEC:  # 16-byte stores of whole row segments (the wgmma layout stores 4 bytes each)
+                    out = gl.convert_layout(out, st_layout)
+                    _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_sm, offs_sd, G, GP)
+                else:
+                    _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_om, offs_od, G, GP)
 
     @gluon.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs", "n_items"])
     def _hopper_prefill_kernel(
@@ -677,7 +691,7 @@ if GLUON_IMPORT_ERROR is None:
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, PROFILE: gl.constexpr = 0,
         PEEL: gl.constexpr = False, PINGPONG: gl.constexpr = False, SNAKE: gl.constexpr = False,
-        Q_ASYNC: gl.constexpr = False,
+        Q_ASYNC: gl.constexpr = False, O_VEC: gl.constexpr = False,
     ):  # fmt: skip
         # persistent: CTA p takes work items p, p + grid, ... (items are ordered longest first)
         # Q and K rows held in DQK // QKC parts of QKC columns (192 = 3 x 64: smem shapes are powers of 2)
@@ -711,14 +725,14 @@ if GLUON_IMPORT_ERROR is None:
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                     CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
                     stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
@@ -756,7 +770,10 @@ class HopperPlan:
     second full wave of work items reversed (:func:`_scheduled`; the H200 ran 2-10 % faster in 9 of 10
     same-call cases over two calls; ``False``: round robin). ``consumer_regs`` / ``producer_regs``: the
     ``setmaxnreg`` split (``2 * 128 * consumer + 128 * producer <= 65536``). ``q_async`` (default): Q
-    copied by ``cp.async`` (:func:`_load_q`; ``False``: plain loads through the producer's registers)."""
+    copied by ``cp.async`` (:func:`_load_q`; ``False``: plain loads through the producer's registers).
+    ``o_vec`` (default): the output converted (through shared memory) to a layout of 16-byte row segments
+    before its store; ``False``: stored from the wgmma layout, 4 bytes per store (clock stamps on the H200
+    put that epilogue at ~2.5 us per work item, against ~1.8 us per 128-key tile)."""
 
     def __init__(
         self,
@@ -785,6 +802,7 @@ class HopperPlan:
         producer_regs: int = 40,
         snake: bool = True,
         q_async: bool = True,
+        o_vec: bool = True,
     ) -> None:
         hkv, bs = key_cache.shape[1], key_cache.shape[2]
         dqk, dv = key_cache.shape[3], value_cache.shape[3]
@@ -829,6 +847,7 @@ class HopperPlan:
             NUM_STAGES=num_stages, Q_BUFS=q_bufs, HEADWISE=bool(headwise), HAS_WINDOW=bool(has_window),
             SINK_MODE=sink_mode, SOFTCAP=float(softcap), PROFILE=int(profile), Q_LATE=bool(q_late),
             PEEL=bool(peel or pingpong), PINGPONG=bool(pingpong), SNAKE=bool(snake), Q_ASYNC=bool(q_async),
+            O_VEC=bool(o_vec),
             PRODUCER_REGS=int(producer_regs), CONSUMER_REGS=int(consumer_regs), num_warps=4,
         )  # fmt: skip
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
