@@ -142,3 +142,18 @@ def test_decode_ceiling_smoke(tmp_path):
     assert all("error" not in r and r["run"] == "smoke" for r in rows), rows
     assert all(r["max_abs_err"] < 1e-4 for r in rows if r["impl"].startswith("triton")), rows
     assert set(json.loads(proc.stdout.splitlines()[-1])["gbps"]) == impls
+
+
+def test_hopper_probe_stamps_the_current_kernel():
+    """benchmarks/hopper_probe.py's stamp points still match the Hopper kernel's source (each anchor found
+    exactly as often as expected), and the stamped copy is valid Python with every stamp in it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import hopper_probe
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    text = hopper_probe.patched_source()
+    compile(text, "hopper_probe_kernel.py", "exec")
+    assert text.count("_stamp(Trace, tb, ") == 9  # 4 in the consumers' loop, 5 in the producer's
+    with pytest.raises(ValueError, match="stamp point 'stamp helper'"):
+        hopper_probe.patched_source("def nothing(): pass\n")
