@@ -91,3 +91,25 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def parse_tags(items: list[str]) -> dict:
+    """``--tag KEY=VALUE`` pairs as a dict (digits become ints): what a script adds to every record it
+    writes. ``ValueError`` naming a pair without ``=`` or key."""
+    tags: dict = {}
+    for t in items:
+        key, sep, val = t.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--tag wants KEY=VALUE, got {t!r}")
+        tags[key] = int(val) if val.isdigit() else val
+    return tags
+
+
+def choose(csv: str, known, what: str) -> list[str]:
+    """The names of a comma list (``--cases a,b``), each one of ``known``; ``ValueError`` naming the unknown
+    ones and the known ones."""
+    names = [n for n in csv.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"unknown {what} {bad} (known: {sorted(known)})")
+    return names

@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
+from _outputs import parse_tags  # noqa: E402
 
 STAGES = (3, 4)  # pipeline depths of the plain reader; the best one is its figure
 
@@ -179,13 +180,11 @@ def main(argv=None) -> int:
         "--json", action="store_true", help="the summary as one JSON object on stdout's last line"
     )
     args = ap.parse_args(argv)
-    tags = {}
-    for t in args.tag:
-        key, sep, val = t.partition("=")
-        if not sep or not key:
-            print(f"error: --tag wants KEY=VALUE, got {t!r}", file=sys.stderr)
-            return 2
-        tags[key] = int(val) if val.isdigit() else val
+    try:
+        tags = parse_tags(args.tag)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     emit = A.emit
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)
     fh = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below

@@ -291,13 +291,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the summary here (JSON)")
     ap.add_argument("--json", action="store_true", help="the summary as one JSON object on stdout")
     args = ap.parse_args(argv)
-    names = [c for c in args.cases.split(",") if c]
-    bad = [c for c in names if c not in CASES]
-    if bad:
-        print(f"error: unknown cases {bad} (known: {sorted(CASES)})", file=sys.stderr)
-        return 2
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
+    from _outputs import choose
+
+    try:
+        names = choose(args.cases, CASES, "cases")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     res = run(names)
     if args.out:
         with open(args.out, "w") as f:

@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
+from _outputs import choose, parse_tags  # noqa: E402
 
 # (case, q heads, kv heads, qk dim, v dim, window, sink kind)
 CASES = {
@@ -194,18 +195,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", action="append", default=[], help="KEY=VALUE added to every record (repeatable)")
     ap.add_argument("--json", action="store_true", help="the summary as one JSON object (records always are)")
     args = ap.parse_args(argv)
-    names = [v for v in args.variants.split(",") if v]
-    bad = [v for v in names if v not in VARIANTS]
-    if bad:
-        print(f"error: unknown variants {bad} (known: {sorted(VARIANTS)})", file=sys.stderr)
+    try:
+        names = choose(args.variants, VARIANTS, "variants")
+        tags = parse_tags(args.tag)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    tags = {}
-    for t in args.tag:
-        key, sep, val = t.partition("=")
-        if not sep or not key:
-            print(f"error: --tag wants KEY=VALUE, got {t!r}", file=sys.stderr)
-            return 2
-        tags[key] = int(val) if val.isdigit() else val
     fh = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
     emit = A.emit
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)  # every record carries the tags
