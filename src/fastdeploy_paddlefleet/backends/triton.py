@@ -147,7 +147,7 @@ class _StepState:
     by every layer of the step: derived once, kept on the ``BatchMeta``. ``layers``: layer index ->
     (its table's :class:`~..kernels._launch.LaunchStep`, head-wise)."""
 
-    __slots__ = ("backend", "bid", "cu", "dec", "fields", "flag", "layers", "tables", "torch_views")
+    __slots__ = ("backend", "bid", "cu", "dec", "fields", "flag", "layers", "plain", "tables", "torch_views")
 
     def __init__(self, meta: BatchMeta, q: Any, torch_views: bool, fields: tuple, backend: Any) -> None:
         self.fields, self.torch_views = fields, torch_views
@@ -157,6 +157,8 @@ class _StepState:
         self.bid = self._int32(meta.batch_id_per_token, q)
         self.tables: dict[int, tuple[Any, Any]] = {}  # id(raw table) -> (raw table, LaunchStep)
         self.layers: dict[int, tuple[Any, bool]] = {}
+        #: without head-wise tables every layer reads ``block_tables``: its entry, shared (set on first use)
+        self.plain: tuple[Any, bool] | None = None
 
     def _int32(self, x: Any, q: Any) -> Any:
         return _to_torch(x, q.device, int32=True) if self.torch_views else _paddle_int32(x)
@@ -360,9 +362,13 @@ class TritonBackend(AttentionBackend):
             or (step.fields is not fields and not _same_step(step.fields, meta))
         ):
             step = _step_state(meta, q, torch_views, self, fields)
-        lt = step.layers.get(layer.index)
+        lt = step.plain
         if lt is None:
-            lt = step.layers[layer.index] = step.table(meta, layer.index)
+            lt = step.layers.get(layer.index)
+            if lt is None:
+                lt = step.layers[layer.index] = step.table(meta, layer.index)
+                if step.fields[4] is None:  # no head-wise tables this step: every layer's is this one
+                    step.plain = lt
         launch, headwise = lt
         kc, vc = kv_cache
         plan = self._plans.get((id(layer), id(kc), id(vc), headwise, q.dtype))
