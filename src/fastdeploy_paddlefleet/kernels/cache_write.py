@@ -101,10 +101,11 @@ def write_kv_cache(
     Repeated calls with the same caches reuse one :class:`CacheWritePlan` (a memo of the last 16, keyed
     by the caches' address, shape, strides, dtype and device, ``headwise`` and the environment
     switches); the memo holds no cache between calls."""
-    ksh = k.shape
-    if len(ksh) != 3 or v.dim() != 3:
-        raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(ksh)} and {list(v.shape)}")
-    if ksh[0] == 0:
+    ks, vs = k.stride(), v.stride()
+    if len(ks) != 3 or len(vs) != 3:
+        raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")
+    t = k.shape[0]
+    if t == 0:
         return
     # the plan of an earlier call with the same caches (_PLANS), else a new one; its key: what the plan
     # derives from the caches (tensor_key, read inline for plain torch tensors), headwise, the switches
@@ -127,7 +128,7 @@ def write_kv_cache(
         plan.bind(key_cache, value_cache)
     try:
         step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors=errors)
-        plan.run_step(k, v, step)
+        plan._launch_step(k, v, ks, vs, t, step, None)
     finally:
         if key is not None:
             plan.bind(None, None)  # the memo keeps no cache alive
@@ -227,12 +228,24 @@ class CacheWritePlan:
         """:meth:`run` on a step's :class:`~._launch.LaunchStep` (with ``batch_id_per_token``), derived
         once per step and shared by every layer."""
         ks, vs = k.stride(), v.stride()
-        if len(ks) != 3 or len(vs) != 3 or ks[2] != 1 or vs[2] != 1:
-            raise ValueError(
-                f"k and v must be [T, Hkv, D] with a contiguous last dim, got shapes {list(k.shape)} and "
-                f"{list(v.shape)}, strides {ks} and {vs}"
-            )
-        t = k.shape[0]
+        if len(ks) != 3 or len(vs) != 3:
+            raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")
+        self._launch_step(k, v, ks, vs, k.shape[0], step, stream)
+
+    def _launch_step(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ks: tuple,
+        vs: tuple,
+        t: int,
+        step: LaunchStep,
+        stream: int | None,
+    ) -> None:
+        """:meth:`run_step` with ``k`` / ``v``'s strides ``ks`` / ``vs`` (3-D) and rows ``t`` read by the
+        caller."""
+        if ks[2] != 1 or vs[2] != 1:
+            raise ValueError(f"k and v need a contiguous last dim, got strides {ks} and {vs}")
         if t == 0:
             return
         if step.bid is None:

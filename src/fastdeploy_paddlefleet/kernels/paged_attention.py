@@ -269,7 +269,7 @@ def paged_attention(
         return plan._launch_step(q, qs, t, step, out, ost, False, num_splits, None)
     finally:
         # portable TMA descriptors (a tuning config) are built over views of the caches: not kept
-        if key is not None and plan.prefill_desc is None and plan.decode_desc is None:
+        if key is not None and plan.memo_ok:
             plan.bind(None, None)  # the memo keeps no cache alive
             _PLANS.give(key, plan, sinks, slot)
 
@@ -402,6 +402,8 @@ class AttentionPlan:
         #: the kernels' trailing scalars, and their TMA descriptor arguments (None: no TMA)
         self.scalars = (self.qk_scale, self.window, self.win_h0, self.win_h1)
         pd, dd = self.prefill_desc, self.decode_desc
+        #: a one-shot memo may keep the plan: no portable TMA descriptors (a tuning config) over the caches
+        self.memo_ok = pd is None and dd is None
         self.descs = (pd[0], pd[1]) if pd is not None else (None, None)
         self.ddescs = (dd[0], dd[1]) if dd is not None else (None, None)
         # the caches' and sinks' addresses: what a direct launch passes (kernels/_launch.py)
