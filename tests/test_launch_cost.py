@@ -700,3 +700,37 @@ def test_plan_memo_takes_gives_and_drops_the_least_recently_taken():
     assert len(memo) == 0 and memo.take(("c",)) == (None, None)  # the last-key path does not outlive clear
     with pytest.raises(TypeError):
         memo.take((["unhashable"],))
+
+
+def test_one_shot_plan_is_rebuilt_when_an_environment_switch_changes(fresh_memos, monkeypatch):
+    """The switches a plan reads when built (FDFLEET_PREFILL_KERNEL, direct launches, our launcher) are
+    in both memo keys, read on every call: a changed value builds new plans, the same value again
+    finds them."""
+    s = make_step(REQS, seed=8, **SMALL)
+    monkeypatch.delenv("FDFLEET_PREFILL_KERNEL", raising=False)
+    for _ in range(2):
+        _assert_dense(s, _write_and_attend(s, scale=0.25), scale=0.25)
+    assert fresh_memos == {"attend": 1, "write": 1}
+    monkeypatch.setenv("FDFLEET_PREFILL_KERNEL", "portable")
+    for _ in range(2):
+        _assert_dense(s, _write_and_attend(s, scale=0.25), scale=0.25)
+    assert fresh_memos == {"attend": 2, "write": 2}
+    monkeypatch.setenv("FDFLEET_DIRECT_LAUNCH", "off")
+    _assert_dense(s, _write_and_attend(s, scale=0.25), scale=0.25)
+    assert fresh_memos == {"attend": 3, "write": 3}
+
+
+def test_raw_reader_follows_the_environment_and_a_replaced_mapping(monkeypatch):
+    import os
+
+    from fastdeploy_paddlefleet import envs
+
+    names = ("FDFLEET_TEST_A", "FDFLEET_TEST_B", "FDFLEET_TEST_C")
+    three, one = envs.raw_reader(*names), envs.raw_reader(names[0])
+    for n in names:
+        monkeypatch.delenv(n, raising=False)
+    assert three() == (None, None, None) == envs.raw_values(*names) and one() == (None,)
+    monkeypatch.setenv("FDFLEET_TEST_B", "x")
+    assert three() == envs.raw_values(*names) and three()[1] in ("x", b"x") and three()[0] is None
+    monkeypatch.setattr(os, "environ", {"FDFLEET_TEST_A": "y"})  # another mapping: read by name
+    assert three() == ("y", None, None) and one() == ("y",)

@@ -372,7 +372,7 @@ class TritonBackend(AttentionBackend):
         launch, headwise = lt
         kc, vc = kv_cache
         plan = self._plans.get((id(layer), id(kc), id(vc), headwise, q.dtype))
-        if (  # stale (_LayerPlan.stale, inlined): caches moved, other sinks, sinks written in place
+        if (  # a stale plan (_LayerPlan): caches moved, other sinks, sinks written in place
             plan is None
             or sinks is not plan.sinks
             or (sinks is not None and tensor_version(sinks) != plan.sinks_version)
