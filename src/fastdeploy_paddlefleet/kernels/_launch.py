@@ -213,17 +213,24 @@ class LaunchStep:
         if len(st) != 2:
             raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
         err = errors if errors is not None else block_tables  # any pointer when there is no flag
-        self.cu, self.dec, self.table, self.bid, self.errors, self.err_arg = (
-            cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors, err,
-        )  # fmt: skip
-        self.max_q_len, self.max_context_len = max_q_len, max_context_len
+        # one store per attribute (a tuple-unpacking store costs more: this runs per one-shot call)
+        self.cu = cu_seqlens_q
+        self.dec = seq_lens_decoder
+        self.table = block_tables
+        self.bid = batch_id_per_token
+        self.errors = errors
+        self.err_arg = err
+        self.max_q_len = max_q_len
+        self.max_context_len = max_context_len
         self.num_reqs = cu_seqlens_q.shape[0] - 1
-        self.n_blk, self.stride_tbl = block_tables.shape[1], st[0]
+        self.n_blk = block_tables.shape[1]
+        self.stride_tbl = st[0]
         #: addresses of cu_seqlens_q, seq_lens_decoder, block_tables, the error flag (or the table);
         #: ``bid_ptr``: batch_id_per_token's (0 without). What a direct launch passes.
-        p0, p1, p2, p3 = (
-            cu_seqlens_q.data_ptr(), seq_lens_decoder.data_ptr(), block_tables.data_ptr(), err.data_ptr()
-        )  # fmt: skip
+        p0 = cu_seqlens_q.data_ptr()
+        p1 = seq_lens_decoder.data_ptr()
+        p2 = block_tables.data_ptr()
+        p3 = err.data_ptr()
         self.ptrs = (p0, p1, p2, p3)
         # every tensor on a GPU (getattr: paddle tensors, never launched directly, may lack is_cuda)
         on_gpu = (
