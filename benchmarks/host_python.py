@@ -31,6 +31,7 @@ Prints one JSON line per case (``{"kind": "host-python", "case", "us", "us_min",
 Usage::
 
     python benchmarks/host_python.py [--out FILE.jsonl] [--calls N] [--repeats R] [--device cpu|cuda]
+                                     [--cases a,b] [--tag KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
 if SRC not in sys.path:
     sys.path.insert(0, SRC)
+if HERE not in sys.path:  # also when loaded by file path (the tests)
+    sys.path.insert(0, HERE)
+from _outputs import choose, parse_tags  # noqa: E402
 
 HQ, HKV, D, BS = 4, 2, 64, 64
 CASES = (
@@ -298,15 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed loops per case (default: %(default)s)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     ap.add_argument("--cases", default=",".join(CASES), help="comma list (default: all)")
+    ap.add_argument("--tag", action="append", default=[], help="KEY=VALUE added to every record")
     a = ap.parse_args(argv)
     if a.calls < 1 or a.repeats < 1:
         ap.error("--calls and --repeats must be >= 1")
     if a.out is not None and not a.out.endswith(".jsonl"):
         ap.error(f"--out {a.out!r} must name a .jsonl file")
-    names = [c for c in a.cases.split(",") if c]
-    unknown = sorted(set(names) - set(CASES))
-    if unknown:
-        ap.error(f"unknown --cases {unknown}; known: {', '.join(CASES)}")
+    try:
+        names = choose(a.cases, CASES, "--cases")
+        tags = parse_tags(a.tag)
+    except ValueError as e:
+        ap.error(str(e))
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         with gpu_like_tensors(device == "cpu"):
             for name in names:
                 fn = cases[name]
-                rec = {"kind": "host-python", "case": name, "device": device}
+                rec = {"kind": "host-python", "case": name, "device": device, **tags}
                 try:
                     if not name.startswith(("torch-", "new_")):
                         rec["direct_launches"] = direct_launches(fn, stub)

@@ -41,7 +41,8 @@ def test_host_python_benchmark_runs_every_case_on_the_direct_path(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("triton")
     out = tmp_path / "host.jsonl"
-    proc = _run("--device", "cpu", "--calls", "20", "--repeats", "2", "--out", str(out), tmp_path=tmp_path)
+    args = ["--device", "cpu", "--calls", "20", "--repeats", "2", "--out", str(out), "--tag", "call=3"]
+    proc = _run(*args, tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [json.loads(line) for line in out.read_text().splitlines()] == printed
@@ -49,13 +50,13 @@ def test_host_python_benchmark_runs_every_case_on_the_direct_path(tmp_path):
     assert set(rows) == {"torch-add_", "torch-empty", "new_empty", *LAUNCHES}
     for case, row in rows.items():
         assert "error" not in row and row["us"] > 0 and row["us_min"] <= row["us"], row
-        assert row["kind"] == "host-python" and row["device"] == "cpu"
+        assert row["kind"] == "host-python" and row["device"] == "cpu" and row["call"] == 3
         assert row["calls"] == (2 if case.startswith("backend-step") else 20)
         assert row.get("direct_launches") == LAUNCHES.get(case), row
 
 
 def test_host_python_benchmark_refuses_bad_arguments(tmp_path):
-    for args in (["--cases", "nope"], ["--calls", "0"], ["--out", "x.json"]):
+    for args in (["--cases", "nope"], ["--calls", "0"], ["--out", "x.json"], ["--tag", "novalue"]):
         proc = _run(*args, tmp_path=tmp_path)
         assert proc.returncode == 2, (args, proc.stderr[-500:])
         assert args[0] in proc.stderr
