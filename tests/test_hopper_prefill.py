@@ -271,6 +271,32 @@ def test_tiles_fit_shared_memory():
             assert hp.smem_bytes(*dims, *tiles) == kb[dims] * 1024
     with pytest.raises(ValueError, match="512/512"):
         hp.tile_for(512, 512)
+    # the default tiles leave room for the output's 16-byte stores (one consumer's 64 x Dv rows)
+    for dims, tiles in want.items():
+        assert hp.smem_bytes(*dims, *tiles) + hp.store_scratch_bytes(dims[1]) <= hp.SMEM_LIMIT, dims
+    assert hp.store_scratch_bytes(128) == 16 * 1024 and hp.store_scratch_bytes(256) == 32 * 1024
+
+
+@pytest.mark.skipif(not hp.gluon_available(), reason="needs triton.experimental.gluon (descriptors)")
+def test_plan_stores_output_rows_where_shared_memory_allows():
+    """``o_vec`` holds where its conversion fits beside the tiles; tuning tiles that fill shared memory
+    (a third 128-key stage with one Q buffer: 224 KB) store from the wgmma layout instead (compiling the
+    conversion there ran out of shared memory on the H200)."""
+    kw = dict(
+        qk_scale=0.1, sink_mode=0, headwise=False, has_window=False, window=0, win_h0=0, win_h1=4, num_ctas=4
+    )
+    kc = torch.zeros(2, 4, 64, 128, dtype=torch.bfloat16)
+    assert hp.HopperPlan(kc, kc, 8, None, **kw).consts["O_VEC"] is True
+    assert hp.HopperPlan(kc, kc, 8, None, q_bufs=1, num_stages=3, **kw).consts["O_VEC"] is False
+    assert hp.HopperPlan(kc, kc, 8, None, o_vec=False, **kw).consts["O_VEC"] is False
+    k192, v128 = (
+        torch.zeros(2, 4, 64, 192, dtype=torch.bfloat16),
+        torch.zeros(2, 4, 64, 128, dtype=torch.bfloat16),
+    )
+    assert hp.HopperPlan(k192, v128, 4, None, **kw).consts["O_VEC"] is True  # 208 + 16 KB
+    assert (
+        hp.HopperPlan(k192, v128, 4, None, block_n=64, q_bufs=2, num_stages=3, **kw).consts["O_VEC"] is False
+    )
 
 
 def test_prefill_kernel_env_switch_parses_strictly(monkeypatch):

@@ -105,6 +105,12 @@ def smem_bytes(dqk: int, dv: int, block_n: int, q_bufs: int, num_stages: int, el
     return elem * (q_bufs * 2 * BLOCK_M * dqk + num_stages * block_n * (dqk + dv))
 
 
+def store_scratch_bytes(dv: int, elem: int = 2) -> int:
+    """Shared memory the output's layout conversion takes (``HopperPlan(o_vec=True)``): one consumer's
+    ``[BLOCK_M, dv]`` rows (measured from the compiled kernels: +16 KB at dv 128, +32 KB at 256)."""
+    return BLOCK_M * dv * elem
+
+
 def tile_for(dqk: int, dv: int, elem: int = 2) -> tuple[int, int, int]:
     """``(block_n, q_bufs, num_stages)``: the largest key tile, then a double-buffered Q, that fit in
     shared memory with a 2-stage K/V ring (128/128: 128 keys, 2 Q buffers, 192 KB; MLA's 192/128:
@@ -771,8 +777,9 @@ class HopperPlan:
     same-call cases over two calls; ``False``: round robin). ``consumer_regs`` / ``producer_regs``: the
     ``setmaxnreg`` split (``2 * 128 * consumer + 128 * producer <= 65536``). ``q_async`` (default): Q
     copied by ``cp.async`` (:func:`_load_q`; ``False``: plain loads through the producer's registers).
-    ``o_vec`` (default): the output converted (through shared memory) to a layout of 16-byte row segments
-    before its store; ``False``: stored from the wgmma layout, 4 bytes per store (clock stamps on the H200
+    ``o_vec`` (default): the output converted (through shared memory, :func:`store_scratch_bytes`; tiles that
+    leave no room for it store as with ``False``) to a layout of 16-byte row segments before its store;
+    ``False``: stored from the wgmma layout, 4 bytes per store (clock stamps on the H200
     put that epilogue at ~2.5 us per work item, against ~1.8 us per 128-key tile)."""
 
     def __init__(
@@ -831,6 +838,8 @@ class HopperPlan:
                 f"consumer_regs {consumer_regs} / producer_regs {producer_regs}: multiples of 8 in [24, 256] "
                 "whose 2 x 128 + 128 threads fit the 65536 registers of an SM"
             )
+        # the output's 16-byte stores need room for their layout conversion; without it, the 4-byte ones
+        o_vec = o_vec and need + store_scratch_bytes(dv, key_cache.element_size()) <= SMEM_LIMIT
         box = min(block_n, bs)
         qkc = dqk if dqk & (dqk - 1) == 0 else CHUNK  # Q / K smem parts: powers of two (192 = 3 x 64)
         self.tile_q = 2 * (block_m // gp)
@@ -933,6 +942,7 @@ __all__ = [
     "HopperPlan",
     "block_n_for",
     "smem_bytes",
+    "store_scratch_bytes",
     "tile_for",
     "choose_prefill_impl",
     "gluon_available",
