@@ -226,7 +226,8 @@ class CacheWritePlan:
         stream: int | None = None,
     ) -> None:
         """:meth:`run` on a step's :class:`~._launch.LaunchStep` (with ``batch_id_per_token``), derived
-        once per step and shared by every layer."""
+        once per step and shared by every layer: ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` with a
+        contiguous last dim (``ValueError`` otherwise)."""
         ks, vs = k.stride(), v.stride()
         if len(ks) != 3 or len(vs) != 3:
             raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")

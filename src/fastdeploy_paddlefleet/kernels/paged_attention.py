@@ -478,7 +478,8 @@ class AttentionPlan:
         stream: int | None = None,
     ) -> torch.Tensor:
         """:meth:`run` on a step's :class:`~._launch.LaunchStep` (derived once per step, shared by every
-        layer). ``flat``: a new output is ``[T, Hq * Dv]`` (the backend's shape; no view per call),
+        layer). ``q [T, Hq, Dqk]`` in the plan's dtype (``ValueError`` otherwise: kept kernels are keyed
+        without it). ``flat``: a new output is ``[T, Hq * Dv]`` (the backend's shape; no view per call),
         else ``[T, Hq, Dv]``; a given ``out`` is ``[T, Hq, Dv]``."""
         qs = q.stride()
         if qs[2] != 1:
