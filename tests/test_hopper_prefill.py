@@ -361,3 +361,44 @@ def test_plan_schedule_options_and_register_split():
     for regs in (dict(consumer_regs=248), dict(consumer_regs=236), dict(producer_regs=16)):
         with pytest.raises(ValueError, match="consumer_regs"):
             hp.HopperPlan(kc, kc, 8, None, **regs, **kw)
+
+
+@pytest.mark.skipif(not hp.gluon_available(), reason="needs triton.experimental.gluon (descriptors)")
+def test_plan_loads_unaligned_queries_without_cp_async():
+    """A query view that starts off a 16-byte boundary (or whose strides Triton cannot prove 16-divisible)
+    launches with plain Q loads: ``cp.async`` copies 16 bytes (a misaligned view failed on the H200,
+    ``test_gpu_misaligned_views_take_tritons_path_and_stay_right``); aligned ones keep ``cp.async``."""
+
+    class Recorder:  # stands in for a KernelCache: nothing kept, every launch through Triton's path
+        addresses = True
+
+        def __init__(self):
+            self.consts = []
+
+        def kernel(self, key):
+            return None
+
+        def launch(self, fn, key, grid, args, consts, stream):
+            self.consts.append(consts)
+
+    kw = dict(
+        qk_scale=0.1, sink_mode=0, headwise=False, has_window=False, window=0, win_h0=0, win_h1=4, num_ctas=4
+    )
+    kc = torch.zeros(4, 4, 64, 128, dtype=torch.bfloat16)
+    plan = hp.HopperPlan(kc, kc, 8, None, **kw)
+    cu, dec, tbl = (
+        torch.tensor([0, 8], dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(1, 2),
+    )
+    out = torch.zeros(8, 8, 128, dtype=torch.bfloat16)
+    aligned = torch.zeros(8, 8, 128, dtype=torch.bfloat16)
+    shifted = torch.zeros(8 * 8 * 128 + 1, dtype=torch.bfloat16)[1:].view(8, 8, 128)
+    wide = torch.zeros(8, 8, 144, dtype=torch.bfloat16)[:, :, :128]  # strides 1152 / 144: 16-divisible
+    rec = Recorder()
+    for q in (aligned, shifted, wide):
+        plan.run(q, out, cu, dec, tbl.int(), None, rec, None, None, None)
+    assert [c["Q_ASYNC"] for c in rec.consts] == [True, False, True]
+    wide2 = torch.zeros(8, 8, 136, dtype=torch.bfloat16)[:, :, :128]  # strides 1088 / 136: not
+    plan.run(wide2, out, cu, dec, tbl.int(), None, rec, None, None, None)
+    assert rec.consts[-1]["Q_ASYNC"] is False

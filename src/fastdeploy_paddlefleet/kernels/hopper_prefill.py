@@ -860,6 +860,10 @@ class HopperPlan:
             PRODUCER_REGS=int(producer_regs), CONSUMER_REGS=int(consumer_regs), num_warps=4,
         )  # fmt: skip
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
+        # Q by cp.async takes 16-byte copies: Triton proves their alignment from the pointer and the
+        # strides it specialises on (divisible by 16); a query that is not gets the plain loads
+        plain_q = dict(self.consts, Q_ASYNC=False)
+        self._consts_plain_q = {e: dict(HAS_ERR=e, **plain_q) for e in (False, True)}
 
     def run(
         self,
@@ -900,6 +904,8 @@ class HopperPlan:
             cu_seqlens_q, seq_lens_decoder, block_tables, errors if has_err else block_tables, *tail,
         )  # fmt: skip
         consts = self._consts[has_err]
+        if consts["Q_ASYNC"] and (q.data_ptr() % 16 or q.stride(0) % 16 or q.stride(1) % 16):
+            consts = self._consts_plain_q[has_err]
         if kernels is None:
             _hopper_prefill_kernel[grid](*args, **consts)
         else:
