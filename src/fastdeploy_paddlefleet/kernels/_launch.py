@@ -33,6 +33,7 @@ import os
 from typing import Any
 
 from .. import envs
+from . import _framework
 from ._framework import is_torch
 
 logger = logging.getLogger(__name__)
@@ -282,6 +283,20 @@ def tensor_key(x: Any) -> tuple:
 _read_switches = envs.raw_reader("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER")
 
 
+_TORCH_TENSOR = _framework.torch.Tensor if _framework.torch is not None else None  # exact type, inline keys
+
+
+def caches_key(kc: Any, vc: Any) -> tuple:
+    """:func:`tensor_key` of both caches of a one-shot call, read inline for plain torch tensors (the
+    wrappers' memo keys: a call per field costs more than the rest of the key)."""
+    if type(kc) is _TORCH_TENSOR and type(vc) is _TORCH_TENSOR:
+        return (
+            kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
+            vc.data_ptr(), vc.shape, vc.stride(), vc.dtype, vc.device,
+        )  # fmt: skip
+    return (tensor_key(kc), tensor_key(vc))  # paddle (list shapes), torch subclasses
+
+
 def switches_key() -> tuple:
     """What a plan reads from the environment and this module when it is built (``FDFLEET_PREFILL_KERNEL``,
     direct launches, addresses), unparsed: part of a memoised plan's key, so a changed switch builds
@@ -366,6 +381,7 @@ __all__ = [
     "OWN_LAUNCHER",
     "direct_wanted",
     "own_wanted",
+    "caches_key",
     "switches_key",
     "tensor_key",
     "tensor_version",

@@ -15,10 +15,8 @@ import triton
 import triton.language as tl
 
 from ._framework import is_torch, torch
-from ._launch import KernelCache, LaunchStep, PlanMemo, switches_key, tensor_key
+from ._launch import KernelCache, LaunchStep, PlanMemo, caches_key, switches_key
 from .errors import KERNEL_CACHE_WRITE, check_entries
-
-_Tensor = torch.Tensor if torch is not None else None  # the exact type whose key is read inline
 
 
 @triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "num_reqs"])
@@ -108,16 +106,8 @@ def write_kv_cache(
     if t == 0:
         return
     # the plan of an earlier call with the same caches (_PLANS), else a new one; its key: what the plan
-    # derives from the caches (tensor_key, read inline for plain torch tensors), headwise, the switches
-    kc, vc = key_cache, value_cache
-    if type(kc) is _Tensor and type(vc) is _Tensor:
-        caches = (
-            kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
-            vc.data_ptr(), vc.shape, vc.stride(), vc.dtype, vc.device,
-        )  # fmt: skip
-    else:  # paddle (list shapes), torch subclasses
-        caches = (tensor_key(kc), tensor_key(vc))
-    key = (caches, headwise, switches_key())
+    # derives from the caches (caches_key), headwise, the switches
+    key = (caches_key(key_cache, value_cache), headwise, switches_key())
     try:
         plan, slot = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo

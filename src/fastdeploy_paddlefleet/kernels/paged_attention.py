@@ -31,12 +31,11 @@ import os
 from dataclasses import dataclass
 
 from ._framework import empty, is_torch, num_sms, to_float32, torch
-from ._launch import KernelCache, LaunchStep, PlanMemo, switches_key, tensor_key, tensor_version
+from ._launch import KernelCache, LaunchStep, PlanMemo, caches_key, switches_key, tensor_version
 from .attention_kernels import _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl
 from .split_kv_reduce import split_kv_reduce
 
-_Tensor = torch.Tensor if torch is not None else None  # the exact type whose key is read inline
 LOG2E = 1.4426950408889634
 SINK_MODES = {"vanilla": 0, "learnable": 1, "off-by-one": 2}
 #: how the portable kernels find the first bad table entry: True, the key loop carries the smallest bad
@@ -224,20 +223,11 @@ def paged_attention(
                 f"{list(out.shape)}"
             )
     # the plan of an earlier call with the same setup (_PLANS), else a new one. Its key: what the plan
-    # derives from the caches (tensor_key: address, shape, strides, dtype, device; read inline for
-    # plain torch tensors), q's heads, dims, dtype and device, every scalar and flag, the sinks tensor
-    # (identity, in-place version, address), the environment switches and the module settings a plan
-    # reads (tests, benchmarks)
-    kc, vc = key_cache, value_cache
-    if type(kc) is _Tensor and type(vc) is _Tensor:
-        key = (
-            kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
-            vc.data_ptr(), vc.shape, vc.stride(), vc.dtype, vc.device,
-        )  # fmt: skip
-    else:  # paddle (list shapes), torch subclasses
-        key = (tensor_key(kc), tensor_key(vc))
+    # derives from the caches (caches_key: address, shape, strides, dtype, device), q's heads, dims,
+    # dtype and device, every scalar and flag, the sinks tensor (identity, in-place version, address),
+    # the environment switches and the module settings a plan reads (tests, benchmarks)
     key = (
-        key, qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
+        caches_key(key_cache, value_cache), qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
         None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
