@@ -888,8 +888,9 @@ class HopperPlan:
         num_reqs = cu_seqlens_q.shape[0] - 1
         n_items = (t // self.tile_q + num_reqs) * self.hkv  # (query tile, kv head) ids, some past the end
         grid = (max(1, min(n_items, self.ctas)),)
+        qs = q.stride()
         tail = (
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), self.value_cache.stride(2),
+            qs[0], qs[1], out.stride(0), out.stride(1), self.value_cache.stride(2),
             block_tables.stride(0), block_tables.shape[1], self.n_pages, t, num_reqs, 2, *self.scalars,
             n_items,
         )  # fmt: skip
@@ -904,7 +905,7 @@ class HopperPlan:
             cu_seqlens_q, seq_lens_decoder, block_tables, errors if has_err else block_tables, *tail,
         )  # fmt: skip
         consts = self._consts[has_err]
-        if consts["Q_ASYNC"] and (q.data_ptr() % 16 or q.stride(0) % 16 or q.stride(1) % 16):
+        if consts["Q_ASYNC"] and (q.data_ptr() % 16 or qs[0] % 16 or qs[1] % 16):
             consts = self._consts_plain_q[has_err]
         if kernels is None:
             _hopper_prefill_kernel[grid](*args, **consts)
