@@ -65,7 +65,11 @@ CASES = (
     "backend-layer-served-prefill",
     "backend-step-served",
     "backend-step-served-checked",
+    "backend-layer-paddle-views",
+    "backend-layer-paddle-lane",
 )
+#: cases on paddle tensors (torch installed): skipped where paddle is not (the GPU machine)
+PADDLE_CASES = ("backend-layer-paddle-views", "backend-layer-paddle-lane")
 STEP_LAYERS = 8  # layers per step of the backend-step cases
 
 
@@ -127,10 +131,28 @@ def gpu_like_tensors(on: bool):
     if "is_cuda" in torch.Tensor.__dict__:
         raise RuntimeError("torch.Tensor.is_cuda is already overridden")
     torch.Tensor.is_cuda = property(lambda self: True)
+    paddle = _paddle()
+    if paddle is not None:  # paddle's is_cuda is a property of its Tensor class: swapped, then restored
+        from fastdeploy_paddlefleet.kernels import _framework as fw
+
+        paddle_is_cuda, reader = paddle.Tensor.__dict__["is_cuda"], fw.paddle_stream_reader
+        paddle.Tensor.is_cuda = property(lambda self: True)
+        fw.paddle_stream_reader = lambda index: lambda: 0  # a CPU build has no CUDA stream to read
     try:
         yield
     finally:
         del torch.Tensor.is_cuda
+        if paddle is not None:
+            paddle.Tensor.is_cuda, fw.paddle_stream_reader = paddle_is_cuda, reader
+
+
+def _paddle():
+    """paddle, or ``None`` where it is not installed."""
+    try:
+        import paddle
+    except ImportError:
+        return None
+    return paddle
 
 
 def build_cases(device: str) -> dict:
@@ -230,7 +252,35 @@ def build_cases(device: str) -> dict:
 
         return run
 
-    return {
+    cases = {}
+    paddle = _paddle()
+    if (
+        paddle is not None and device == "cpu"
+    ):  # FastDeploy's tensors beside torch (the backend's paddle lane)
+
+        class ViewsOnly(TritonBackend):
+            """The backend as before the lane: paddle tensors always cross by DLPack views."""
+
+            def _run_paddle_kept(self, *args):
+                return None
+
+        def to_paddle(x):
+            return paddle.to_tensor(x.numpy()) if isinstance(x, torch.Tensor) else x
+
+        pd = {n: to_paddle(d[n]) for n in ("q", "k", "v", "kc", "vc")}
+        pmeta = BatchMeta(**{n: to_paddle(x) for n, x in meta_fields.items()})
+        pkv_ = (pd["kc"], pd["vc"])
+        views, lane = (
+            ViewsOnly(validate=False, host_checks=False),
+            TritonBackend(validate=False, host_checks=False),
+        )
+        cases["backend-layer-paddle-views"] = lambda: views.forward(
+            pd["q"], pd["k"], pd["v"], layer, pmeta, pkv_
+        )
+        cases["backend-layer-paddle-lane"] = lambda: lane.forward(
+            pd["q"], pd["k"], pd["v"], layer, pmeta, pkv_
+        )
+    return cases | {
         "torch-add_": lambda: add_x.add_(1),
         "torch-empty": lambda: torch.empty(empty_shape, dtype=dtype, device=device),
         "new_empty": lambda: d["q"].new_empty(empty_shape),
@@ -327,8 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with gpu_like_tensors(device == "cpu"):
             for name in names:
-                fn = cases[name]
                 rec = {"kind": "host-python", "case": name, "device": device, **tags}
+                fn = cases.get(name)
+                if fn is None:  # a paddle case without paddle (or on a GPU: no paddle there)
+                    rec["skipped"] = "needs paddle on the CPU"
+                    line = json.dumps(rec)
+                    print(line, flush=True)
+                    if fh is not None:
+                        fh.write(line + "\n")
+                    continue
                 try:
                     if not name.startswith(("torch-", "new_")):
                         rec["direct_launches"] = direct_launches(fn, stub)

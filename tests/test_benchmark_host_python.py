@@ -22,6 +22,8 @@ LAUNCHES = {  # kept kernels per call: the one-shot wrappers one launch, a serve
     "backend-layer-served-prefill": 2,
     "backend-step-served": 16,  # a call: a step of 8 layers
     "backend-step-served-checked": 16,
+    "backend-layer-paddle-views": 2,  # paddle tensors (needs paddle): DLPack views, then the lane
+    "backend-layer-paddle-lane": 2,
 }
 
 
@@ -49,10 +51,21 @@ def test_host_python_benchmark_runs_every_case_on_the_direct_path(tmp_path):
     rows = {r["case"]: r for r in printed}
     assert set(rows) == {"torch-add_", "torch-empty", "new_empty", *LAUNCHES}
     for case, row in rows.items():
+        if "skipped" in row:  # only the paddle cases, and only without paddle
+            assert "paddle" in case and not _has_paddle(), row
+            continue
         assert "error" not in row and row["us"] > 0 and row["us_min"] <= row["us"], row
         assert row["kind"] == "host-python" and row["device"] == "cpu" and row["call"] == 3
         assert row["calls"] == (2 if case.startswith("backend-step") else 20)
         assert row.get("direct_launches") == LAUNCHES.get(case), row
+
+
+def _has_paddle() -> bool:
+    try:
+        import paddle  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def test_host_python_benchmark_refuses_bad_arguments(tmp_path):

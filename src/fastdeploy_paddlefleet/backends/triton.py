@@ -7,7 +7,12 @@ the way FastDeploy runs Triton on paddle tensors (``kernels/_framework.py``):
 * torch tensors go straight to the kernels;
 * paddle tensors with torch installed cross by DLPack (zero-copy, so cache writes land in the
   caller's cache) and the kernels launch on *Paddle's* current CUDA stream (ordered with Paddle's
-  work, recorded by a CUDA graph Paddle captures); the output goes back to paddle;
+  work, recorded by a CUDA graph Paddle captures); the output goes back to paddle. That crossing
+  costs ~40-50 us of host per layer (three ``torch.from_dlpack`` and one ``paddle`` import of the
+  output), so once a layer's kernels are compiled and kept for a step's shapes, the *paddle lane*
+  (:meth:`TritonBackend._run_paddle_kept`) launches them by addresses read from the paddle tensors
+  themselves, into an output Paddle allocates, on Paddle's stream: the same kernels with the same
+  arguments, no crossing (:data:`PADDLE_LANE`);
 * paddle tensors without torch (a FastDeploy deployment) go straight to the kernels, with Triton
   on Paddle's torch proxy (``paddle.enable_compat(scope={"triton"})``).
 
@@ -57,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = ("float16", "bfloat16", "float32")
 _Tensor = fw.torch.Tensor if fw.torch is not None else None  # the exact type (is_torch without a call)
+
+#: paddle tensors with torch installed launch kept kernels by addresses, without DLPack views (module
+#: docstring); ``False``: always through the views (tests compare the two). Read per call.
+PADDLE_LANE = True
 
 
 def _to_torch(x: Any, device: Any = None, int32: bool = False) -> Any:
@@ -108,6 +117,22 @@ def _capturing(x: Any) -> bool:
         return bool(core.is_cuda_graph_capturing())
     except (ImportError, AttributeError):
         return False
+
+
+class _PaddleDtypes(dict):
+    """Paddle dtype -> the torch dtype of the same name (the lane's plan and kernel keys are torch's);
+    filled for the backend's dtypes on the first lookup (paddle and torch imported then), ``None``
+    for any other."""
+
+    def __missing__(self, key: Any) -> Any:
+        if not self:
+            import paddle
+
+            for name in _DTYPES:
+                self[getattr(paddle, name)] = getattr(fw.torch, name)
+            if key in self:
+                return self[key]
+        return None
 
 
 _MAX_PLANS = 4096
@@ -269,6 +294,11 @@ class TritonBackend(AttentionBackend):
         self._monitors: dict[Any, Any] = {}  # (framework, device) -> KernelErrorMonitor
         self._plans: dict[Any, _LayerPlan] = {}  # (layer, caches, headwise, dtype) -> launch plans
         self._checked: dict[tuple, tuple] = {}  # layer setups validate_shapes passed (served checks)
+        # the paddle lane (_run_paddle_kept): paddle dtype -> torch dtype, stream readers per device,
+        # Paddle's allocation; set up on first use
+        self._paddle_dtypes: dict[Any, Any] = _PaddleDtypes()
+        self._paddle_streams: dict[int | None, Any] = {}
+        self._paddle_alloc: Any = None
 
     def error_flag(self, like: Any) -> Any:
         """The device error flag (``int32 [8]``, ``kernels/errors.py``) for ``like``'s framework and
@@ -336,6 +366,10 @@ class TritonBackend(AttentionBackend):
         if type(q) is _Tensor or is_torch(q):
             return self._run(q, k, v, layer, meta, kv_cache, sinks, True, fields)
         if fw.torch is not None:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
+            if PADDLE_LANE:  # the kernels this call needs compiled and kept: launched without the views
+                out = self._run_paddle_kept(q, k, v, layer, meta, kv_cache, sinks, fields)
+                if out is not None:
+                    return out
             tq = _to_torch(q)
             dev = tq.device
             tk, tv = _to_torch(k, dev), _to_torch(v, dev)
@@ -383,6 +417,68 @@ class TritonBackend(AttentionBackend):
         stream = plan.kernels.stream() if plan.direct else None
         plan.write.run_step(k, v, launch, stream=stream)
         return plan.attend.run_step(q, launch, flat=True, stream=stream)
+
+    def _run_paddle_kept(self, q, k, v, layer, meta, kv_cache, sinks, fields) -> Any:
+        """The paddle lane: ``forward`` on paddle tensors (torch installed) without DLPack views, where
+        a call through the views has already built this layer's plans on this step's state and every
+        kernel the call needs is compiled and kept for its shapes (any other call, e.g. a step's first
+        layer, a new token count or a CPU tensor, returns ``None`` and goes through the views, which
+        compile and keep). Reads q / k / v's strides and addresses from paddle, allocates the
+        ``[T, Hq * Dv]`` output with Paddle and launches on Paddle's current stream of q's device, so
+        the kernels get the arguments the views would give them. Returns the output or ``None``."""
+        step = meta.__dict__.get(_STEP_ATTR)
+        if (
+            step is None
+            or step.backend is not self
+            or not step.torch_views
+            or (step.fields is not fields and not _same_step(step.fields, meta))
+        ):
+            return None
+        lt = step.plain
+        if lt is None:
+            lt = step.layers.get(layer.index)
+            if lt is None:
+                return None
+        launch, headwise = lt
+        tdt = self._paddle_dtypes[q.dtype]
+        kc, vc = kv_cache
+        plan = self._plans.get((id(layer), id(kc), id(vc), headwise, tdt))
+        if (  # as _run: no plan yet, or a stale one; and what a direct launch needs of the step and caches
+            plan is None
+            or not plan.direct
+            or not launch.direct_ok
+            or sinks is not plan.sinks
+            or (sinks is not None and tensor_version(sinks) != plan.sinks_version)
+            or kc.data_ptr() != plan.ptrs[0]
+            or vc.data_ptr() != plan.ptrs[1]
+            or not (q.is_cuda and k.is_cuda and v.is_cuda)
+        ):
+            return None
+        write, attend = plan.write, plan.attend
+        if not (write.static_aligned and attend.static_aligned):
+            return None
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+        if len(qs) != 3 or len(ks) != 3 or len(vs) != 3 or qs[2] != 1 or ks[2] != 1 or vs[2] != 1:
+            return None  # the views' path names the bad shape
+        t, tk = q.shape[0], k.shape[0]
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (qp | kp | vp) & 15 or t == 0 or tk == 0 or launch.num_reqs <= 0:
+            return None
+        index = attend.kernels.device_index
+        read_stream = self._paddle_streams.get(index)
+        if read_stream is None:
+            read_stream = self._paddle_streams[index] = fw.paddle_stream_reader(index)
+        stream = read_stream()
+        pdt = self._paddle_dtypes
+        if not write.launch_kept(kp, vp, ks, vs, pdt[k.dtype], pdt[v.dtype], tk, launch, stream):
+            return None
+        if self._paddle_alloc is None:
+            self._paddle_alloc = fw.paddle_empty()
+        out = self._paddle_alloc([t, attend.hqdv], q.dtype, q.place)
+        op = out.data_ptr()
+        if op & 15 or not attend.launch_kept(q, qp, qs, t, op, attend.out_strides, launch, None, stream):
+            return None  # the views' path launches both again (the write stores the same values)
+        return out
 
     def _new_plan(self, q, layer, kv_cache, sinks, headwise, torch_views) -> _LayerPlan:
         """Check the layer against the backend and the caches, and derive its launch plans (once per

@@ -11,6 +11,9 @@ table does not cover) is never written through, and is recorded in the error fla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import triton
 import triton.language as tl
 
@@ -246,26 +249,48 @@ class CacheWritePlan:
         if cache.direct and step.direct_ok and self.static_aligned and k.is_cuda and v.is_cuda:
             kp, vp = k.data_ptr(), v.data_ptr()
             if not (kp | vp) & 15:  # else Triton's path: it specialises on alignment
-                key = (ks, vs, k.dtype, v.dtype, step.sig)
                 if stream is None:
                     stream = cache.stream()
+                kdt, vdt = k.dtype, v.dtype
+                if self.launch_kept(kp, vp, ks, vs, kdt, vdt, t, step, stream):
+                    return
+                key = (ks[0], ks[1], vs[0], vs[1], kdt, vdt, step.sig)  # compiled and kept below
         hit = cache.kernel(key)
-        if hit is not None and cache.addresses:  # a kept kernel: addresses, one flat tuple
-            kcp, vcp = self.ptrs
-            p0, p1, p2, p3 = step.ptrs
-            c0, c1, c2, c3 = self.cache_strides
-            args = (
-                kp, vp, kcp, vcp, step.bid_ptr, p0, p1, p2, p3, ks[0], ks[1], vs[0], vs[1], c0, c1, c2, c3,
-                step.stride_tbl, step.n_blk, self.n_pages, step.num_reqs,
-            )  # fmt: skip
-            hit((t,), args, stream)
-            return
         sizes = (ks[0], ks[1], vs[0], vs[1], *self.cache_strides, step.stride_tbl, step.n_blk, self.n_pages)
         ptr_args = (
             k, v, self.key_cache, self.value_cache, step.bid, step.cu, step.dec, step.table, step.err_arg
         )  # fmt: skip
         args = (*ptr_args, *sizes, step.num_reqs)
-        if hit is not None:
+        if hit is not None and not cache.addresses:
             hit((t,), args, stream)
-        else:
+        else:  # a kernel kept already launches by addresses
             cache.launch(_write_kv_kernel, key, (t,), args, self._consts[step.errors is not None], stream)
+
+    def launch_kept(
+        self, kp: int, vp: int, ks: Sequence[int], vs: Sequence[int], kdt: Any, vdt: Any, t: int,
+        step: LaunchStep, stream: int | None,
+    ) -> bool:  # fmt: skip
+        """Launch the write by addresses if its kernel is compiled and kept (a kernel cache hit), else
+        launch nothing and return ``False``. ``kp`` / ``vp``: addresses of ``k [T, Hkv, Dqk]`` / ``v [T,
+        Hkv, Dv]`` (16-byte aligned, on the plan's GPU, contiguous last dims: the caller checked), ``ks``
+        / ``vs`` their strides, ``kdt`` / ``vdt`` their dtypes as torch names them (the kernel's key),
+        ``t`` their rows (> 0), ``step`` a direct-launch :class:`~._launch.LaunchStep` with
+        ``batch_id_per_token``. No tensor is read, so paddle tensors launch here as torch tensors do."""
+        cache = self.kernels
+        if not cache.addresses or step.bid is None:
+            return False
+        hit = cache.kernel((ks[0], ks[1], vs[0], vs[1], kdt, vdt, step.sig))
+        if hit is None:
+            return False
+        kcp, vcp = self.ptrs
+        p0, p1, p2, p3 = step.ptrs
+        c0, c1, c2, c3 = self.cache_strides
+        hit(
+            (t,),
+            (
+                kp, vp, kcp, vcp, step.bid_ptr, p0, p1, p2, p3, ks[0], ks[1], vs[0], vs[1], c0, c1, c2, c3,
+                step.stride_tbl, step.n_blk, self.n_pages, step.num_reqs,
+            ),
+            stream,
+        )  # fmt: skip
+        return True

@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 try:  # the Hopper path runs on torch tensors (Gluon's TensorDescriptor); without torch it is never chosen
     import torch
@@ -886,19 +888,22 @@ class HopperPlan:
         block_tables, errors)`` a direct launch passes (sinks / errors: any pointer when unused)."""
         t = q.shape[0]
         num_reqs = cu_seqlens_q.shape[0] - 1
+        qs = q.stride()
+        hit = kernels.kernel(key) if kernels is not None and ptrs is not None and kernels.addresses else None
+        if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.kernel)
+            qp, _, vp, op, sp, cp, dp, tp, ep = ptrs
+            self.run_kept(
+                hit, qp, vp, op, sp, cp, dp, tp, ep, qs, out.stride(), t, num_reqs, block_tables.stride(0),
+                block_tables.shape[1], stream,
+            )  # fmt: skip
+            return
         n_items = (t // self.tile_q + num_reqs) * self.hkv  # (query tile, kv head) ids, some past the end
         grid = (max(1, min(n_items, self.ctas)),)
-        qs = q.stride()
         tail = (
             qs[0], qs[1], out.stride(0), out.stride(1), self.value_cache.stride(2),
             block_tables.stride(0), block_tables.shape[1], self.n_pages, t, num_reqs, 2, *self.scalars,
             n_items,
         )  # fmt: skip
-        hit = kernels.kernel(key) if kernels is not None and ptrs is not None and kernels.addresses else None
-        if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.kernel)
-            qp, _, vp, op, sp, cp, dp, tp, ep = ptrs
-            hit(grid, (qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, *tail), stream)
-            return
         has_err = errors is not None
         args = (
             q, out, self.value_cache, self.k_desc, self.v_desc, self.sinks if self.sinks is not None else q,
@@ -911,6 +916,29 @@ class HopperPlan:
             _hopper_prefill_kernel[grid](*args, **consts)
         else:
             kernels.launch(_hopper_prefill_kernel, key, grid, args, consts, stream)
+
+    def run_kept(
+        self, hit: Any, qp: int, vp: int, op: int, sp: int, cp: int, dp: int, tp: int, ep: int,
+        qs: Sequence[int], ost: Sequence[int], t: int, num_reqs: int, stride_tbl: int, n_blk: int,
+        stream: int | None,
+    ) -> None:  # fmt: skip
+        """Launch the kept kernel ``hit`` (:meth:`._launch.KernelCache.kernel`) by addresses only: q, the
+        value cache, out, sinks (any pointer when unused), cu_seqlens_q, seq_lens_decoder, the table, the
+        error flag (the table when none); ``qs`` / ``ost``: q's ``[T, Hq, Dqk]`` and out's ``[T, Hq, Dv]``
+        strides (the first two read), ``t`` q's rows, the table's row stride and width. No tensor is
+        touched but the plan's own, so the caller's framework does not matter (the backend's paddle
+        lane)."""
+        n_items = (t // self.tile_q + num_reqs) * self.hkv  # (query tile, kv head) ids, some past the end
+        grid = (max(1, min(n_items, self.ctas)),)
+        hit(
+            grid,
+            (
+                qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, qs[0], qs[1], ost[0], ost[1],
+                self.value_cache.stride(2), stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, *self.scalars,
+                n_items,
+            ),
+            stream,
+        )  # fmt: skip
 
 
 def hopper_prefill(

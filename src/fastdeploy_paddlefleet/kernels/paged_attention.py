@@ -28,13 +28,15 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ._framework import empty, is_torch, num_sms, to_float32, torch
 from ._launch import KernelCache, LaunchStep, PlanMemo, caches_key, switches_key, tensor_version
 from .attention_kernels import _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl
-from .split_kv_reduce import split_kv_reduce
+from .split_kv_reduce import reduce_kept, split_kv_reduce
 
 LOG2E = 1.4426950408889634
 SINK_MODES = {"vanilla": 0, "learnable": 1, "off-by-one": 2}
@@ -494,22 +496,18 @@ class AttentionPlan:
     ) -> torch.Tensor:
         """:meth:`run_step` with ``q``'s strides ``qs`` and rows ``t`` and a given ``out``'s strides
         ``ost`` read (and checked) by the caller."""
-        hq, dv = self.hq, self.dv
         given = out is not None
         if not given:
+            hq, dv = self.hq, self.dv
             if self.torch_out:  # new_empty with int sizes: the cheapest allocation torch has (~1 us)
                 out = q.new_empty(t, self.hqdv) if flat else q.new_empty(t, hq, dv)
             else:
                 out = empty((t, self.hqdv) if flat else (t, hq, dv), self.dtype, q)
-            out3 = None if flat else out
             ost = self.out_strides  # a fresh allocation: contiguous
-        else:
-            out3 = out
-        num_reqs = step.num_reqs
-        if t == 0 or num_reqs <= 0:
+        if t == 0 or step.num_reqs <= 0:
             return out
         cache = self.kernels
-        key = qp = None
+        key = None
         if (
             cache.direct
             and step.direct_ok
@@ -521,135 +519,232 @@ class AttentionPlan:
             if not (qp | op) & 15:  # else Triton's path: it specialises on alignment
                 if stream is None:
                     stream = cache.stream()
-                key = (qs[0], qs[1], ost[0], ost[1], step.sig)
-        # Triton's path: the arguments after the pointers (strides, the step's table, sizes; scalars follow)
-        sizes = None if key is not None else self._sizes(qs, ost, step, t)
+                if self.launch_kept(q, qp, qs, t, op, ost, step, num_splits, stream):
+                    return out
+                key = (qs[0], qs[1], ost[0], ost[1], step.sig)  # compiled and kept below
+        self._launch_triton(q, qs, t, step, out, ost, num_splits, stream, key)
+        return out
 
-        # prefill kernel: requests with >= 2 tokens; decode kernel: requests with exactly 1
-        max_q_len = step.max_q_len
-        run_prefill = max_q_len is None or max_q_len > 1
-        run_decode = not (max_q_len is not None and max_q_len > 1 and t >= num_reqs * max_q_len)
+    def _runs(self, step: LaunchStep, t: int) -> tuple[bool, bool]:
+        """Which kernels a step needs: (prefill, decode). Prefill: requests with >= 2 tokens (unknown
+        without ``max_q_len``); decode: requests with exactly 1 (none when every request has
+        ``max_q_len > 1`` tokens)."""
+        mq = step.max_q_len
+        if mq is None:
+            return True, True
+        return mq > 1, not (mq > 1 and t >= step.num_reqs * mq)
+
+    def _num_splits(self, step: LaunchStep, num_splits: int | None) -> int:
+        """The decode's split count for this step (given, else chosen per (requests, key span), kept)."""
+        if num_splits is not None:
+            return num_splits
+        span = step.max_context_len
+        if span is None:
+            span = step.n_blk * self.bs
+        if self.all_slide and span > self.window + 1:
+            span = self.window + 1
+        num_reqs = step.num_reqs
+        splits = self._splits.get((num_reqs, span))
+        if splits is None:
+            if len(self._splits) > 4096:
+                self._splits.clear()
+            splits = choose_num_splits(num_reqs, self.hkv, span, self.decode_cfg.block_n, self.sms)
+            self._splits[(num_reqs, span)] = splits
+        return splits
+
+    def launch_kept(
+        self,
+        like: Any,
+        qp: int,
+        qs: Sequence[int],
+        t: int,
+        op: int,
+        ost: Sequence[int],
+        step: LaunchStep,
+        num_splits: int | None,
+        stream: int | None,
+    ) -> bool:
+        """Launch this step's kernels by addresses if every one it needs is compiled and kept (a kernel
+        cache hit for each); else launch nothing and return ``False``.
+
+        ``qp`` / ``op``: addresses of ``q [T, Hq, Dqk]`` and ``out [T, Hq, Dv]`` (16-byte aligned, on
+        the plan's GPU: the caller checked), ``qs`` / ``ost`` their strides (the first two read), ``t``
+        q's rows, ``step`` a direct-launch :class:`~._launch.LaunchStep` (``direct_ok``). ``like``: a
+        tensor of the caller's framework, for the split decode's partial buffers. Nothing else is read
+        from a tensor, so paddle tensors launch here as torch tensors do (the backend's paddle lane)."""
+        cache = self.kernels
+        if not cache.addresses:
+            return False
+        key = (qs[0], qs[1], ost[0], ost[1], step.sig)
+        run_prefill, run_decode = self._runs(step, t)
+        hopper = pre = dec = red = None
+        if run_prefill:
+            if self._hopper_args is not None:
+                hopper = self.hopper
+                if hopper is None:
+                    return False
+                pre = cache.kernel(("hopper", key))
+            else:
+                pre = cache.kernel(("prefill", key))
+            if pre is None:
+                return False
+        splits = 1
+        if run_decode:
+            splits = self._num_splits(step, num_splits)
+            dec = cache.kernel(("decode", splits, key))  # NUM_SPLITS is compiled in
+            if dec is None:
+                return False
+            if splits > 1:
+                red = cache.kernel(("reduce", splits, key))
+                if red is None:
+                    return False
+        num_reqs = step.num_reqs
+        kp, vp, sp = self.ptrs
+        if self.sink_mode != 1:
+            sp = qp  # unused: any pointer
+        p0, p1, p2, p3 = step.ptrs
+        if hopper is not None:
+            hopper.run_kept(
+                pre, qp, vp, op, sp, p0, p1, p2, p3, qs, ost, t, num_reqs, step.stride_tbl, step.n_blk, stream
+            )  # fmt: skip
+        elif pre is not None:  # one flat tuple (a starred one costs ~0.3 us per star here)
+            c0, c1, c2, c3 = self.common
+            s0, s1, s2, s3 = self.scalars
+            d0, d1 = self.descs
+            pre(
+                ((t // self.block_q + num_reqs) * self.hkv,),
+                (
+                    qp, kp, vp, op, d0, d1, sp, p0, p1, p2, p3, qs[0], qs[1], ost[0], ost[1], c0, c1, c2, c3,
+                    step.stride_tbl, step.n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3,
+                ),
+                stream,
+            )  # fmt: skip
+        if dec is None:
+            return True
+        c0, c1, c2, c3 = self.common
+        s0, s1, s2, s3 = self.scalars
+        d0, d1 = self.ddescs
+        if red is not None:
+            mid_o = empty((num_reqs, self.hq, splits, self.dv), "float32", like)
+            mid_l = empty((num_reqs, self.hq, splits), "float32", like)
+            pmo, pml = mid_o.data_ptr(), mid_l.data_ptr()
+        else:
+            pmo = pml = qp  # unused: any pointer
+        dec(
+            (num_reqs, self.hkv, splits),
+            (
+                qp, kp, vp, op, d0, d1, pmo, pml, sp, p0, p1, p2, p3, qs[0], qs[1], ost[0], ost[1],
+                c0, c1, c2, c3, step.stride_tbl, step.n_blk, self.n_pages, t, s0, s1, s2, s3,
+            ),
+            stream,
+        )  # fmt: skip
+        if red is not None:  # the partial buffers stay queued on this stream's allocator after return
+            reduce_kept(
+                red,
+                pmo,
+                pml,
+                op,
+                sp if self.sinks is not None else pmo,
+                p0,
+                ost,
+                t,
+                num_reqs,
+                self.hq,
+                stream,
+            )
+        return True
+
+    def _launch_triton(
+        self,
+        q: torch.Tensor,
+        qs: tuple,
+        t: int,
+        step: LaunchStep,
+        out: torch.Tensor,
+        ost: tuple,
+        num_splits: int | None,
+        stream: int | None,
+        key: tuple | None,
+    ) -> None:
+        """The step's launches with tensors, through Triton (compiling on first use and keeping the
+        kernel when ``key`` is given; a kernel kept already launches by addresses) or, with
+        :data:`~._launch.ADDRESS_ARGS` off, through kept kernels given tensors."""
+        hq, dv, cache = self.hq, self.dv, self.kernels
+        num_reqs = step.num_reqs
+        sizes = self._sizes(qs, ost, step, t)
+        pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
+        run_prefill, run_decode = self._runs(step, t)
+        out3 = None
         if run_prefill and self._hopper_args is not None:
             if self.hopper is None:
                 self.hopper = HopperPlan(
                     self.key_cache, self.value_cache, self.hq, self.sinks, **self._hopper_args
                 )
-            if out3 is None:
-                out3 = out.view(t, hq, dv)
+            out3 = out if out.dim() == 3 else out.view(t, hq, dv)
             hkey = direct = None
             if key is not None:
-                kp, vp, sp = self.ptrs  # addresses for a kept kernel (KernelCache.kernel)
+                kp, vp, sp = self.ptrs
                 hkey = ("hopper", key)
-                direct = (qp, kp, vp, op, sp if self.sink_mode == 1 else qp, *step.ptrs)
+                direct = (
+                    q.data_ptr(),
+                    kp,
+                    vp,
+                    out.data_ptr(),
+                    sp if self.sink_mode == 1 else q.data_ptr(),
+                    *step.ptrs,
+                )
             self.hopper.run(q, out3, step.cu, step.dec, step.table, step.errors, cache, hkey, stream, direct)
         elif run_prefill:
             pkey = None if key is None else ("prefill", key)
             hit = cache.kernel(pkey)
-            grid = ((t // self.block_q + num_reqs) * self.hkv,)
-            if hit is not None and cache.addresses:  # a kept kernel: addresses, one flat tuple
-                kp, vp, sp = self.ptrs
-                d0, d1 = self.descs
-                p0, p1, p2, p3 = step.ptrs
-                c0, c1, c2, c3 = self.common
-                s0, s1, s2, s3 = self.scalars
-                args = (
-                    qp, kp, vp, op, d0, d1, sp if self.sink_mode == 1 else qp, p0, p1, p2, p3,
-                    qs[0], qs[1], ost[0], ost[1], c0, c1, c2, c3, step.stride_tbl, step.n_blk, self.n_pages,
-                    t, num_reqs, 2, s0, s1, s2, s3,
-                )  # fmt: skip
-                hit(grid, args, stream)
-            else:
-                if sizes is None:
-                    sizes = self._sizes(qs, ost, step, t)
-                pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
-                args = (
-                    pq,
-                    pk,
-                    pv,
-                    po,
-                    *self.descs,
-                    ps,
-                    pcu,
-                    pdec,
-                    ptbl,
-                    perr,
-                    *sizes,
-                    num_reqs,
-                    2,
-                    *self.scalars,
-                )
-                if hit is not None:
-                    hit(grid, args, stream)
-                else:
-                    cache.launch(
-                        _prefill_kernel,
-                        pkey,
-                        grid,
-                        args,
-                        self._prefill_consts(step.errors is not None),
-                        stream,
-                    )
-        if not run_decode:
-            return out
-
-        if num_splits is None:
-            span = step.max_context_len
-            if span is None:
-                span = step.n_blk * self.bs
-            if self.all_slide and span > self.window + 1:
-                span = self.window + 1
-            num_splits = self._splits.get((num_reqs, span))
-            if num_splits is None:
-                if len(self._splits) > 4096:
-                    self._splits.clear()
-                num_splits = choose_num_splits(num_reqs, self.hkv, span, self.decode_cfg.block_n, self.sms)
-                self._splits[(num_reqs, span)] = num_splits
-        dkey = None if key is None else ("decode", num_splits, key)  # NUM_SPLITS is compiled in
-        hit = cache.kernel(dkey)
-        addr = hit is not None and cache.addresses
-        mid_o = mid_l = None
-        if num_splits > 1:
-            mid_o = empty((num_reqs, hq, num_splits, dv), "float32", q)
-            mid_l = empty((num_reqs, hq, num_splits), "float32", q)
-        grid = (num_reqs, self.hkv, num_splits)
-        if addr:  # a kept kernel: addresses, one flat tuple (a starred one costs ~0.3 us per star here)
-            kp, vp, sp = self.ptrs
-            d0, d1 = self.ddescs
-            p0, p1, p2, p3 = step.ptrs
-            c0, c1, c2, c3 = self.common
-            s0, s1, s2, s3 = self.scalars
-            pmo, pml = (mid_o.data_ptr(), mid_l.data_ptr()) if num_splits > 1 else (qp, qp)  # unused: any
             args = (
-                qp, kp, vp, op, d0, d1, pmo, pml, sp if self.sink_mode == 1 else qp, p0, p1, p2, p3,
-                qs[0], qs[1], ost[0], ost[1], c0, c1, c2, c3, step.stride_tbl, step.n_blk, self.n_pages, t,
-                s0, s1, s2, s3,
-            )  # fmt: skip
-            hit(grid, args, stream)
-        else:
-            if sizes is None:
-                sizes = self._sizes(qs, ost, step, t)
-            pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
-            pmo, pml = (mid_o, mid_l) if num_splits > 1 else (pq, pq)
-            args = (pq, pk, pv, po, *self.ddescs, pmo, pml, ps, pcu, pdec, ptbl, perr, *sizes, *self.scalars)
-            if hit is not None:
+                pq,
+                pk,
+                pv,
+                po,
+                *self.descs,
+                ps,
+                pcu,
+                pdec,
+                ptbl,
+                perr,
+                *sizes,
+                num_reqs,
+                2,
+                *self.scalars,
+            )
+            grid = ((t // self.block_q + num_reqs) * self.hkv,)
+            if hit is not None and not cache.addresses:
                 hit(grid, args, stream)
             else:
                 cache.launch(
-                    _decode_kernel,
-                    dkey,
-                    grid,
-                    args,
-                    self._decode_consts(step.errors is not None, num_splits),
-                    stream,
+                    _prefill_kernel, pkey, grid, args, self._prefill_consts(step.errors is not None), stream
                 )
-        if num_splits > 1:
+        if not run_decode:
+            return
+        splits = self._num_splits(step, num_splits)
+        dkey = None if key is None else ("decode", splits, key)  # NUM_SPLITS is compiled in
+        hit = cache.kernel(dkey)
+        mid_o = mid_l = None
+        if splits > 1:
+            mid_o = empty((num_reqs, hq, splits, dv), "float32", q)
+            mid_l = empty((num_reqs, hq, splits), "float32", q)
+        pmo, pml = (mid_o, mid_l) if splits > 1 else (pq, pq)
+        args = (pq, pk, pv, po, *self.ddescs, pmo, pml, ps, pcu, pdec, ptbl, perr, *sizes, *self.scalars)
+        grid = (num_reqs, self.hkv, splits)
+        if hit is not None and not cache.addresses:
+            hit(grid, args, stream)
+        else:
+            cache.launch(
+                _decode_kernel, dkey, grid, args, self._decode_consts(step.errors is not None, splits), stream
+            )
+        if splits > 1:
             if out3 is None:
-                out3 = out.view(t, hq, dv)
+                out3 = out if out.dim() == 3 else out.view(t, hq, dv)
             split_kv_reduce(
                 mid_o, mid_l, out3, step.cu, self.sinks, self.sink_mode, kernels=cache,
-                key=None if key is None else ("reduce", num_splits, key), stream=stream,
+                key=None if key is None else ("reduce", splits, key), stream=stream,
             )  # fmt: skip
-        return out
 
     def _sizes(self, qs: tuple, ost: tuple, step: LaunchStep, t: int) -> tuple:
         """The kernels' arguments after the pointers, up to the scalars: q's and out's strides, the

@@ -7,6 +7,9 @@ log-sum-exp ``lse_s``. The merged output is ``sum_s 2^(lse_s - m) o_s / (sum_s 2
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import triton
 import triton.language as tl
 
@@ -47,6 +50,25 @@ def _split_kv_reduce_kernel(
     tl.store(o_ptr, o.to(O.dtype.element_ty), mask=offs_d < DV)
 
 
+def reduce_kept(
+    hit: Any,
+    mo: int,
+    ml: int,
+    op: int,
+    sp: int,
+    cp: int,
+    ost: Sequence[int],
+    t: int,
+    bsz: int,
+    hq: int,
+    stream: int | None,
+) -> None:
+    """Launch the kept reduce kernel ``hit`` by addresses only: ``mid_o`` / ``mid_lse`` (``mo`` / ``ml``),
+    out ``[T, Hq, Dv]`` (``op``, strides ``ost``, ``t`` rows), the sinks (any pointer when unused),
+    cu_seqlens_q; one program per (request, q head) of ``bsz`` x ``hq``."""
+    hit((bsz, hq), (mo, ml, op, sp, cp, ost[0], ost[1], t), stream)
+
+
 def split_kv_reduce(
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
@@ -66,13 +88,14 @@ def split_kv_reduce(
     count and ``out``'s strides)."""
     bsz, hq, splits, dv = mid_o.shape
     sink_arg = sinks if sinks is not None else mid_o  # any pointer when unused
-    tail = (out.stride(0), out.stride(1), out.shape[0])
     hit = kernels.kernel(key) if kernels is not None and kernels.addresses else None
     if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.kernel)
-        ptrs = (mid_o.data_ptr(), mid_lse.data_ptr(), out.data_ptr(), sink_arg.data_ptr())
-        hit((bsz, hq), (*ptrs, cu_seqlens_q.data_ptr(), *tail), stream)
+        reduce_kept(
+            hit, mid_o.data_ptr(), mid_lse.data_ptr(), out.data_ptr(), sink_arg.data_ptr(),
+            cu_seqlens_q.data_ptr(), out.stride(), out.shape[0], bsz, hq, stream,
+        )  # fmt: skip
         return
-    args = (mid_o, mid_lse, out, sink_arg, cu_seqlens_q, *tail)
+    args = (mid_o, mid_lse, out, sink_arg, cu_seqlens_q, out.stride(0), out.stride(1), out.shape[0])
     consts = dict(
         HQ=hq, DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), NUM_SPLITS=splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), SINK_MODE=sink_mode, num_warps=4,

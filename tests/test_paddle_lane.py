@@ -1,0 +1,172 @@
+"""The Triton backend's paddle lane: paddle tensors with torch installed, kernels compiled and kept.
+
+Under FastDeploy (paddle tensors; torch may be installed beside it) the backend used to cross every
+call through DLPack views: three ``torch.from_dlpack`` and one paddle import of the output, ~40-50 us
+of host per layer on this machine. Once a layer's kernels are kept, the lane launches them with
+addresses read from the paddle tensors themselves. The reference here is the views' path: for the
+same step and tensors, the lane must hand every kept kernel the very same arguments (grid, addresses,
+strides, sizes, scalars), except the output's address (its own allocation, which must be a paddle
+``[T, Hq * Dv]`` tensor of q's dtype), the split decode's partial buffers, and the stream (Paddle's
+current one, read through the stream reader). The kernels are recorders: on a GPU the same kept
+kernels then compute the same bytes (``tests/test_launch_cost.py`` checks kept kernels against
+Triton's path there).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+paddle = pytest.importorskip("paddle")
+torch = pytest.importorskip("torch")
+
+from fastdeploy_paddlefleet.backends import triton as tb  # noqa: E402
+from fastdeploy_paddlefleet.kernels import _framework as fw  # noqa: E402
+from fastdeploy_paddlefleet.kernels import cache_write as cw  # noqa: E402
+from fastdeploy_paddlefleet.kernels import paged_attention as pa  # noqa: E402
+from fastdeploy_paddlefleet.kernels._launch import KernelCache  # noqa: E402
+from fastdeploy_paddlefleet.plan.layer import LayerAttention  # noqa: E402
+from fastdeploy_paddlefleet.runner.batch import build_meta  # noqa: E402
+
+PADDLE_STREAM = 0x5EED
+HQ, HKV, D, DV, BS = 4, 2, 16, 8, 16
+
+
+class Recorder(KernelCache):
+    """A kernel cache as on a GPU with every kernel compiled and kept (``direct``, addresses), whose
+    kept kernels record ``(kind, grid, args, stream)``; kinds in :attr:`missing` are not kept."""
+
+    calls: list = []
+    missing: set = set()
+
+    def __init__(self, device_index=None) -> None:
+        super().__init__(None)
+        self.direct, self.addresses, self.own, self.device_index = True, True, False, 0
+
+    def stream(self) -> int:
+        return 0  # torch's current stream (the views' path); the lane reads Paddle's
+
+    def kernel(self, key):
+        if key is None:
+            return None
+        kind = key[0] if isinstance(key[0], str) else "write"
+        if kind in Recorder.missing:
+            return None
+
+        def hit(grid, args, stream):
+            bad = [type(a).__name__ for a in args if hasattr(a, "data_ptr")]
+            if bad:
+                raise TypeError(f"a kept kernel was given tensors {bad}")
+            Recorder.calls.append((kind, tuple(grid), tuple(args), stream))
+
+        return hit
+
+    def launch(self, fn, key, grid, args, consts, stream):
+        raise RuntimeError(f"Triton's path taken (key {key!r})")
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """Kept kernels for every plan built now; CPU tensors of both frameworks read as on a GPU (what
+    gates a direct launch); Paddle's current stream read as :data:`PADDLE_STREAM`."""
+    monkeypatch.setattr(pa, "KernelCache", Recorder)
+    monkeypatch.setattr(cw, "KernelCache", Recorder)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
+    monkeypatch.setattr(paddle.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(fw, "paddle_stream_reader", lambda index: lambda: PADDLE_STREAM)
+    monkeypatch.setattr(Recorder, "calls", [])
+    monkeypatch.setattr(Recorder, "missing", set())
+
+
+def _step(dec, this, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    nblk = [-(-(c + n) // BS) for c, n in zip(dec, this, strict=True)]
+    perm = iter(torch.randperm(sum(nblk) + 3, generator=gen).tolist())
+    tables = [[next(perm) for _ in range(n)] for n in nblk]
+    meta = build_meta(dec, this, tables, BS)
+    t = sum(this)
+
+    def rnd(*shape):
+        return paddle.to_tensor(torch.randn(*shape, generator=gen).numpy())
+
+    caches = (rnd(sum(nblk) + 3, HKV, BS, D), rnd(sum(nblk) + 3, HKV, BS, DV))
+    return meta, rnd(t, HQ, D), rnd(t, HKV, D), rnd(t, HKV, DV), caches
+
+
+LAYER = LayerAttention(
+    index=0, kind="full", num_q_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, v_head_dim=DV, softmax_scale=0.25
+)
+SINK_LAYER = LayerAttention(
+    index=1, kind="sliding", num_q_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, v_head_dim=DV,
+    softmax_scale=0.25, window_left=50, sliding_kv_heads=(0, 1), sink="learnable",
+)  # fmt: skip
+# kernel kind -> argument positions that are fresh allocations: the output, the split partials (and
+# the reduce's sink pointer without sinks: any pointer, the partials' here)
+FRESH = {"write": (), "prefill": (3,), "decode": (3, 6, 7), "reduce": (0, 1, 2)}
+FRESH_NO_SINKS = {**FRESH, "reduce": (0, 1, 2, 3)}
+STEPS = {
+    "decode-split": ([400, 70, 1000], [1, 1, 1]),  # few programs: the decode splits, the reduce merges
+    "prefill": ([0, 16], [16, 9]),
+    "mixed": ([30, 0, 5], [1, 12, 1]),
+}
+
+
+def _forward(monkeypatch, backend, lane, meta, q, k, v, caches, layer=LAYER, sinks=None):
+    monkeypatch.setattr(tb, "PADDLE_LANE", lane)
+    Recorder.calls.clear()
+    out = backend.forward(q, k, v, layer, meta, caches, sinks)
+    return out, list(Recorder.calls)
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["full", "window-sinks"])
+@pytest.mark.parametrize("validate", [False, True], ids=["served", "fastdeploy-checks"])
+@pytest.mark.parametrize("name", list(STEPS))
+def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, validate, sinks):
+    meta, q, k, v, caches = _step(*STEPS[name])
+    layer, sink_t = (SINK_LAYER, paddle.to_tensor([0.5, -1.0, 2.0, 0.0])) if sinks else (LAYER, None)
+    backend = tb.TritonBackend(validate=validate, host_checks=False)
+    # the views' path first: it builds the layer's plans and the step's state
+    out_v, views = _forward(monkeypatch, backend, False, meta, q, k, v, caches, layer, sink_t)
+    out_l, lane = _forward(monkeypatch, backend, True, meta, q, k, v, caches, layer, sink_t)
+    assert [c[0] for c in views][0] == "write" and len(views) >= 2
+    assert [c[0] for c in lane] == [c[0] for c in views]
+    if name == "decode-split":
+        assert "reduce" in [c[0] for c in views]
+    for (kind, grid_v, args_v, stream_v), (_, grid_l, args_l, stream_l) in zip(views, lane, strict=True):
+        assert stream_v == 0 and stream_l == PADDLE_STREAM, kind
+        assert grid_l == grid_v, kind
+        fresh = (FRESH if sinks else FRESH_NO_SINKS)[kind]
+        assert [a for i, a in enumerate(args_l) if i not in fresh] == [
+            a for i, a in enumerate(args_v) if i not in fresh
+        ], kind
+        if kind in ("prefill", "decode"):
+            assert args_v[3] == out_v.data_ptr() and args_l[3] == out_l.data_ptr()
+    assert isinstance(out_l, paddle.Tensor) and type(out_l) is type(out_v)
+    assert list(out_l.shape) == [q.shape[0], HQ * DV] and out_l.dtype == q.dtype
+    assert out_l.data_ptr() != out_v.data_ptr()
+
+
+def test_lane_steps_aside_until_every_kernel_is_kept(monkeypatch, gpu_like):
+    """A step whose decode kernel is not kept yet (a new split count, say): the lane launches no
+    attention and returns ``None``, so the views' path compiles; a step not seen before (its first
+    layer) and a q of another dtype do not take the lane either."""
+    meta, q, k, v, caches = _step(*STEPS["mixed"])
+    backend = tb.TritonBackend(validate=False, host_checks=False)
+    _forward(monkeypatch, backend, False, meta, q, k, v, caches)
+    Recorder.missing = {"decode"}
+    Recorder.calls.clear()
+    assert backend._run_paddle_kept(q, k, v, LAYER, meta, caches, None, None) is None
+    assert [c[0] for c in Recorder.calls] in ([], ["write"])  # a repeated write stores the same values
+    Recorder.missing = set()
+    meta2, q2, k2, v2, _ = _step(*STEPS["mixed"], seed=1)  # a new step: no state derived yet
+    assert backend._run_paddle_kept(q2, k2, v2, LAYER, meta2, caches, None, None) is None
+    q16 = q.astype("float16")
+    assert backend._run_paddle_kept(q16, k, v, LAYER, meta, caches, None, None) is None
+
+
+def test_lane_off_the_gpu_keeps_the_views(monkeypatch, gpu_like):
+    """CPU tensors (``is_cuda`` False) never take the lane."""
+    meta, q, k, v, caches = _step(*STEPS["decode-split"])
+    backend = tb.TritonBackend(validate=False, host_checks=False)
+    _forward(monkeypatch, backend, False, meta, q, k, v, caches)
+    monkeypatch.setattr(paddle.Tensor, "is_cuda", property(lambda self: False))
+    assert backend._run_paddle_kept(q, k, v, LAYER, meta, caches, None, None) is None
