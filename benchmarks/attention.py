@@ -744,7 +744,34 @@ def _host_us(fn, calls: int, repeats: int = 5) -> dict:
         cpus.append((c1 - c0) / calls * 1e6)
     order = sorted(range(repeats), key=lambda i: walls[i])
     mid = order[repeats // 2]
-    return {"us": round(walls[mid], 2), "us_min": round(min(walls), 2), "cpu_us": round(cpus[mid], 2)}
+    rec = {"us": round(walls[mid], 2), "us_min": round(min(walls), 2), "cpu_us": round(cpus[mid], 2)}
+    if SH["dev"] == "cuda":
+        rec.update(_host_us_queued(fn, repeats))
+    return rec
+
+
+QUEUED_CALLS = 150  # calls per queued loop: ~300-450 launches, under the launch queue's depth
+
+
+def _host_us_queued(fn, repeats: int) -> dict:
+    """``us_queued`` / ``us_queued_min``: the same calls issued behind a kernel that keeps the GPU busy
+    (``torch.cuda._sleep``) for longer than the loop takes, :data:`QUEUED_CALLS` at a time: no launch
+    waits for the GPU or for room in the launch queue, so the loop's wall time is the host's alone. (The
+    back-to-back loop's figure becomes the GPU's time per call when the kernels take longer than the
+    host; e.g. the Hopper prefill's persistent grid at tiny shapes.)"""
+    import torch
+
+    walls = []
+    for _ in range(repeats):
+        sync()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s at the H200's clocks: longer than any loop below
+        t0 = time.perf_counter()
+        for _ in range(QUEUED_CALLS):
+            fn()
+        walls.append((time.perf_counter() - t0) / QUEUED_CALLS * 1e6)
+        sync()
+    walls.sort()
+    return {"us_queued": round(walls[repeats // 2], 2), "us_queued_min": round(walls[0], 2)}
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,7 +18,8 @@ gap is the layout, not the kernel.
 
 Usage::
 
-    python benchmarks/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tag KEY=VALUE] [--json]
+    python benchmarks/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tiles] [--rounds N]
+                                        [--tag KEY=VALUE] [--json]
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
 from _outputs import parse_tags  # noqa: E402
 
 STAGES = (3, 4)  # pipeline depths of the plain reader; the best one is its figure
+#: ``--tiles``: decode tile shapes of ours beside the default, (block_n, warps, stages): 32-key tiles
+#: over 2 warps fit 4 programs per SM (512 programs in one wave), 2 stages of 64 keys 3 per SM
+TILES = ((32, 2, 3), (32, 4, 3), (64, 4, 2), (64, 8, 3))
 
 
 def _reader():
@@ -89,8 +93,10 @@ def layouts(batch: dict, bsz: int, ctx: int) -> dict:
     }
 
 
-def run(fh=None, smoke: bool = False) -> list[dict]:
-    """Every figure of this benchmark, one record each (errors recorded, not raised)."""
+def run(fh=None, smoke: bool = False, tiles: bool = False, rounds: int = 0) -> list[dict]:
+    """Every figure of this benchmark, one record each (errors recorded, not raised). ``tiles``: ours
+    with each of :data:`TILES` too; ``rounds``: then ours (default tiles) and cuDNN timed alternately
+    that many more times (``round`` in the records: the spread of the ratio between calls)."""
     import torch
 
     if smoke:
@@ -148,6 +154,25 @@ def run(fh=None, smoke: bool = False) -> list[dict]:
             return ms, {"note": how, **{x: y for x, y in t.items() if x != "ms"}}
 
         record("sdpa-cudnn", cudnn)
+        k, v, tbl, _, _ = lays["paged-random"]
+        ours = dict(batch, kc=k, vc=v, table=tbl)
+        if tiles:
+            from fastdeploy_paddlefleet.kernels.paged_attention import TileConfig
+
+            for bn, w, st in TILES:
+                kw = dict(max_q_len=1, max_ctx=ctx, check=check, decode_config=TileConfig(16, bn, w, st))
+                record(
+                    f"triton-paged-random-n{bn}w{w}s{st}",
+                    lambda kw=kw: A.run_ours("tiles", ours, **kw),
+                    block_n=bn, warps=w, stages=st,
+                )  # fmt: skip
+        for r in range(rounds):
+            record(
+                "triton-paged-random",
+                lambda: A.run_ours("r", ours, max_q_len=1, max_ctx=ctx, check=check),
+                round=r,
+            )
+            record("sdpa-cudnn", cudnn, round=r)
     return recs
 
 
@@ -162,8 +187,18 @@ def summary(recs: list[dict]) -> dict:
     def ratio(a: str, b: str) -> float | None:
         return round(best[a] / best[b], 3) if a in best and b in best and best[b] else None
 
+    rounds: dict[int, dict[str, float]] = {}
+    for r in recs:
+        if "round" in r and "gbps" in r:
+            rounds.setdefault(r["round"], {})[r["impl"]] = r["gbps"]
+    per_round = [
+        round(g["triton-paged-random"] / g["sdpa-cudnn"], 3)
+        for _, g in sorted(rounds.items())
+        if "triton-paged-random" in g and g.get("sdpa-cudnn")
+    ]
     return {
         "gbps": best,
+        "ours_vs_cudnn_per_round": per_round,
         "ours_vs_cudnn": ratio("triton-paged-random", "sdpa-cudnn"),
         "ours_vs_reader_same_layout": ratio("triton-paged-random", "read-paged-random"),
         "reader_random_vs_contiguous": ratio("read-paged-random", "read-contiguous"),
@@ -179,7 +214,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--json", action="store_true", help="the summary as one JSON object on stdout's last line"
     )
+    ap.add_argument("--tiles", action="store_true", help="ours with other decode tile shapes too (TILES)")
+    ap.add_argument("--rounds", type=int, default=0, help="ours and cuDNN timed alternately N more times")
     args = ap.parse_args(argv)
+    if args.rounds < 0:
+        ap.error(f"--rounds must be >= 0, got {args.rounds}")
     try:
         tags = parse_tags(args.tag)
     except ValueError as e:
@@ -189,7 +228,7 @@ def main(argv=None) -> int:
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)
     fh = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
     try:
-        recs = run(fh, smoke=args.smoke)
+        recs = run(fh, smoke=args.smoke, tiles=args.tiles, rounds=args.rounds)
     finally:
         A.emit = emit
         if fh is not None:
