@@ -13,7 +13,10 @@ Launching on paddle tensors follows FastDeploy's convention
   device and stream;
 * torch installed: the backend hands the kernels torch views of the paddle tensors (DLPack,
   zero-copy) and runs them inside :func:`paddle_stream`, i.e. on Paddle's current CUDA stream as
-  a torch ``ExternalStream``; a CUDA graph Paddle captures therefore records the launches.
+  a torch ``ExternalStream``; a CUDA graph Paddle captures therefore records the launches. Kernels
+  compiled and kept by those calls then launch by addresses read from the paddle tensors, on the
+  stream :func:`paddle_stream_reader` reads, into outputs :func:`paddle_empty` allocates (the
+  backend's paddle lane: no views).
 """
 
 from __future__ import annotations
