@@ -67,9 +67,9 @@ CASES = (
     "backend-step-served-checked",
     "backend-layer-paddle-views",
     "backend-layer-paddle-lane",
+    "backend-step-paddle-views",
+    "backend-step-paddle-lane",
 )
-#: cases on paddle tensors (torch installed): skipped where paddle is not (the GPU machine)
-PADDLE_CASES = ("backend-layer-paddle-views", "backend-layer-paddle-lane")
 STEP_LAYERS = 8  # layers per step of the backend-step cases
 
 
@@ -280,6 +280,19 @@ def build_cases(device: str) -> dict:
         cases["backend-layer-paddle-lane"] = lambda: lane.forward(
             pd["q"], pd["k"], pd["v"], layer, pmeta, pkv_
         )
+        p_layer_kv = [(to_paddle(kc), to_paddle(vc)) for kc, vc in layer_kv]
+        p_fields = {n: to_paddle(x) for n, x in meta_fields.items()}
+
+        def p_step(backend):
+            def run():
+                m = BatchMeta(**p_fields)
+                for lyr, c in zip(layers, p_layer_kv, strict=True):
+                    backend.forward(pd["q"], pd["k"], pd["v"], lyr, m, c)
+
+            return run
+
+        cases["backend-step-paddle-views"] = p_step(views)
+        cases["backend-step-paddle-lane"] = p_step(lane)
     return cases | {
         "torch-add_": lambda: add_x.add_(1),
         "torch-empty": lambda: torch.empty(empty_shape, dtype=dtype, device=device),

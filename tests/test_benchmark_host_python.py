@@ -24,6 +24,8 @@ LAUNCHES = {  # kept kernels per call: the one-shot wrappers one launch, a serve
     "backend-step-served-checked": 16,
     "backend-layer-paddle-views": 2,  # paddle tensors (needs paddle): DLPack views, then the lane
     "backend-layer-paddle-lane": 2,
+    "backend-step-paddle-views": 16,
+    "backend-step-paddle-lane": 16,
 }
 
 

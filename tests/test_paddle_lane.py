@@ -147,20 +147,42 @@ def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, valida
 
 def test_lane_steps_aside_until_every_kernel_is_kept(monkeypatch, gpu_like):
     """A step whose decode kernel is not kept yet (a new split count, say): the lane launches no
-    attention and returns ``None``, so the views' path compiles; a step not seen before (its first
-    layer) and a q of another dtype do not take the lane either."""
+    attention and returns ``None``, so the views' path compiles; a backend that never ran the views
+    (no plans, no error flag) and a q of another dtype do not take the lane either."""
     meta, q, k, v, caches = _step(*STEPS["mixed"])
     backend = tb.TritonBackend(validate=False, host_checks=False)
+    assert backend._run_paddle_kept(q, k, v, LAYER, meta, caches, None, None) is None
     _forward(monkeypatch, backend, False, meta, q, k, v, caches)
     Recorder.missing = {"decode"}
     Recorder.calls.clear()
     assert backend._run_paddle_kept(q, k, v, LAYER, meta, caches, None, None) is None
     assert [c[0] for c in Recorder.calls] in ([], ["write"])  # a repeated write stores the same values
     Recorder.missing = set()
-    meta2, q2, k2, v2, _ = _step(*STEPS["mixed"], seed=1)  # a new step: no state derived yet
-    assert backend._run_paddle_kept(q2, k2, v2, LAYER, meta2, caches, None, None) is None
     q16 = q.astype("float16")
     assert backend._run_paddle_kept(q16, k, v, LAYER, meta, caches, None, None) is None
+
+
+def test_lane_serves_a_new_steps_first_layer(monkeypatch, gpu_like):
+    """A new step (new metadata tensors, same token count) on a layer whose kernels are kept: the lane
+    derives the step's state itself, and its launches read the new step's metadata (the addresses of
+    its int32 tensors: the views share their memory) and the backend's error flag."""
+    meta, q, k, v, caches = _step(*STEPS["mixed"])
+    backend = tb.TritonBackend(validate=True, host_checks=False)
+    _forward(monkeypatch, backend, False, meta, q, k, v, caches)
+    meta2, q2, k2, v2, _ = _step(*STEPS["mixed"], seed=1)
+    out, lane = _forward(monkeypatch, backend, True, meta2, q2, k2, v2, caches)
+    assert [c[0] for c in lane] == ["write", "prefill", "decode"]
+    assert all(c[3] == PADDLE_STREAM for c in lane)
+    (flag,) = backend.error_flags()
+    want = (meta2.cu_seqlens_q.data_ptr(), meta2.seq_lens_decoder.data_ptr(), meta2.block_tables.data_ptr())
+    write_args, prefill_args = lane[0][2], lane[1][2]
+    assert write_args[4] == meta2.batch_id_per_token.data_ptr() and write_args[5:9] == (
+        *want,
+        flag.data_ptr(),
+    )
+    assert prefill_args[0] == q2.data_ptr() and prefill_args[7:11] == (*want, flag.data_ptr())
+    assert write_args[0] == k2.data_ptr() and write_args[1] == v2.data_ptr()
+    assert list(out.shape) == [q2.shape[0], HQ * DV]
 
 
 def test_lane_off_the_gpu_keeps_the_views(monkeypatch, gpu_like):

@@ -188,6 +188,16 @@ class _StepState:
     def _int32(self, x: Any, q: Any) -> Any:
         return _to_torch(x, q.device, int32=True) if self.torch_views else _paddle_int32(x)
 
+    def layer(self, meta: BatchMeta, layer_index: int) -> tuple[Any, bool]:
+        """:meth:`table` for layer ``layer_index``, kept for the step's other calls of that layer; the
+        one entry of every layer when the step has no head-wise tables (:attr:`plain`)."""
+        lt = self.layers.get(layer_index)
+        if lt is None:
+            lt = self.layers[layer_index] = self.table(meta, layer_index)
+            if self.fields[4] is None:  # no head-wise tables this step: every layer's is this one
+                self.plain = lt
+        return lt
+
     def table(self, meta: BatchMeta, layer_index: int) -> tuple[Any, bool]:
         """The :class:`~..kernels._launch.LaunchStep` over the table layer ``layer_index`` reads (int32)
         and whether that table is head-wise (runs on each layer's first call of a step)."""
@@ -398,11 +408,7 @@ class TritonBackend(AttentionBackend):
             step = _step_state(meta, q, torch_views, self, fields)
         lt = step.plain
         if lt is None:
-            lt = step.layers.get(layer.index)
-            if lt is None:
-                lt = step.layers[layer.index] = step.table(meta, layer.index)
-                if step.fields[4] is None:  # no head-wise tables this step: every layer's is this one
-                    step.plain = lt
+            lt = step.layer(meta, layer.index)
         launch, headwise = lt
         kc, vc = kv_cache
         plan = self._plans.get((id(layer), id(kc), id(vc), headwise, q.dtype))
@@ -420,12 +426,13 @@ class TritonBackend(AttentionBackend):
 
     def _run_paddle_kept(self, q, k, v, layer, meta, kv_cache, sinks, fields) -> Any:
         """The paddle lane: ``forward`` on paddle tensors (torch installed) without DLPack views, where
-        a call through the views has already built this layer's plans on this step's state and every
-        kernel the call needs is compiled and kept for its shapes (any other call, e.g. a step's first
-        layer, a new token count or a CPU tensor, returns ``None`` and goes through the views, which
-        compile and keep). Reads q / k / v's strides and addresses from paddle, allocates the
-        ``[T, Hq * Dv]`` output with Paddle and launches on Paddle's current stream of q's device, so
-        the kernels get the arguments the views would give them. Returns the output or ``None``."""
+        a call through the views has already built this layer's plans and every kernel the call needs
+        is compiled and kept for its shapes (any other call, e.g. a layer's first, a new token count or
+        a CPU tensor, returns ``None`` and goes through the views, which compile and keep). A step's
+        first layer derives the step's state here. Reads q / k / v's strides and addresses from paddle,
+        allocates the ``[T, Hq * Dv]`` output with Paddle and launches on Paddle's current stream of q's
+        device, so the kernels get the arguments the views would give them. Returns the output or
+        ``None``."""
         step = meta.__dict__.get(_STEP_ATTR)
         if (
             step is None
@@ -433,12 +440,15 @@ class TritonBackend(AttentionBackend):
             or not step.torch_views
             or (step.fields is not fields and not _same_step(step.fields, meta))
         ):
-            return None
+            # a step's first layer: its state derived as the views' path derives it (the metadata's
+            # int32 torch views, once per step), on the device of the backend's torch error flag
+            flags = [mon.flag for key, mon in self._monitors.items() if key[0] == "torch"]
+            if len(flags) != 1:  # none yet (no call through the views), or several devices
+                return None
+            step = _step_state(meta, flags[0], True, self, fields)
         lt = step.plain
         if lt is None:
-            lt = step.layers.get(layer.index)
-            if lt is None:
-                return None
+            lt = step.layer(meta, layer.index)
         launch, headwise = lt
         tdt = self._paddle_dtypes[q.dtype]
         kc, vc = kv_cache
