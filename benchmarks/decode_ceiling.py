@@ -18,8 +18,7 @@ gap is the layout, not the kernel.
 
 Usage::
 
-    python benchmarks/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tiles] [--rounds N]
-                                        [--tag KEY=VALUE] [--json]
+    python benchmarks/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tiles] [--tag KEY=VALUE] [--json]
 """
 
 from __future__ import annotations
@@ -93,10 +92,9 @@ def layouts(batch: dict, bsz: int, ctx: int) -> dict:
     }
 
 
-def run(fh=None, smoke: bool = False, tiles: bool = False, rounds: int = 0) -> list[dict]:
+def run(fh=None, smoke: bool = False, tiles: bool = False) -> list[dict]:
     """Every figure of this benchmark, one record each (errors recorded, not raised). ``tiles``: ours
-    with each of :data:`TILES` too; ``rounds``: then ours (default tiles) and cuDNN timed alternately
-    that many more times (``round`` in the records: the spread of the ratio between calls)."""
+    with each of :data:`TILES` too."""
     import torch
 
     if smoke:
@@ -166,13 +164,6 @@ def run(fh=None, smoke: bool = False, tiles: bool = False, rounds: int = 0) -> l
                     lambda kw=kw: A.run_ours("tiles", ours, **kw),
                     block_n=bn, warps=w, stages=st,
                 )  # fmt: skip
-        for r in range(rounds):
-            record(
-                "triton-paged-random",
-                lambda: A.run_ours("r", ours, max_q_len=1, max_ctx=ctx, check=check),
-                round=r,
-            )
-            record("sdpa-cudnn", cudnn, round=r)
     return recs
 
 
@@ -187,18 +178,8 @@ def summary(recs: list[dict]) -> dict:
     def ratio(a: str, b: str) -> float | None:
         return round(best[a] / best[b], 3) if a in best and b in best and best[b] else None
 
-    rounds: dict[int, dict[str, float]] = {}
-    for r in recs:
-        if "round" in r and "gbps" in r:
-            rounds.setdefault(r["round"], {})[r["impl"]] = r["gbps"]
-    per_round = [
-        round(g["triton-paged-random"] / g["sdpa-cudnn"], 3)
-        for _, g in sorted(rounds.items())
-        if "triton-paged-random" in g and g.get("sdpa-cudnn")
-    ]
     return {
         "gbps": best,
-        "ours_vs_cudnn_per_round": per_round,
         "ours_vs_cudnn": ratio("triton-paged-random", "sdpa-cudnn"),
         "ours_vs_reader_same_layout": ratio("triton-paged-random", "read-paged-random"),
         "reader_random_vs_contiguous": ratio("read-paged-random", "read-contiguous"),
@@ -215,10 +196,7 @@ def main(argv=None) -> int:
         "--json", action="store_true", help="the summary as one JSON object on stdout's last line"
     )
     ap.add_argument("--tiles", action="store_true", help="ours with other decode tile shapes too (TILES)")
-    ap.add_argument("--rounds", type=int, default=0, help="ours and cuDNN timed alternately N more times")
     args = ap.parse_args(argv)
-    if args.rounds < 0:
-        ap.error(f"--rounds must be >= 0, got {args.rounds}")
     try:
         tags = parse_tags(args.tag)
     except ValueError as e:
@@ -228,7 +206,7 @@ def main(argv=None) -> int:
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)
     fh = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
     try:
-        recs = run(fh, smoke=args.smoke, tiles=args.tiles, rounds=args.rounds)
+        recs = run(fh, smoke=args.smoke, tiles=args.tiles)
     finally:
         A.emit = emit
         if fh is not None:
