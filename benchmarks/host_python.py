@@ -244,19 +244,19 @@ def build_cases(device: str) -> dict:
     layer_kv = [(d["kc"].clone(), d["vc"].clone()) for _ in layers]
     meta_fields = {f.name: getattr(d["meta"], f.name) for f in dataclasses.fields(BatchMeta)}
 
-    def step(backend):
+    def step(backend, t=d, fields=meta_fields, caches=layer_kv):
+        """A whole step: a new BatchMeta of ``fields``, then every layer on ``t``'s q / k / v."""
+
         def run():
-            meta = BatchMeta(**meta_fields)
-            for lyr, c in zip(layers, layer_kv, strict=True):
-                backend.forward(d["q"], d["k"], d["v"], lyr, meta, c)
+            meta = BatchMeta(**fields)
+            for lyr, c in zip(layers, caches, strict=True):
+                backend.forward(t["q"], t["k"], t["v"], lyr, meta, c)
 
         return run
 
     cases = {}
     paddle = _paddle()
-    if (
-        paddle is not None and device == "cpu"
-    ):  # FastDeploy's tensors beside torch (the backend's paddle lane)
+    if paddle is not None and device == "cpu":  # FastDeploy's tensors beside torch (the paddle lane)
 
         class ViewsOnly(TritonBackend):
             """The backend as before the lane: paddle tensors always cross by DLPack views."""
@@ -268,31 +268,20 @@ def build_cases(device: str) -> dict:
             return paddle.to_tensor(x.numpy()) if isinstance(x, torch.Tensor) else x
 
         pd = {n: to_paddle(d[n]) for n in ("q", "k", "v", "kc", "vc")}
-        pmeta = BatchMeta(**{n: to_paddle(x) for n, x in meta_fields.items()})
+        p_fields = {n: to_paddle(x) for n, x in meta_fields.items()}
+        pmeta = BatchMeta(**p_fields)
         pkv_ = (pd["kc"], pd["vc"])
-        views, lane = (
-            ViewsOnly(validate=False, host_checks=False),
-            TritonBackend(validate=False, host_checks=False),
-        )
+        views = ViewsOnly(validate=False, host_checks=False)
+        lane = TritonBackend(validate=False, host_checks=False)
         cases["backend-layer-paddle-views"] = lambda: views.forward(
             pd["q"], pd["k"], pd["v"], layer, pmeta, pkv_
         )
         cases["backend-layer-paddle-lane"] = lambda: lane.forward(
             pd["q"], pd["k"], pd["v"], layer, pmeta, pkv_
         )
-        p_layer_kv = [(to_paddle(kc), to_paddle(vc)) for kc, vc in layer_kv]
-        p_fields = {n: to_paddle(x) for n, x in meta_fields.items()}
-
-        def p_step(backend):
-            def run():
-                m = BatchMeta(**p_fields)
-                for lyr, c in zip(layers, p_layer_kv, strict=True):
-                    backend.forward(pd["q"], pd["k"], pd["v"], lyr, m, c)
-
-            return run
-
-        cases["backend-step-paddle-views"] = p_step(views)
-        cases["backend-step-paddle-lane"] = p_step(lane)
+        p_caches = [(to_paddle(kc), to_paddle(vc)) for kc, vc in layer_kv]
+        cases["backend-step-paddle-views"] = step(views, pd, p_fields, p_caches)
+        cases["backend-step-paddle-lane"] = step(lane, pd, p_fields, p_caches)
     return cases | {
         "torch-add_": lambda: add_x.add_(1),
         "torch-empty": lambda: torch.empty(empty_shape, dtype=dtype, device=device),
