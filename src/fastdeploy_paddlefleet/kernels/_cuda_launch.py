@@ -16,7 +16,9 @@ does the same launch with what is fixed per kernel derived once:
   different descriptor object, or one over another address, is passed;
 * one call of libcuda's ``cuLaunchKernel`` (the function handle comes from Triton's loader, which set
   its dynamic shared memory attribute) with Triton's grid and block sizes, from a small C entry point
-  (:mod:`._fast_launch`) where it builds, else through ctypes.
+  (:mod:`._fast_launch`) where it builds, else through ctypes. The C entry point also packs: one call
+  writes the values into the buffer and launches (``pack_launch``); values it does not take (tensors
+  for pointers) are packed here as above.
 
 Anything it does not reproduce exactly is refused (:func:`own_launcher` returns ``None`` and logs why;
 the caller keeps Triton's launcher): clusters (``num_ctas != 1``), cooperative grids, PDL, scratch
@@ -180,6 +182,13 @@ class ParamBuffer:
         self.kernel_params = ctypes.addressof(self._params)
         self.pack_into = self._struct.pack_into
         self.dyn_at = self._shift + self._dyn_offset
+        #: the same packing for the C entry point (``_fast_launch.fast_pack_launch``): the aligned start's
+        #: address and, per packed value, its offset from there, argument index and struct code
+        self.base = base + self._shift
+        self.spec = b"".join(
+            struct.pack(_fast.SPEC_ENTRY, self.offsets[j], layout[j].arg, ord(layout[j].code))
+            for j in dynamic
+        )
         idx = [layout[j].arg for j in dynamic]
         #: picks a call's packed values out of its argument tuple (as a tuple)
         if idx == list(range(n_args)):
@@ -319,6 +328,8 @@ class OwnLauncher:
         self.lib = lib
         # the C entry point where it builds (2.6 us less per launch on the H200's host), else ctypes
         self._launch = None if lib is None else (_fast.fast_launch(lib.cuLaunchKernel) or lib.cuLaunchKernel)
+        #: pack and launch in one C call where the module builds (``None``: pack here, then ``_launch``)
+        self._pack_launch = None if lib is None else _fast.fast_pack_launch(lib.cuLaunchKernel)
         self.device_index = device_index
         self.meta = meta
         # per descriptor: (argument index, tensormap param index, shape param indices, stride indices)
@@ -382,19 +393,27 @@ class OwnLauncher:
         buf = self.buf
         if self.descs:
             self._check_descs(args)
-        try:  # inline ParamBuffer.pack: a frame less per launch
-            buf.pack_into(buf.raw, buf.dyn_at, *buf.pick(args))
-        except (struct.error, TypeError):  # tensors for pointers: their addresses
-            buf.pack(args)
         n = len(grid)
         gx = grid[0]
         gy = grid[1] if n > 1 else 1
         gz = grid[2] if n > 2 else 1
         if gx * gy * gz <= 0:  # Triton launches nothing for an empty grid
             return
-        res = self._launch(
-            self.function, gx, gy, gz, self.block, 1, 1, self.shared, stream, buf.kernel_params, None
-        )  # fmt: skip
+        pl = self._pack_launch
+        res = _fast.NOT_PACKED
+        if pl is not None and type(args) is tuple:
+            res = pl(
+                buf.base, buf.spec, args, self.function, gx, gy, gz, self.block, self.shared, stream,
+                buf.kernel_params,
+            )  # fmt: skip
+        if res == _fast.NOT_PACKED:  # no C entry, or a value it does not pack (e.g. a tensor for a pointer)
+            try:  # inline ParamBuffer.pack: a frame less per launch
+                buf.pack_into(buf.raw, buf.dyn_at, *buf.pick(args))
+            except (struct.error, TypeError):  # tensors for pointers: their addresses
+                buf.pack(args)
+            res = self._launch(
+                self.function, gx, gy, gz, self.block, 1, 1, self.shared, stream, buf.kernel_params, None
+            )  # fmt: skip
         if res:
             if res == _CUDA_ERROR_INVALID_CONTEXT and self._make_context():
                 res = self._launch(
