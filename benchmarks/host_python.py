@@ -261,7 +261,7 @@ def build_cases(device: str) -> dict:
         class ViewsOnly(TritonBackend):
             """The backend as before the lane: paddle tensors always cross by DLPack views."""
 
-            def _run_paddle_kept(self, *args):
+            def _run_kept(self, *args):
                 return None
 
         def to_paddle(x):

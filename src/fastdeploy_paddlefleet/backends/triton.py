@@ -10,9 +10,10 @@ the way FastDeploy runs Triton on paddle tensors (``kernels/_framework.py``):
   work, recorded by a CUDA graph Paddle captures); the output goes back to paddle. That crossing
   costs ~40-50 us of host per layer (three ``torch.from_dlpack`` and one ``paddle`` import of the
   output), so once a layer's kernels are compiled and kept for a step's shapes, the *paddle lane*
-  (:meth:`TritonBackend._run_paddle_kept`) launches them by addresses read from the paddle tensors
+  (:meth:`TritonBackend._run_kept`) launches them by addresses read from the paddle tensors
   themselves, into an output Paddle allocates, on Paddle's stream: the same kernels with the same
-  arguments, no crossing (:data:`PADDLE_LANE`);
+  arguments, no crossing (:data:`KEPT_LANE`; torch tensors take the same lane, without the plans'
+  per-call frames);
 * paddle tensors without torch (a FastDeploy deployment) go straight to the kernels, with Triton
   on Paddle's torch proxy (``paddle.enable_compat(scope={"triton"})``).
 
@@ -63,9 +64,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = ("float16", "bfloat16", "float32")
 _Tensor = fw.torch.Tensor if fw.torch is not None else None  # the exact type (is_torch without a call)
 
-#: paddle tensors with torch installed launch kept kernels by addresses, without DLPack views (module
-#: docstring); ``False``: always through the views (tests compare the two). Read per call.
-PADDLE_LANE = True
+#: calls whose kernels are compiled and kept launch them by addresses at once
+#: (:meth:`TritonBackend._run_kept`; paddle tensors with torch installed: without DLPack views);
+#: ``False``: always through ``_run`` (tests compare the two). Read per call.
+KEPT_LANE = True
 
 
 def _to_torch(x: Any, device: Any = None, int32: bool = False) -> Any:
@@ -304,7 +306,7 @@ class TritonBackend(AttentionBackend):
         self._monitors: dict[Any, Any] = {}  # (framework, device) -> KernelErrorMonitor
         self._plans: dict[Any, _LayerPlan] = {}  # (layer, caches, headwise, dtype) -> launch plans
         self._checked: dict[tuple, tuple] = {}  # layer setups validate_shapes passed (served checks)
-        # the paddle lane (_run_paddle_kept): paddle dtype -> torch dtype, stream readers per device,
+        # the paddle lane (_run_kept): paddle dtype -> torch dtype, stream readers per device,
         # Paddle's allocation; set up on first use
         self._paddle_dtypes: dict[Any, Any] = _PaddleDtypes()
         self._paddle_streams: dict[int | None, Any] = {}
@@ -374,10 +376,14 @@ class TritonBackend(AttentionBackend):
         # served checks: the metadata fields they found current (the step state below skips that check)
         fields = self._validate(q, k, v, layer, meta, kv_cache, sinks) if self.validate else None
         if type(q) is _Tensor or is_torch(q):
+            if KEPT_LANE:  # the kernels this call needs compiled and kept: launched by addresses at once
+                out = self._run_kept(q, k, v, layer, meta, kv_cache, sinks, fields, False)
+                if out is not None:
+                    return out
             return self._run(q, k, v, layer, meta, kv_cache, sinks, True, fields)
         if fw.torch is not None:  # paddle tensors, torch installed: torch views (DLPack) on paddle's stream
-            if PADDLE_LANE:  # the kernels this call needs compiled and kept: launched without the views
-                out = self._run_paddle_kept(q, k, v, layer, meta, kv_cache, sinks, fields)
+            if KEPT_LANE:  # the kernels this call needs compiled and kept: launched without the views
+                out = self._run_kept(q, k, v, layer, meta, kv_cache, sinks, fields, True)
                 if out is not None:
                     return out
             tq = _to_torch(q)
@@ -424,15 +430,16 @@ class TritonBackend(AttentionBackend):
         plan.write.run_step(k, v, launch, stream=stream)
         return plan.attend.run_step(q, launch, flat=True, stream=stream)
 
-    def _run_paddle_kept(self, q, k, v, layer, meta, kv_cache, sinks, fields) -> Any:
-        """The paddle lane: ``forward`` on paddle tensors (torch installed) without DLPack views, where
-        a call through the views has already built this layer's plans and every kernel the call needs
-        is compiled and kept for its shapes (any other call, e.g. a layer's first, a new token count or
-        a CPU tensor, returns ``None`` and goes through the views, which compile and keep). A step's
-        first layer derives the step's state here. Reads q / k / v's strides and addresses from paddle,
-        allocates the ``[T, Hq * Dv]`` output with Paddle and launches on Paddle's current stream of q's
-        device, so the kernels get the arguments the views would give them. Returns the output or
-        ``None``."""
+    def _run_kept(self, q, k, v, layer, meta, kv_cache, sinks, fields, paddle: bool) -> Any:
+        """The kept lane: ``forward`` on torch tensors, or on paddle tensors with torch installed (the
+        *paddle lane*: no DLPack views), where an earlier call through :meth:`_run` built this layer's
+        plans and every kernel the call needs is compiled and kept for its shapes. Reads q / k / v's
+        strides and addresses, allocates the ``[T, Hq * Dv]`` output in q's framework and launches the
+        kept kernels by addresses (``launch_kept``) on the current stream (paddle: Paddle's, of q's
+        device), so the kernels get the arguments :meth:`_run` would give them, without its frames or
+        (paddle) the views. A step's first layer derives the step's state here. Any other call (a layer's
+        first, a new token count or split count, a CPU tensor, a misaligned view) returns ``None``, and
+        :meth:`_run` compiles, keeps, or names what is wrong."""
         step = meta.__dict__.get(_STEP_ATTR)
         if (
             step is None
@@ -440,17 +447,20 @@ class TritonBackend(AttentionBackend):
             or not step.torch_views
             or (step.fields is not fields and not _same_step(step.fields, meta))
         ):
-            # a step's first layer: its state derived as the views' path derives it (the metadata's
-            # int32 torch views, once per step), on the device of the backend's torch error flag
-            flags = [mon.flag for key, mon in self._monitors.items() if key[0] == "torch"]
-            if len(flags) != 1:  # none yet (no call through the views), or several devices
-                return None
-            step = _step_state(meta, flags[0], True, self, fields)
+            # a step's first layer: its state derived as _run derives it (the metadata's int32 torch
+            # views, once per step); paddle: on the device of the backend's torch error flag
+            like = q
+            if paddle:
+                flags = [mon.flag for key, mon in self._monitors.items() if key[0] == "torch"]
+                if len(flags) != 1:  # none yet (no call through the views), or several devices
+                    return None
+                like = flags[0]
+            step = _step_state(meta, like, True, self, fields)
         lt = step.plain
         if lt is None:
             lt = step.layer(meta, layer.index)
         launch, headwise = lt
-        tdt = self._paddle_dtypes[q.dtype]
+        tdt = self._paddle_dtypes[q.dtype] if paddle else q.dtype
         kc, vc = kv_cache
         plan = self._plans.get((id(layer), id(kc), id(vc), headwise, tdt))
         if (  # as _run: no plan yet, or a stale one; and what a direct launch needs of the step and caches
@@ -474,20 +484,28 @@ class TritonBackend(AttentionBackend):
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (qp | kp | vp) & 15 or t == 0 or tk == 0 or launch.num_reqs <= 0:
             return None
-        index = attend.kernels.device_index
-        read_stream = self._paddle_streams.get(index)
-        if read_stream is None:
-            read_stream = self._paddle_streams[index] = fw.paddle_stream_reader(index)
-        stream = read_stream()
-        pdt = self._paddle_dtypes
-        if not write.launch_kept(kp, vp, ks, vs, pdt[k.dtype], pdt[v.dtype], tk, launch, stream):
+        if paddle:
+            index = attend.kernels.device_index
+            read_stream = self._paddle_streams.get(index)
+            if read_stream is None:
+                read_stream = self._paddle_streams[index] = fw.paddle_stream_reader(index)
+            stream = read_stream()
+            pdt = self._paddle_dtypes
+            kdt, vdt = pdt[k.dtype], pdt[v.dtype]
+        else:
+            stream = attend.kernels.stream()
+            kdt, vdt = k.dtype, v.dtype
+        if not write.launch_kept(kp, vp, ks, vs, kdt, vdt, tk, launch, stream):
             return None
-        if self._paddle_alloc is None:
-            self._paddle_alloc = fw.paddle_empty()
-        out = self._paddle_alloc([t, attend.hqdv], q.dtype, q.place)
+        if not paddle:
+            out = q.new_empty(t, attend.hqdv)
+        else:
+            if self._paddle_alloc is None:
+                self._paddle_alloc = fw.paddle_empty()
+            out = self._paddle_alloc([t, attend.hqdv], q.dtype, q.place)
         op = out.data_ptr()
         if op & 15 or not attend.launch_kept(q, qp, qs, t, op, attend.out_strides, launch, None, stream):
-            return None  # the views' path launches both again (the write stores the same values)
+            return None  # _run launches both again (the write stores the same values)
         return out
 
     def _new_plan(self, q, layer, kv_cache, sinks, headwise, torch_views) -> _LayerPlan:

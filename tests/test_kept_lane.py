@@ -1,4 +1,4 @@
-"""The Triton backend's paddle lane: paddle tensors with torch installed, kernels compiled and kept.
+"""The Triton backend's kept lane: calls whose kernels are compiled and kept, on paddle or torch tensors.
 
 Under FastDeploy (paddle tensors; torch may be installed beside it) the backend used to cross every
 call through DLPack views: three ``torch.from_dlpack`` and one paddle import of the output, ~40-50 us
@@ -110,19 +110,43 @@ STEPS = {
 }
 
 
+def _not_run(*args, **kw):
+    raise AssertionError("the call left the kept lane for _run")
+
+
 def _forward(monkeypatch, backend, lane, meta, q, k, v, caches, layer=LAYER, sinks=None):
-    monkeypatch.setattr(tb, "PADDLE_LANE", lane)
+    """One ``forward`` with the lane on (it must serve: ``_run`` raises) or off; returns the output and
+    the kept kernels' recorded launches."""
+    monkeypatch.setattr(tb, "KEPT_LANE", lane)
     Recorder.calls.clear()
-    out = backend.forward(q, k, v, layer, meta, caches, sinks)
+    with monkeypatch.context() as m:
+        if lane:
+            m.setattr(backend, "_run", _not_run)
+        out = backend.forward(q, k, v, layer, meta, caches, sinks)
     return out, list(Recorder.calls)
 
 
+def _as_torch(meta, q, k, v, caches, sinks):
+    """The same step as torch tensors (copies)."""
+    import dataclasses
+
+    def conv(x):
+        return torch.from_numpy(x.numpy()) if isinstance(x, paddle.Tensor) else x
+
+    meta = type(meta)(**{f.name: conv(getattr(meta, f.name)) for f in dataclasses.fields(meta)})
+    return meta, conv(q), conv(k), conv(v), (conv(caches[0]), conv(caches[1])), conv(sinks)
+
+
+@pytest.mark.parametrize("framework", ["paddle", "torch"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["full", "window-sinks"])
 @pytest.mark.parametrize("validate", [False, True], ids=["served", "fastdeploy-checks"])
 @pytest.mark.parametrize("name", list(STEPS))
-def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, validate, sinks):
+def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, validate, sinks, framework):
+    """Paddle: the lane against the DLPack views' path; torch: the lane against ``_run``'s plans."""
     meta, q, k, v, caches = _step(*STEPS[name])
     layer, sink_t = (SINK_LAYER, paddle.to_tensor([0.5, -1.0, 2.0, 0.0])) if sinks else (LAYER, None)
+    if framework == "torch":
+        meta, q, k, v, caches, sink_t = _as_torch(meta, q, k, v, caches, sink_t)
     backend = tb.TritonBackend(validate=validate, host_checks=False)
     # the views' path first: it builds the layer's plans and the step's state
     out_v, views = _forward(monkeypatch, backend, False, meta, q, k, v, caches, layer, sink_t)
@@ -132,7 +156,7 @@ def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, valida
     if name == "decode-split":
         assert "reduce" in [c[0] for c in views]
     for (kind, grid_v, args_v, stream_v), (_, grid_l, args_l, stream_l) in zip(views, lane, strict=True):
-        assert stream_v == 0 and stream_l == PADDLE_STREAM, kind
+        assert stream_v == 0 and stream_l == (PADDLE_STREAM if framework == "paddle" else 0), kind
         assert grid_l == grid_v, kind
         fresh = (FRESH if sinks else FRESH_NO_SINKS)[kind]
         assert [a for i, a in enumerate(args_l) if i not in fresh] == [
@@ -140,7 +164,7 @@ def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, valida
         ], kind
         if kind in ("prefill", "decode"):
             assert args_v[3] == out_v.data_ptr() and args_l[3] == out_l.data_ptr()
-    assert isinstance(out_l, paddle.Tensor) and type(out_l) is type(out_v)
+    assert type(out_l) is type(out_v) is (paddle.Tensor if framework == "paddle" else torch.Tensor)
     assert list(out_l.shape) == [q.shape[0], HQ * DV] and out_l.dtype == q.dtype
     assert out_l.data_ptr() != out_v.data_ptr()
 
@@ -151,15 +175,15 @@ def test_lane_steps_aside_until_every_kernel_is_kept(monkeypatch, gpu_like):
     (no plans, no error flag) and a q of another dtype do not take the lane either."""
     meta, q, k, v, caches = _step(*STEPS["mixed"])
     backend = tb.TritonBackend(validate=False, host_checks=False)
-    assert backend._run_paddle_kept(q, k, v, LAYER, meta, caches, None, None) is None
+    assert backend._run_kept(q, k, v, LAYER, meta, caches, None, None, True) is None
     _forward(monkeypatch, backend, False, meta, q, k, v, caches)
     Recorder.missing = {"decode"}
     Recorder.calls.clear()
-    assert backend._run_paddle_kept(q, k, v, LAYER, meta, caches, None, None) is None
+    assert backend._run_kept(q, k, v, LAYER, meta, caches, None, None, True) is None
     assert [c[0] for c in Recorder.calls] in ([], ["write"])  # a repeated write stores the same values
     Recorder.missing = set()
     q16 = q.astype("float16")
-    assert backend._run_paddle_kept(q16, k, v, LAYER, meta, caches, None, None) is None
+    assert backend._run_kept(q16, k, v, LAYER, meta, caches, None, None, True) is None
 
 
 def test_lane_serves_a_new_steps_first_layer(monkeypatch, gpu_like):
@@ -191,4 +215,4 @@ def test_lane_off_the_gpu_keeps_the_views(monkeypatch, gpu_like):
     backend = tb.TritonBackend(validate=False, host_checks=False)
     _forward(monkeypatch, backend, False, meta, q, k, v, caches)
     monkeypatch.setattr(paddle.Tensor, "is_cuda", property(lambda self: False))
-    assert backend._run_paddle_kept(q, k, v, LAYER, meta, caches, None, None) is None
+    assert backend._run_kept(q, k, v, LAYER, meta, caches, None, None, True) is None
