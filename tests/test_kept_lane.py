@@ -216,3 +216,21 @@ def test_lane_off_the_gpu_keeps_the_views(monkeypatch, gpu_like):
     _forward(monkeypatch, backend, False, meta, q, k, v, caches)
     monkeypatch.setattr(paddle.Tensor, "is_cuda", property(lambda self: False))
     assert backend._run_kept(q, k, v, LAYER, meta, caches, None, None, True) is None
+
+
+def test_paddle_lane_derives_no_step_for_another_device(monkeypatch, gpu_like):
+    """The step's metadata views go to the device of the backend's torch error flag: a q on another
+    GPU (its place's device id differs) must not get a step derived there (the views' path derives
+    it on q's device)."""
+    meta, q, k, v, caches = _step(*STEPS["mixed"])
+    backend = tb.TritonBackend(validate=False, host_checks=False)
+    _forward(monkeypatch, backend, False, meta, q, k, v, caches)
+    meta2, q2, k2, v2, _ = _step(*STEPS["mixed"], seed=1)
+
+    class OtherGpu:
+        def gpu_device_id(self):
+            return 1
+
+    monkeypatch.setattr(paddle.Tensor, "place", property(lambda self: OtherGpu()))
+    assert backend._run_kept(q2, k2, v2, LAYER, meta2, caches, None, None, True) is None
+    assert tb._STEP_ATTR not in meta2.__dict__

@@ -452,7 +452,11 @@ class TritonBackend(AttentionBackend):
             like = q
             if paddle:
                 flags = [mon.flag for key, mon in self._monitors.items() if key[0] == "torch"]
-                if len(flags) != 1:  # none yet (no call through the views), or several devices
+                if (  # none yet (no call through the views), several devices, or another device than q's
+                    len(flags) != 1
+                    or not q.is_cuda
+                    or (flags[0].device.index or 0) != q.place.gpu_device_id()
+                ):
                     return None
                 like = flags[0]
             step = _step_state(meta, like, True, self, fields)
