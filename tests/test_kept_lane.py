@@ -101,7 +101,7 @@ SINK_LAYER = LayerAttention(
 )  # fmt: skip
 # kernel kind -> argument positions that are fresh allocations: the output, the split partials (and
 # the reduce's sink pointer without sinks: any pointer, the partials' here)
-FRESH = {"write": (), "prefill": (3,), "decode": (3, 6, 7), "reduce": (0, 1, 2)}
+FRESH = {"write": (), "prefill": (3,), "decode": (3, 6, 7), "decode-fused": (3, 6, 7), "reduce": (0, 1, 2)}
 FRESH_NO_SINKS = {**FRESH, "reduce": (0, 1, 2, 3)}
 STEPS = {
     "decode-split": ([400, 70, 1000], [1, 1, 1]),  # few programs: the decode splits, the reduce merges
@@ -151,10 +151,12 @@ def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, valida
     # the views' path first: it builds the layer's plans and the step's state
     out_v, views = _forward(monkeypatch, backend, False, meta, q, k, v, caches, layer, sink_t)
     out_l, lane = _forward(monkeypatch, backend, True, meta, q, k, v, caches, layer, sink_t)
-    assert [c[0] for c in views][0] == "write" and len(views) >= 2
-    assert [c[0] for c in lane] == [c[0] for c in views]
-    if name == "decode-split":
-        assert "reduce" in [c[0] for c in views]
+    kinds = [c[0] for c in views]
+    if name == "decode-split":  # decode only: the cache write inside the decode launch
+        assert kinds[0] == "decode-fused" and "write" not in kinds and "reduce" in kinds
+    else:
+        assert kinds[0] == "write" and len(views) >= 2
+    assert [c[0] for c in lane] == kinds
     for (kind, grid_v, args_v, stream_v), (_, grid_l, args_l, stream_l) in zip(views, lane, strict=True):
         assert stream_v == 0 and stream_l == (PADDLE_STREAM if framework == "paddle" else 0), kind
         assert grid_l == grid_v, kind
@@ -162,8 +164,10 @@ def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, valida
         assert [a for i, a in enumerate(args_l) if i not in fresh] == [
             a for i, a in enumerate(args_v) if i not in fresh
         ], kind
-        if kind in ("prefill", "decode"):
+        if kind in ("prefill", "decode", "decode-fused"):
             assert args_v[3] == out_v.data_ptr() and args_l[3] == out_l.data_ptr()
+        if kind == "decode-fused":  # the new K/V's addresses and strides: the caller's k and v
+            assert args_l[-6:] == (k.data_ptr(), v.data_ptr(), *k.stride()[:2], *v.stride()[:2])
     assert type(out_l) is type(out_v) is (paddle.Tensor if framework == "paddle" else torch.Tensor)
     assert list(out_l.shape) == [q.shape[0], HQ * DV] and out_l.dtype == q.dtype
     assert out_l.data_ptr() != out_v.data_ptr()

@@ -554,20 +554,25 @@ def test_gpu_direct_launches_equal_tritons_path(kind, address_args, direct_launc
         kc, vc = big_k.clone(), big_v.clone()
         out = backend.forward(s.q, s.k, s.v, layer, meta, (big_k, big_v), sinks)
         monkeypatch.setattr(_launch, "DIRECT_LAUNCH", False)  # the references: Triton's path every call
-        write_kv_cache(s.k, s.v, kc, vc, s.bid, s.cu, s.dec, s.table, headwise=headwise)
+        # a decode-only step writes its K/V inside the decode launch (FDFLEET_FUSED_DECODE_WRITE)
+        fused = meta.max_seq_len_this_time == 1
+        if not fused:
+            write_kv_cache(s.k, s.v, kc, vc, s.bid, s.cu, s.dec, s.table, headwise=headwise)
         slides = layer.window_left is not None
         want = paged_attention(
             s.q, kc, vc, s.cu, s.dec, s.table, scale=layer.softmax_scale, headwise=headwise,
             window_left=layer.window_left if slides else None,
             sliding_heads=layer.sliding_kv_heads if slides else None, sink_kind=layer.sink, sinks=sinks,
             max_q_len=meta.max_seq_len_this_time, max_context_len=meta.max_context_len,
+            new_kv=(s.k, s.v) if fused else None,
         )  # fmt: skip
         monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
         torch.cuda.synchronize()
         assert torch.equal(out, want.view(want.shape[0], -1)), (kind, seed)
         assert torch.equal(big_k.nan_to_num(7.0), kc.nan_to_num(7.0))
     plans = list(backend._plans.values())
-    assert len(plans) == 1 and len(plans[0].attend.kernels) >= 1 and len(plans[0].write.kernels) == 1
+    assert len(plans) == 1 and len(plans[0].attend.kernels) >= 1
+    assert len(plans[0].write.kernels) == (0 if kind == "decode" else 1)
 
 
 @pytest.mark.gpu

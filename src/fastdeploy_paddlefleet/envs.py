@@ -9,6 +9,7 @@ a launcher may set a variable after the package was imported.
 * ``FDFLEET_KV_RECYCLE``: ``auto`` (default) | ``off``
 * ``FDFLEET_DIRECT_LAUNCH``: boolean, default ``True``
 * ``FDFLEET_OWN_LAUNCHER``: boolean, default ``True``
+* ``FDFLEET_FUSED_DECODE_WRITE``: boolean, default ``True``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
   ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
@@ -196,10 +197,18 @@ def own_launcher() -> bool:
     return get_bool("FDFLEET_OWN_LAUNCHER", True)
 
 
+def fused_decode_write() -> bool:
+    """``FDFLEET_FUSED_DECODE_WRITE``: in a step where every request decodes one token, the Triton
+    backend's decode launch writes the step's K/V into the cache itself (one launch per layer instead
+    of the cache write's and the decode's; default on). Off: a separate cache-write launch."""
+    return get_bool("FDFLEET_FUSED_DECODE_WRITE", True)
+
+
 #: every switch's getter (check_all runs them all)
 _GETTERS = (
     backend_name,
     direct_launch,
+    fused_decode_write,
     headwise_kv,
     kv_recycle,
     log_level,

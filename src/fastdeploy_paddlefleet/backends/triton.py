@@ -427,6 +427,8 @@ class TritonBackend(AttentionBackend):
         ):
             plan = self._new_plan(q, layer, kv_cache, sinks, headwise, torch_views)
         stream = plan.kernels.stream() if plan.direct else None
+        if launch.max_q_len == 1 and plan.attend.fuse_write:  # decode only: the write inside the decode
+            return plan.attend.run_step(q, launch, flat=True, stream=stream, new_kv=(k, v))
         plan.write.run_step(k, v, launch, stream=stream)
         return plan.attend.run_step(q, launch, flat=True, stream=stream)
 
@@ -499,7 +501,19 @@ class TritonBackend(AttentionBackend):
         else:
             stream = attend.kernels.stream()
             kdt, vdt = k.dtype, v.dtype
-        if not write.launch_kept(kp, vp, ks, vs, kdt, vdt, tk, launch, stream):
+        new = None
+        if launch.max_q_len == 1 and attend.fuse_write:  # decode only: the write inside the decode
+            ksh, vsh = k.shape, v.shape
+            if (
+                tk < t
+                or ksh[1] != attend.hkv
+                or vsh[1] != attend.hkv
+                or ksh[2] != attend.dqk
+                or vsh[2] != attend.dv
+            ):
+                return None  # _run names the bad shape
+            new = (kp, vp, ks, vs, kdt, vdt)
+        elif not write.launch_kept(kp, vp, ks, vs, kdt, vdt, tk, launch, stream):
             return None
         if not paddle:
             out = q.new_empty(t, attend.hqdv)
@@ -508,8 +522,8 @@ class TritonBackend(AttentionBackend):
                 self._paddle_alloc = fw.paddle_empty()
             out = self._paddle_alloc([t, attend.hqdv], q.dtype, q.place)
         op = out.data_ptr()
-        if op & 15 or not attend.launch_kept(q, qp, qs, t, op, attend.out_strides, launch, None, stream):
-            return None  # _run launches both again (the write stores the same values)
+        if op & 15 or not attend.launch_kept(q, qp, qs, t, op, attend.out_strides, launch, None, stream, new):
+            return None  # _run launches again (a write already made stores the same values)
         return out
 
     def _new_plan(self, q, layer, kv_cache, sinks, headwise, torch_views) -> _LayerPlan:

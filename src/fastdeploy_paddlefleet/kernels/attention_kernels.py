@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .errors import KERNEL_DECODE, KERNEL_PREFILL, check_entries
+from .errors import KERNEL_CACHE_WRITE, KERNEL_DECODE, KERNEL_PREFILL, check_entries
 
 PAGE_CHUNK: tl.constexpr = tl.constexpr(16)  # key tiles whose pages are loaded at once
 BAD_NONE: tl.constexpr = tl.constexpr(1 << 30)  # "no bad table entry met"
@@ -350,18 +350,66 @@ def _prefill_kernel(
     )
 
 
+@triton.jit
+def _write_and_attend_new(
+    acc, l_i, m_i, q, K, V, Kn, Vn, tbl_row, n_blk, kvh, Err, n_pages, req, q0, pos, qk_scale,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr, PAGE_H: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ERR: tl.constexpr,
+):  # fmt: skip
+    """The decode query's own key (position ``pos``, row ``q0`` of ``Kn`` / ``Vn``, kv head ``kvh``):
+    written into its cache slot, then one more step of the online softmax. A table entry that may not
+    be dereferenced is recorded as the cache write's (``KERNEL_CACHE_WRITE``) and neither written
+    through nor attended, as the separate write and decode kernels do."""
+    blk = pos // BS + tl.arange(0, 2) * 0  # a vector (the interpreter mis-splats scalar bools)
+    page = tl.max(
+        _pages(tbl_row, blk, n_blk, kvh, Err, n_pages, req, blk >= 0, HKV, HEADWISE, PAGE_H, HAS_ERR,
+               KERNEL_CACHE_WRITE),
+        0,
+    )  # fmt: skip
+    if page >= 0:
+        offs_dk = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        row = q0.to(tl.int64)
+        k = tl.load(Kn + row * stride_knt + kvh * stride_knh + offs_dk, mask=offs_dk < DQK, other=0.0)
+        v = tl.load(Vn + row * stride_vnt + kvh * stride_vnh + offs_dv, mask=offs_dv < DV, other=0.0)
+        k = k.to(K.dtype.element_ty)  # what the cache holds: the unfused decode reads it back as this
+        v = v.to(V.dtype.element_ty)
+        slot = pos % BS
+        tl.store(K + page * stride_kp + slot * stride_kr + offs_dk, k, mask=offs_dk < DQK)
+        tl.store(V + page * stride_vp + slot * stride_vr + offs_dv, v, mask=offs_dv < DV)
+        qk = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
+        if SOFTCAP != 0.0:  # as _tile: qk_scale is scale / cap, SOFTCAP is cap * log2(e)
+            qk = _tanh(qk * qk_scale) * (SOFTCAP / qk_scale)
+        s = qk * qk_scale
+        m_new = tl.maximum(m_i, s)
+        p = tl.exp2(s - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + p
+        # P rounded to V's type as the tiles' P @ V takes it
+        acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok"])
 def _decode_kernel(
     Q, K, V, O, k_desc, v_desc, MidO, MidL, Sinks, CuQ, Ctx, Tbl, Err,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
-    qk_scale, window, win_h0, win_h1,
+    qk_scale, window, win_h0, win_h1, Kn, Vn, stride_knt, stride_knh, stride_vnt, stride_vnh,
     G: tl.constexpr, BLOCK_H: tl.constexpr, HKV: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
+    FUSE_WRITE: tl.constexpr = False,
 ):  # fmt: skip
+    """One (request, kv head, split) of a decode step. ``FUSE_WRITE``: the step's own K/V (row ``q0``
+    of ``Kn [T, Hkv, Dqk]`` / ``Vn [T, Hkv, Dv]``) are not in the cache yet: the split holding the
+    query's position writes them there (as ``_write_kv_kernel`` would) and attends them from
+    registers, every other key comes from the cache (no program reads the slot being written)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -376,6 +424,11 @@ def _decode_kernel(
     per = tl.cdiv(tl.cdiv(kv_len, BLOCK_N) - t0, NUM_SPLITS)
     start = (t0 + split * per) * BLOCK_N
     stop = tl.minimum((t0 + split * per + per) * BLOCK_N, kv_len)
+    has_new = False
+    if FUSE_WRITE:  # the cache holds keys [lo_key, pos); the key at pos comes from Kn / Vn below
+        has_new = (start <= pos) & (pos < stop)
+        kv_len = pos
+        stop = tl.minimum(stop, kv_len)
     ul = tl.maximum(start, tl.cdiv(lo_key, BLOCK_N) * BLOCK_N)  # whole tiles in [ul, uh) need no mask
     uh = tl.maximum(stop // BLOCK_N * BLOCK_N, ul)
 
@@ -427,6 +480,13 @@ def _decode_kernel(
         _scan_table(
             Err, tbl_row, n_blk, n_pages, b, kvh, tl.maximum(start, lo_key), stop, BS, HEADWISE, KERNEL_DECODE
         )
+    if FUSE_WRITE:
+        if has_new:
+            acc, l_i, m_i = _write_and_attend_new(
+                acc, l_i, m_i, q, K, V, Kn, Vn, tbl_row, n_blk, kvh, Err, n_pages, b, q0, pos, qk_scale,
+                stride_kp, stride_kr, stride_vp, stride_vr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                DQK, DV, BLOCK_DQK, BLOCK_DV, BS, HKV, HEADWISE, PAGE_H, SOFTCAP, HAS_ERR,
+            )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dv_ok = offs_dv[None, :] < DV
     if NUM_SPLITS == 1:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import envs
 from ._framework import empty, is_torch, num_sms, to_float32, torch
 from ._launch import KernelCache, LaunchStep, PlanMemo, caches_key, switches_key, tensor_version
 from .attention_kernels import _decode_kernel, _prefill_kernel
@@ -176,8 +177,10 @@ def paged_attention(
     prefill_impl: str | None = None,
     logits_soft_cap: float | None = None,
     errors: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of packed queries over the paged cache (which already holds this step's K/V).
+    """Attention of packed queries over the paged cache (which already holds this step's K/V, unless
+    ``new_kv`` is given).
 
     * ``q [T, Hq, Dqk]``; request ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` at positions
       ``seq_lens_decoder[b] + i``; keys are positions ``0 .. seq_lens_decoder[b] + n - 1``.
@@ -199,6 +202,11 @@ def paged_attention(
     * ``errors``: an ``int32 [8]`` device error flag (``kernels/errors.py``): the first table entry
       that is needed but negative, past the cache or past the table's width is recorded there (no host
       sync). Such entries are never dereferenced, with or without a flag.
+    * ``new_kv``: ``(k [T, Hkv, Dqk], v [T, Hkv, Dv])``, this step's K/V, not in the cache yet: the
+      decode launch writes them there itself (what :func:`~.cache_write.write_kv_cache` would write,
+      bad table entries recorded as the cache write's) and attends them from registers: one launch
+      instead of two. Only for steps where every request decodes one token (``max_q_len=1``;
+      ``ValueError`` otherwise).
 
     Returns ``out [T, Hq, Dv]`` in q's dtype. Requests with one query token go through the decode
     kernel (split-KV when the batch is too small to fill the GPU), longer ones through the prefill
@@ -258,7 +266,8 @@ def paged_attention(
             max_context_len=max_context_len, errors=errors,
         )  # fmt: skip
         # q's dtype is the plan's (in the key), its strides and out's are checked above
-        return plan._launch_step(q, qs, t, step, out, ost, False, num_splits, None)
+        fused = None if new_kv is None else plan._check_new_kv(new_kv, t, step)
+        return plan._launch_step(q, qs, t, step, out, ost, False, num_splits, None, fused)
     finally:
         # portable TMA descriptors (a tuning config) are built over views of the caches: not kept
         if key is not None and plan.memo_ok:
@@ -390,6 +399,8 @@ class AttentionPlan:
         self._consts: dict = {}  # per (kernel, has_err[, splits]): the launch's constexprs and options
         self._splits: dict = {}  # (requests, key span) -> split count
         self.torch_out = is_torch(q)  # outputs by q.new_empty, else _framework.empty
+        #: a server's decode-only steps write their K/V in the decode launch (``FDFLEET_FUSED_DECODE_WRITE``)
+        self.fuse_write = envs.fused_decode_write()
         self.hqdv = hq * dv
         #: the kernels' trailing scalars, and their TMA descriptor arguments (None: no TMA)
         self.scalars = (self.qk_scale, self.window, self.win_h0, self.win_h1)
@@ -468,19 +479,51 @@ class AttentionPlan:
         flat: bool = False,
         num_splits: int | None = None,
         stream: int | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """:meth:`run` on a step's :class:`~._launch.LaunchStep` (derived once per step, shared by every
         layer). ``q [T, Hq, Dqk]`` in the plan's dtype (``ValueError`` otherwise: kept kernels are keyed
         without it). ``flat``: a new output is ``[T, Hq * Dv]`` (the backend's shape; no view per call),
-        else ``[T, Hq, Dv]``; a given ``out`` is ``[T, Hq, Dv]``."""
+        else ``[T, Hq, Dv]``; a given ``out`` is ``[T, Hq, Dv]``. ``new_kv``: :func:`paged_attention`'s."""
         qs = q.stride()
         if qs[2] != 1:
             raise ValueError(f"q needs a contiguous last dim, got strides {qs}")
         if q.dtype != self.dtype:  # the kept kernels are this dtype's (not in their key)
             raise ValueError(f"q is {q.dtype}, but this plan was built for {self.dtype}")
+        t = q.shape[0]
         return self._launch_step(
-            q, qs, q.shape[0], step, out, None if out is None else out.stride(), flat, num_splits, stream
-        )
+            q, qs, t, step, out, None if out is None else out.stride(), flat, num_splits, stream,
+            None if new_kv is None else self._check_new_kv(new_kv, t, step),
+        )  # fmt: skip
+
+    def _check_new_kv(self, new_kv: tuple, t: int, step: LaunchStep) -> tuple:
+        """``(k, v, k strides, v strides)`` of a fused write's ``new_kv``, checked: a decode-only step,
+        ``k [>= T, Hkv, Dqk]`` / ``v [>= T, Hkv, Dv]`` with contiguous last dims, in the caches' dtype
+        or one the kernel converts (float)."""
+        if step.max_q_len != 1:
+            raise ValueError(
+                f"new_kv (the cache write fused into the decode) needs a step where every request decodes "
+                f"one token (max_q_len=1), got max_q_len={step.max_q_len}"
+            )
+        k, v = new_kv
+        ks, vs = k.stride(), v.stride()
+        if (
+            len(ks) != 3
+            or len(vs) != 3
+            or ks[2] != 1
+            or vs[2] != 1
+            or k.shape[0] < t
+            or v.shape[0] < t
+            or k.shape[1] != self.hkv
+            or v.shape[1] != self.hkv
+            or k.shape[2] != self.dqk
+            or v.shape[2] != self.dv
+        ):
+            raise ValueError(
+                f"new_kv must be k [>= {t}, {self.hkv}, {self.dqk}] and v [>= {t}, {self.hkv}, {self.dv}] "
+                f"with contiguous last dims, got {list(k.shape)} / {list(v.shape)} (strides {ks} / {vs})"
+            )
+        return k, v, ks, vs
 
     def _launch_step(
         self,
@@ -493,9 +536,10 @@ class AttentionPlan:
         flat: bool,
         num_splits: int | None,
         stream: int | None,
+        new_kv: tuple | None = None,
     ) -> torch.Tensor:
-        """:meth:`run_step` with ``q``'s strides ``qs`` and rows ``t`` and a given ``out``'s strides
-        ``ost`` read (and checked) by the caller."""
+        """:meth:`run_step` with ``q``'s strides ``qs`` and rows ``t``, a given ``out``'s strides ``ost``
+        and ``new_kv`` as ``(k, v, k strides, v strides)`` read (and checked) by the caller."""
         given = out is not None
         if not given:
             hq, dv = self.hq, self.dv
@@ -516,13 +560,18 @@ class AttentionPlan:
             and (not given or out.is_cuda)
         ):
             qp, op = q.data_ptr(), out.data_ptr()
-            if not (qp | op) & 15:  # else Triton's path: it specialises on alignment
+            align, new = qp | op, None
+            if new_kv is not None:
+                k, v, ks, vs = new_kv
+                new = (k.data_ptr(), v.data_ptr(), ks, vs, k.dtype, v.dtype)
+                align |= new[0] | new[1]
+            if not align & 15:  # else Triton's path: it specialises on alignment
                 if stream is None:
                     stream = cache.stream()
-                if self.launch_kept(q, qp, qs, t, op, ost, step, num_splits, stream):
+                if self.launch_kept(q, qp, qs, t, op, ost, step, num_splits, stream, new):
                     return out
                 key = (qs[0], qs[1], ost[0], ost[1], step.sig)  # compiled and kept below
-        self._launch_triton(q, qs, t, step, out, ost, num_splits, stream, key)
+        self._launch_triton(q, qs, t, step, out, ost, num_splits, stream, key, new_kv)
         return out
 
     def _runs(self, step: LaunchStep, t: int) -> tuple[bool, bool]:
@@ -563,6 +612,7 @@ class AttentionPlan:
         step: LaunchStep,
         num_splits: int | None,
         stream: int | None,
+        new: tuple | None = None,
     ) -> bool:
         """Launch this step's kernels by addresses if every one it needs is compiled and kept (a kernel
         cache hit for each); else launch nothing and return ``False``.
@@ -571,12 +621,16 @@ class AttentionPlan:
         the plan's GPU: the caller checked), ``qs`` / ``ost`` their strides (the first two read), ``t``
         q's rows, ``step`` a direct-launch :class:`~._launch.LaunchStep` (``direct_ok``). ``like``: a
         tensor of the caller's framework, for the split decode's partial buffers. Nothing else is read
-        from a tensor, so paddle tensors launch here as torch tensors do (the backend's paddle lane)."""
+        from a tensor, so paddle tensors launch here as torch tensors do (the backend's paddle lane).
+        ``new``: the fused cache write's ``(k address, v address, k strides, v strides, k dtype, v dtype)``
+        (16-byte aligned; a decode-only step, :meth:`_check_new_kv`), or ``None``."""
         cache = self.kernels
         if not cache.addresses:
             return False
         key = (qs[0], qs[1], ost[0], ost[1], step.sig)
         run_prefill, run_decode = self._runs(step, t)
+        if new is not None and run_prefill:
+            return False  # a fused write is for decode-only steps (run_step refuses others)
         hopper = pre = dec = red = None
         if run_prefill:
             if self._hopper_args is not None:
@@ -591,7 +645,7 @@ class AttentionPlan:
         splits = 1
         if run_decode:
             splits = self._num_splits(step, num_splits)
-            dec = cache.kernel(("decode", splits, key))  # NUM_SPLITS is compiled in
+            dec = cache.kernel(self._decode_key(splits, key, new))
             if dec is None:
                 return False
             if splits > 1:
@@ -630,11 +684,17 @@ class AttentionPlan:
             pmo, pml = mid_o.data_ptr(), mid_l.data_ptr()
         else:
             pmo = pml = qp  # unused: any pointer
+        if new is None:
+            knp = vnp = qp  # unused: any pointer
+            ks0 = ks1 = vs0 = vs1 = 0
+        else:
+            knp, vnp, (ks0, ks1, _), (vs0, vs1, _), _, _ = new
         dec(
             (num_reqs, self.hkv, splits),
             (
                 qp, kp, vp, op, d0, d1, pmo, pml, sp, p0, p1, p2, p3, qs[0], qs[1], ost[0], ost[1],
                 c0, c1, c2, c3, step.stride_tbl, step.n_blk, self.n_pages, t, s0, s1, s2, s3,
+                knp, vnp, ks0, ks1, vs0, vs1,
             ),
             stream,
         )  # fmt: skip
@@ -665,10 +725,12 @@ class AttentionPlan:
         num_splits: int | None,
         stream: int | None,
         key: tuple | None,
+        new_kv: tuple | None = None,
     ) -> None:
         """The step's launches with tensors, through Triton (compiling on first use and keeping the
         kernel when ``key`` is given; a kernel kept already launches by addresses) or, with
-        :data:`~._launch.ADDRESS_ARGS` off, through kept kernels given tensors."""
+        :data:`~._launch.ADDRESS_ARGS` off, through kept kernels given tensors. ``new_kv``: the fused
+        cache write's ``(k, v, k strides, v strides)``."""
         hq, dv, cache = self.hq, self.dv, self.kernels
         num_reqs = step.num_reqs
         sizes = self._sizes(qs, ost, step, t)
@@ -723,21 +785,27 @@ class AttentionPlan:
         if not run_decode:
             return
         splits = self._num_splits(step, num_splits)
-        dkey = None if key is None else ("decode", splits, key)  # NUM_SPLITS is compiled in
+        new = None
+        if new_kv is not None:
+            k, v, ks, vs = new_kv
+            new = (k, v, ks, vs, k.dtype, v.dtype)
+        dkey = None if key is None else self._decode_key(splits, key, new)
         hit = cache.kernel(dkey)
         mid_o = mid_l = None
         if splits > 1:
             mid_o = empty((num_reqs, hq, splits, dv), "float32", q)
             mid_l = empty((num_reqs, hq, splits), "float32", q)
         pmo, pml = (mid_o, mid_l) if splits > 1 else (pq, pq)
-        args = (pq, pk, pv, po, *self.ddescs, pmo, pml, ps, pcu, pdec, ptbl, perr, *sizes, *self.scalars)
+        fused = (new[0], new[1], new[2][0], new[2][1], new[3][0], new[3][1]) if new else (pq, pq, 0, 0, 0, 0)
+        args = (
+            pq, pk, pv, po, *self.ddescs, pmo, pml, ps, pcu, pdec, ptbl, perr, *sizes, *self.scalars, *fused,
+        )  # fmt: skip
         grid = (num_reqs, self.hkv, splits)
         if hit is not None and not cache.addresses:
             hit(grid, args, stream)
         else:
-            cache.launch(
-                _decode_kernel, dkey, grid, args, self._decode_consts(step.errors is not None, splits), stream
-            )
+            consts = self._decode_consts(step.errors is not None, splits, new is not None)
+            cache.launch(_decode_kernel, dkey, grid, args, consts, stream)
         if splits > 1:
             if out3 is None:
                 out3 = out if out.dim() == 3 else out.view(t, hq, dv)
@@ -764,15 +832,24 @@ class AttentionPlan:
             )  # fmt: skip
         return consts
 
-    def _decode_consts(self, has_err: bool, num_splits: int) -> dict:
+    @staticmethod
+    def _decode_key(splits: int, key: tuple, new: tuple | None) -> tuple:
+        """A decode kernel's key: the split count is compiled in; a fused write adds the new K/V's
+        strides and dtypes (Triton specialises on them)."""
+        if new is None:
+            return ("decode", splits, key)
+        return ("decode-fused", splits, key, new[2][0], new[2][1], new[3][0], new[3][1], new[4], new[5])
+
+    def _decode_consts(self, has_err: bool, num_splits: int, fused: bool = False) -> dict:
         """The decode launch's constexprs and options (Triton's path)."""
-        consts = self._consts.get(("decode", has_err, num_splits))
+        consts = self._consts.get(("decode", has_err, num_splits, fused))
         if consts is None:
             cfg = self.decode_cfg
-            consts = self._consts[("decode", has_err, num_splits)] = dict(
+            consts = self._consts[("decode", has_err, num_splits, fused)] = dict(
                 G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
                 NUM_SPLITS=num_splits, USE_TMA=self.decode_desc is not None, HAS_ERR=has_err,
-                ERR_LOOP=ERR_LOOP_DECODE, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.consts,
+                ERR_LOOP=ERR_LOOP_DECODE, FUSE_WRITE=fused, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **self.consts,
             )  # fmt: skip
         return consts
 
