@@ -230,6 +230,7 @@ def run_ours(
     num_splits=None,
     dv=None,
     prefill_impl=None,
+    new_kv=None,
 ):
     import inspect
 
@@ -271,6 +272,7 @@ def run_ours(
             decode_config=decode_config,
             prefill_impl=prefill_impl,
             **flag_kw,
+            **({} if new_kv is None else {"new_kv": new_kv}),
         )
 
     fn()
@@ -415,6 +417,19 @@ def peer_records(kind, case, q, k, v, *, causal, window, sinks, work, unit, fh, 
 # ------------------------------------------------------------------------------ cases
 
 
+def step_kv(batch):
+    """This step's K/V of a decode batch (per-request block tables) as ``new_kv`` takes them
+    (``[T, Hkv, D]``): the values the cache already holds at each request's position, so a fused
+    write stores them again unchanged and the dense check still holds."""
+    import torch
+
+    if batch["headwise"]:
+        raise ValueError("step_kv reads per-request block tables, not head-wise page tables")
+    dec = batch["dec"].long()
+    blocks = batch["table"][torch.arange(dec.shape[0], device=dec.device), dec // BS].long()
+    return batch["kc"][blocks, :, dec % BS].contiguous(), batch["vc"][blocks, :, dec % BS].contiguous()
+
+
 def decode_cases(fh, check, peers):
     import torch
 
@@ -466,6 +481,19 @@ def decode_cases(fh, check, peers):
             },
             fh,
         )
+        if name == "decode-full":  # the served decode: the step's K/V written by the same launch
+            try:
+                rows = [(0, [0]), (bsz - 1, [0])] if check else None
+                ms, errs = run_ours(name, batch, max_q_len=1, max_ctx=ctx, check=rows, new_kv=step_kv(batch))
+                rec = {
+                    "ms": round(ms, 4),
+                    "kv_bytes": nbytes,
+                    "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+                    **errs,
+                }
+            except TypeError as e:  # an older tree (--src): no fused write
+                rec = {"error": repr(e)[:200]}
+            emit({"case": name, "impl": "triton-fused-write", "kind": "decode", **rec}, fh)
         del batch
         if peers and name in ("decode-full", "decode-swa1024-sinks"):
             span = ctx if window is None else window + 1  # contiguous KV: only the keys needed
