@@ -352,8 +352,8 @@ def _prefill_kernel(
 
 @triton.jit
 def _write_and_attend_new(
-    acc, l_i, m_i, q, K, V, Kn, Vn, tbl_row, n_blk, kvh, Err, n_pages, req, q0, pos, qk_scale,
-    stride_kp, stride_kr, stride_vp, stride_vr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    acc, l_i, m_i, Q, q_rows, q_mask, K, V, Kn, Vn, tbl_row, n_blk, kvh, Err, n_pages, req, q0, pos,
+    qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BS: tl.constexpr, HKV: tl.constexpr, HEADWISE: tl.constexpr, PAGE_H: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ERR: tl.constexpr,
@@ -361,7 +361,10 @@ def _write_and_attend_new(
     """The decode query's own key (position ``pos``, row ``q0`` of ``Kn`` / ``Vn``, kv head ``kvh``):
     written into its cache slot, then one more step of the online softmax. A table entry that may not
     be dereferenced is recorded as the cache write's (``KERNEL_CACHE_WRITE``) and neither written
-    through nor attended, as the separate write and decode kernels do."""
+    through nor attended, as the separate write and decode kernels do. Called before the key loops,
+    with the query rows loaded again (``Q + q_rows``, ``q_mask``): after the loops and on their ``q``,
+    the kernel compiled to 168 registers with a stack frame instead of 252 and ran 20 % slower on the
+    H200 (``benchmarks/NOTES.md``)."""
     blk = pos // BS + tl.arange(0, 2) * 0  # a vector (the interpreter mis-splats scalar bools)
     page = tl.max(
         _pages(tbl_row, blk, n_blk, kvh, Err, n_pages, req, blk >= 0, HKV, HEADWISE, PAGE_H, HAS_ERR,
@@ -379,6 +382,7 @@ def _write_and_attend_new(
         slot = pos % BS
         tl.store(K + page * stride_kp + slot * stride_kr + offs_dk, k, mask=offs_dk < DQK)
         tl.store(V + page * stride_vp + slot * stride_vr + offs_dv, v, mask=offs_dv < DV)
+        q = tl.load(Q + q_rows, mask=q_mask, other=0.0)
         qk = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
         if SOFTCAP != 0.0:  # as _tile: qk_scale is scale / cap, SOFTCAP is cap * log2(e)
             qk = _tanh(qk * qk_scale) * (SOFTCAP / qk_scale)
@@ -437,11 +441,9 @@ def _decode_kernel(
     head = kvh * G + offs_h
     offs_dk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        Q + q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
-        mask=row_ok[:, None] & (offs_dk[None, :] < DQK),
-        other=0.0,
-    )
+    q_rows = q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
+    q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
+    q = tl.load(Q + q_rows, mask=q_mask, other=0.0)
     posv = tl.full([BLOCK_H], 0, tl.int32) + pos
     if NUM_SPLITS == 1:
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
@@ -450,6 +452,13 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     bad = tl.full([], BAD_NONE, tl.int32)  # HAS_ERR: smallest logical block with an unusable entry
     tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
+    if FUSE_WRITE:  # the new key first: the key loops below stay as without it
+        if has_new:
+            acc, l_i, m_i = _write_and_attend_new(
+                acc, l_i, m_i, Q, q_rows, q_mask, K, V, Kn, Vn, tbl_row, n_blk, kvh, Err, n_pages, b, q0, pos,
+                qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, stride_knt, stride_knh, stride_vnt,
+                stride_vnh, DQK, DV, BLOCK_DQK, BLOCK_DV, BS, HKV, HEADWISE, PAGE_H, SOFTCAP, HAS_ERR,
+            )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         start, ul, posv, lo_key, kv_len,
@@ -480,13 +489,6 @@ def _decode_kernel(
         _scan_table(
             Err, tbl_row, n_blk, n_pages, b, kvh, tl.maximum(start, lo_key), stop, BS, HEADWISE, KERNEL_DECODE
         )
-    if FUSE_WRITE:
-        if has_new:
-            acc, l_i, m_i = _write_and_attend_new(
-                acc, l_i, m_i, q, K, V, Kn, Vn, tbl_row, n_blk, kvh, Err, n_pages, b, q0, pos, qk_scale,
-                stride_kp, stride_kr, stride_vp, stride_vr, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                DQK, DV, BLOCK_DQK, BLOCK_DV, BS, HKV, HEADWISE, PAGE_H, SOFTCAP, HAS_ERR,
-            )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dv_ok = offs_dv[None, :] < DV
     if NUM_SPLITS == 1:
