@@ -934,6 +934,19 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
         served = TritonBackend(validate=False, host_checks=False)
         kv = (dec_b["kc"], dec_b["vc"])
         cases.append(("backend-layer-served", lambda: served.forward(dec_b["q"], k, k, layer, meta, kv)))
+        cases.append(("backend-layer-served-fused", lambda: fused.forward(dec_b["q"], k, k, layer, meta, kv)))
+        # the cache write fused into the decode launch (FDFLEET_FUSED_DECODE_WRITE, read when a plan is
+        # built): one launch per decode layer
+        fused = TritonBackend(validate=False, host_checks=False)
+        old_env = os.environ.get("FDFLEET_FUSED_DECODE_WRITE")
+        os.environ["FDFLEET_FUSED_DECODE_WRITE"] = "1"
+        try:
+            fused.forward(dec_b["q"], k, k, layer, meta, (dec_b["kc"], dec_b["vc"]))  # builds its plan
+        finally:
+            if old_env is None:
+                del os.environ["FDFLEET_FUSED_DECODE_WRITE"]
+            else:
+                os.environ["FDFLEET_FUSED_DECODE_WRITE"] = old_env
         # FastDeploy's setting: shapes checked (validate), no host copy of the metadata
         checked = TritonBackend(validate=True, host_checks=False)
         cases.append(

@@ -13,20 +13,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "host_python.py"
-LAUNCHES = {  # kept kernels per call: a one-shot wrapper one launch; a served decode layer one (the cache
-    # write inside the decode launch, FDFLEET_FUSED_DECODE_WRITE), a prefill layer write + attention
+LAUNCHES = {  # kept kernels per call: a one-shot wrapper one launch, a served layer write + attention
     "write_kv_cache": 1,
     "paged_attention-decode": 1,
     "paged_attention-prefill-portable": 1,
-    "backend-layer-served": 1,
-    "backend-layer-served-checked": 1,
+    "backend-layer-served": 2,
+    "backend-layer-served-checked": 2,
     "backend-layer-served-prefill": 2,
-    "backend-step-served": 8,  # a call: a decode step of 8 layers
-    "backend-step-served-checked": 8,
-    "backend-layer-paddle-views": 1,  # paddle tensors (needs paddle): DLPack views, then the lane
-    "backend-layer-paddle-lane": 1,
-    "backend-step-paddle-views": 8,
-    "backend-step-paddle-lane": 8,
+    "backend-step-served": 16,  # a call: a step of 8 layers
+    "backend-step-served-checked": 16,
+    "backend-layer-paddle-views": 2,  # paddle tensors (needs paddle): DLPack views, then the lane
+    "backend-layer-paddle-lane": 2,
+    "backend-step-paddle-views": 16,
+    "backend-step-paddle-lane": 16,
 }
 
 

@@ -137,12 +137,15 @@ def _as_torch(meta, q, k, v, caches, sinks):
     return meta, conv(q), conv(k), conv(v), (conv(caches[0]), conv(caches[1])), conv(sinks)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["write-launch", "fused-write"])
 @pytest.mark.parametrize("framework", ["paddle", "torch"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["full", "window-sinks"])
 @pytest.mark.parametrize("validate", [False, True], ids=["served", "fastdeploy-checks"])
 @pytest.mark.parametrize("name", list(STEPS))
-def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, validate, sinks, framework):
-    """Paddle: the lane against the DLPack views' path; torch: the lane against ``_run``'s plans."""
+def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, validate, sinks, framework, fused):
+    """Paddle: the lane against the DLPack views' path; torch: the lane against ``_run``'s plans; with
+    and without the cache write fused into a decode-only step's decode (``FDFLEET_FUSED_DECODE_WRITE``)."""
+    monkeypatch.setenv("FDFLEET_FUSED_DECODE_WRITE", "1" if fused else "0")
     meta, q, k, v, caches = _step(*STEPS[name])
     layer, sink_t = (SINK_LAYER, paddle.to_tensor([0.5, -1.0, 2.0, 0.0])) if sinks else (LAYER, None)
     if framework == "torch":
@@ -152,10 +155,11 @@ def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, valida
     out_v, views = _forward(monkeypatch, backend, False, meta, q, k, v, caches, layer, sink_t)
     out_l, lane = _forward(monkeypatch, backend, True, meta, q, k, v, caches, layer, sink_t)
     kinds = [c[0] for c in views]
-    if name == "decode-split":  # decode only: the cache write inside the decode launch
+    if name == "decode-split" and fused:  # decode only: the cache write inside the decode launch
         assert kinds[0] == "decode-fused" and "write" not in kinds and "reduce" in kinds
     else:
         assert kinds[0] == "write" and len(views) >= 2
+        assert name != "decode-split" or "reduce" in kinds
     assert [c[0] for c in lane] == kinds
     for (kind, grid_v, args_v, stream_v), (_, grid_l, args_l, stream_l) in zip(views, lane, strict=True):
         assert stream_v == 0 and stream_l == (PADDLE_STREAM if framework == "paddle" else 0), kind

@@ -513,15 +513,17 @@ def test_bind_moves_every_cache_reference_of_a_plan():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["write-launch", "fused-write"])
 @pytest.mark.parametrize("address_args", [True, False])
 @pytest.mark.parametrize("kind", ["decode", "mixed", "headwise-window"])
-def test_gpu_direct_launches_equal_tritons_path(kind, address_args, direct_launch, monkeypatch):
+def test_gpu_direct_launches_equal_tritons_path(kind, address_args, fused, direct_launch, monkeypatch):
     """Several steps through one backend (plans and direct launches after the first) against the
     one-shot wrappers run through Triton's own launch path on copies of the same caches: bitwise
     equal, whether the direct launches pass addresses or tensors."""
     from fastdeploy_paddlefleet.kernels import _launch
 
     monkeypatch.setattr(_launch, "ADDRESS_ARGS", address_args)
+    monkeypatch.setenv("FDFLEET_FUSED_DECODE_WRITE", "1" if fused else "0")
     backend = TritonBackend(validate=False, host_checks=False)
     hkv = REAL["hkv"]
     if kind == "headwise-window":
@@ -553,9 +555,10 @@ def test_gpu_direct_launches_equal_tritons_path(kind, address_args, direct_launc
         big_v[:nb].copy_(s.value_cache)
         kc, vc = big_k.clone(), big_v.clone()
         out = backend.forward(s.q, s.k, s.v, layer, meta, (big_k, big_v), sinks)
+        plan_fused = next(iter(backend._plans.values())).attend.fuse_write
         monkeypatch.setattr(_launch, "DIRECT_LAUNCH", False)  # the references: Triton's path every call
-        # a decode-only step writes its K/V inside the decode launch (FDFLEET_FUSED_DECODE_WRITE)
-        fused = meta.max_seq_len_this_time == 1
+        # a decode-only step may write its K/V inside the decode launch (FDFLEET_FUSED_DECODE_WRITE)
+        fused = plan_fused and meta.max_seq_len_this_time == 1
         if not fused:
             write_kv_cache(s.k, s.v, kc, vc, s.bid, s.cu, s.dec, s.table, headwise=headwise)
         slides = layer.window_left is not None
@@ -572,7 +575,7 @@ def test_gpu_direct_launches_equal_tritons_path(kind, address_args, direct_launc
         assert torch.equal(big_k.nan_to_num(7.0), kc.nan_to_num(7.0))
     plans = list(backend._plans.values())
     assert len(plans) == 1 and len(plans[0].attend.kernels) >= 1
-    assert len(plans[0].write.kernels) == (0 if kind == "decode" else 1)
+    assert len(plans[0].write.kernels) == (0 if kind == "decode" and plan_fused else 1)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ a launcher may set a variable after the package was imported.
 * ``FDFLEET_KV_RECYCLE``: ``auto`` (default) | ``off``
 * ``FDFLEET_DIRECT_LAUNCH``: boolean, default ``True``
 * ``FDFLEET_OWN_LAUNCHER``: boolean, default ``True``
-* ``FDFLEET_FUSED_DECODE_WRITE``: boolean, default ``True``
+* ``FDFLEET_FUSED_DECODE_WRITE``: boolean, default ``False``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
   ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
@@ -199,9 +199,11 @@ def own_launcher() -> bool:
 
 def fused_decode_write() -> bool:
     """``FDFLEET_FUSED_DECODE_WRITE``: in a step where every request decodes one token, the Triton
-    backend's decode launch writes the step's K/V into the cache itself (one launch per layer instead
-    of the cache write's and the decode's; default on). Off: a separate cache-write launch."""
-    return get_bool("FDFLEET_FUSED_DECODE_WRITE", True)
+    backend's decode launch writes the step's K/V into the cache itself: one launch per layer instead
+    of the cache write's and the decode's, for hosts that launch eagerly (default off: on the H200 the
+    fused decode ran 2.5 % longer than the decode alone at 64 x 4096, more than the separate write
+    costs inside a CUDA graph; ``benchmarks/NOTES.md``)."""
+    return get_bool("FDFLEET_FUSED_DECODE_WRITE", False)
 
 
 #: every switch's getter (check_all runs them all)
