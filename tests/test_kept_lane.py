@@ -242,3 +242,35 @@ def test_paddle_lane_derives_no_step_for_another_device(monkeypatch, gpu_like):
     monkeypatch.setattr(paddle.Tensor, "place", property(lambda self: OtherGpu()))
     assert backend._run_kept(q2, k2, v2, LAYER, meta2, caches, None, None, True) is None
     assert tb._STEP_ATTR not in meta2.__dict__
+
+
+def test_paddle_lane_derives_a_step_on_paddles_stream(monkeypatch, gpu_like):
+    """A new step's metadata views (and any int32 conversion or copy of them) are made with Paddle's
+    stream as torch's current one, as the views' path does: the kernels launched on Paddle's stream
+    then read them in order."""
+    import contextlib
+
+    meta, q, k, v, caches = _step(*STEPS["mixed"])
+    backend = tb.TritonBackend(validate=False, host_checks=False)
+    _forward(monkeypatch, backend, False, meta, q, k, v, caches)
+    depth, seen = [0], []
+
+    @contextlib.contextmanager
+    def on_paddles_stream(device):
+        depth[0] += 1
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+
+    state_init = tb._StepState.__init__
+
+    def recording_init(self, *a, **kw):
+        seen.append(depth[0])
+        state_init(self, *a, **kw)
+
+    monkeypatch.setattr(fw, "paddle_stream", on_paddles_stream)
+    monkeypatch.setattr(tb._StepState, "__init__", recording_init)
+    meta2, q2, k2, v2, _ = _step(*STEPS["mixed"], seed=1)
+    out, lane = _forward(monkeypatch, backend, True, meta2, q2, k2, v2, caches)
+    assert seen == [1] and lane

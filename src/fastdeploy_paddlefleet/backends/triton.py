@@ -451,7 +451,6 @@ class TritonBackend(AttentionBackend):
         ):
             # a step's first layer: its state derived as _run derives it (the metadata's int32 torch
             # views, once per step); paddle: on the device of the backend's torch error flag
-            like = q
             if paddle:
                 flags = [mon.flag for key, mon in self._monitors.items() if key[0] == "torch"]
                 if (  # none yet (no call through the views), several devices, or another device than q's
@@ -461,7 +460,12 @@ class TritonBackend(AttentionBackend):
                 ):
                     return None
                 like = flags[0]
-            step = _step_state(meta, like, True, self, fields)
+                # on Paddle's stream, as the views' path derives it: a conversion or copy of the
+                # metadata (int64, host tensors) must run before the kernels that read it
+                with fw.paddle_stream(like.device):
+                    step = _step_state(meta, like, True, self, fields)
+            else:
+                step = _step_state(meta, q, True, self, fields)
         lt = step.plain
         if lt is None:
             lt = step.layer(meta, layer.index)
