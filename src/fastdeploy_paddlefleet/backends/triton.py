@@ -168,6 +168,16 @@ class _LayerPlan:
         self.ptrs = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
         self.sinks_version = tensor_version(sinks)
 
+    def current(self, kc: Any, vc: Any, sinks: Any) -> bool:
+        """Whether the plan still serves caches ``kc`` / ``vc`` and ``sinks``: the same memory, the same
+        sinks tensor, not written in place since."""
+        return (
+            sinks is self.sinks
+            and (sinks is None or tensor_version(sinks) == self.sinks_version)
+            and kc.data_ptr() == self.ptrs[0]
+            and vc.data_ptr() == self.ptrs[1]
+        )
+
 
 class _StepState:
     """One step's metadata as the kernels take it (int32, on q's device; torch views or paddle), shared
@@ -252,22 +262,31 @@ def _same_step(f: tuple, meta: BatchMeta) -> bool:
     )
 
 
+def _live_step(meta: BatchMeta, backend: Any, torch_views: bool, fields: tuple | None) -> _StepState | None:
+    """The :class:`_StepState` kept on ``meta`` if it is this backend's, in this framework and current:
+    derived from the fields the served checks just found current (``fields``, by identity), else
+    checked field by field. ``None`` otherwise (runs once per layer)."""
+    st = meta.__dict__.get(_STEP_ATTR)
+    if (
+        st is None
+        or st.backend is not backend
+        or st.torch_views != torch_views
+        or (st.fields is not fields and not _same_step(st.fields, meta))
+    ):
+        return None
+    return st
+
+
 def _step_state(
     meta: BatchMeta, q: Any, torch_views: bool, backend: Any, fields: tuple | None = None
 ) -> _StepState:
     """The step's :class:`_StepState`, derived on the first layer (again if a field was replaced or
     another backend runs the step). ``fields``: :func:`_meta_fields` of ``meta`` read this call, if
     any."""
-    st = meta.__dict__.get(_STEP_ATTR)
-    if (
-        st is not None
-        and st.torch_views == torch_views
-        and st.backend is backend
-        and _same_step(st.fields, meta)
-    ):
-        return st
-    st = _StepState(meta, q, torch_views, fields if fields is not None else _meta_fields(meta), backend)
-    meta.__dict__[_STEP_ATTR] = st
+    st = _live_step(meta, backend, torch_views, fields)
+    if st is None:
+        st = _StepState(meta, q, torch_views, fields if fields is not None else _meta_fields(meta), backend)
+        meta.__dict__[_STEP_ATTR] = st
     return st
 
 
@@ -402,29 +421,14 @@ class TritonBackend(AttentionBackend):
         """The cache write and the attention launch (``q``/``k``/``v`` in the kernels' framework);
         returns ``[T, Hq * Dv]``. ``fields``: :func:`_meta_fields` of ``meta`` found current this call
         (the served checks), else ``None``."""
-        # the step's state (_step_state, inlined: this runs once per layer); current when it was
-        # derived from the fields the served checks just found current, else checked field by field
-        step = meta.__dict__.get(_STEP_ATTR)
-        if (
-            step is None
-            or step.backend is not self
-            or step.torch_views != torch_views
-            or (step.fields is not fields and not _same_step(step.fields, meta))
-        ):
-            step = _step_state(meta, q, torch_views, self, fields)
+        step = _step_state(meta, q, torch_views, self, fields)
         lt = step.plain
         if lt is None:
             lt = step.layer(meta, layer.index)
         launch, headwise = lt
         kc, vc = kv_cache
         plan = self._plans.get((id(layer), id(kc), id(vc), headwise, q.dtype))
-        if (  # a stale plan (_LayerPlan): caches moved, other sinks, sinks written in place
-            plan is None
-            or sinks is not plan.sinks
-            or (sinks is not None and tensor_version(sinks) != plan.sinks_version)
-            or kc.data_ptr() != plan.ptrs[0]
-            or vc.data_ptr() != plan.ptrs[1]
-        ):
+        if plan is None or not plan.current(kc, vc, sinks):  # caches moved, other sinks, written in place
             plan = self._new_plan(q, layer, kv_cache, sinks, headwise, torch_views)
         stream = plan.kernels.stream() if plan.direct else None
         if launch.max_q_len == 1 and plan.attend.fuse_write:  # decode only: the write inside the decode
@@ -442,13 +446,8 @@ class TritonBackend(AttentionBackend):
         (paddle) the views. A step's first layer derives the step's state here. Any other call (a layer's
         first, a new token count or split count, a CPU tensor, a misaligned view) returns ``None``, and
         :meth:`_run` compiles, keeps, or names what is wrong."""
-        step = meta.__dict__.get(_STEP_ATTR)
-        if (
-            step is None
-            or step.backend is not self
-            or not step.torch_views
-            or (step.fields is not fields and not _same_step(step.fields, meta))
-        ):
+        step = _live_step(meta, self, True, fields)
+        if step is None:
             # a step's first layer: its state derived as _run derives it (the metadata's int32 torch
             # views, once per step); paddle: on the device of the backend's torch error flag
             if paddle:
@@ -477,10 +476,7 @@ class TritonBackend(AttentionBackend):
             plan is None
             or not plan.direct
             or not launch.direct_ok
-            or sinks is not plan.sinks
-            or (sinks is not None and tensor_version(sinks) != plan.sinks_version)
-            or kc.data_ptr() != plan.ptrs[0]
-            or vc.data_ptr() != plan.ptrs[1]
+            or not plan.current(kc, vc, sinks)
             or not (q.is_cuda and k.is_cuda and v.is_cuda)
         ):
             return None
@@ -507,14 +503,9 @@ class TritonBackend(AttentionBackend):
             kdt, vdt = k.dtype, v.dtype
         new = None
         if launch.max_q_len == 1 and attend.fuse_write:  # decode only: the write inside the decode
-            ksh, vsh = k.shape, v.shape
-            if (
-                tk < t
-                or ksh[1] != attend.hkv
-                or vsh[1] != attend.hkv
-                or ksh[2] != attend.dqk
-                or vsh[2] != attend.dv
-            ):
+            try:
+                attend._check_new_kv((k, v), t, launch)
+            except ValueError:
                 return None  # _run names the bad shape
             new = (kp, vp, ks, vs, kdt, vdt)
         elif not write.launch_kept(kp, vp, ks, vs, kdt, vdt, tk, launch, stream):

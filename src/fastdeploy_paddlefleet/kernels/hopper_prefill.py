@@ -897,8 +897,7 @@ class HopperPlan:
                 block_tables.shape[1], stream,
             )  # fmt: skip
             return
-        n_items = (t // self.tile_q + num_reqs) * self.hkv  # (query tile, kv head) ids, some past the end
-        grid = (max(1, min(n_items, self.ctas)),)
+        n_items, grid = self._items(t, num_reqs)
         tail = (
             qs[0], qs[1], out.stride(0), out.stride(1), self.value_cache.stride(2),
             block_tables.stride(0), block_tables.shape[1], self.n_pages, t, num_reqs, 2, *self.scalars,
@@ -917,6 +916,12 @@ class HopperPlan:
         else:
             kernels.launch(_hopper_prefill_kernel, key, grid, args, consts, stream)
 
+    def _items(self, t: int, num_reqs: int) -> tuple[int, tuple[int]]:
+        """The work items of ``t`` query rows over ``num_reqs`` requests ((query tile, kv head) ids, some
+        past the end) and the persistent grid that walks them."""
+        n_items = (t // self.tile_q + num_reqs) * self.hkv
+        return n_items, (max(1, min(n_items, self.ctas)),)
+
     def run_kept(
         self, hit: Any, qp: int, vp: int, op: int, sp: int, cp: int, dp: int, tp: int, ep: int,
         qs: Sequence[int], ost: Sequence[int], t: int, num_reqs: int, stride_tbl: int, n_blk: int,
@@ -928,8 +933,7 @@ class HopperPlan:
         strides (the first two read), ``t`` q's rows, the table's row stride and width. No tensor is
         touched but the plan's own, so the caller's framework does not matter (the backend's paddle
         lane)."""
-        n_items = (t // self.tile_q + num_reqs) * self.hkv  # (query tile, kv head) ids, some past the end
-        grid = (max(1, min(n_items, self.ctas)),)
+        n_items, grid = self._items(t, num_reqs)
         hit(
             grid,
             (
