@@ -10,11 +10,13 @@ of ``BS`` keys at a time) over the same bytes laid out three ways:
 * ``paged-ordered``: the same cache layout, each request's blocks consecutive and in order;
 * ``contiguous``: ``[B, Hkv, S, D]`` (what cuDNN reads; the table then lists consecutive tiles).
 
-Beside them: our decode kernel on ``paged-random`` and ``paged-ordered`` tables, and cuDNN SDPA on
-contiguous K/V. Bandwidth = K and V bytes read / time (the queries, outputs and tables add < 0.2 %),
-each with ``attention.py``'s timing (do_bench and CUDA-graph replay, the better one). If the plain
-reader on shuffled pages stays below cuDNN on contiguous K/V while our kernel matches that reader, the
-gap is the layout, not the kernel.
+Beside them: our decode kernel on ``paged-random`` and ``paged-ordered`` tables and on the
+``contiguous`` bytes (a head-wise table listing each (request, kv head)'s consecutive pages: the runs
+cuDNN reads), and cuDNN SDPA on contiguous K/V. Bandwidth = K and V bytes read / time (the queries,
+outputs and tables add < 0.2 %), each with ``attention.py``'s timing (do_bench and CUDA-graph
+replay, the better one). If the plain reader on shuffled pages stays below cuDNN on contiguous K/V while
+our kernel matches that reader, the gap is the layout, not the kernel; ours on the contiguous bytes
+against cuDNN is the kernel alone.
 
 Usage::
 
@@ -38,7 +40,13 @@ from _outputs import parse_tags  # noqa: E402
 STAGES = (3, 4)  # pipeline depths of the plain reader; the best one is its figure
 #: ``--tiles``: decode tile shapes of ours beside the default, (block_n, warps, stages): 32-key tiles
 #: over 2 warps fit 4 programs per SM (512 programs in one wave), 2 stages of 64 keys 3 per SM
-TILES = ((32, 2, 3), (32, 4, 3), (64, 4, 2), (64, 8, 3))
+#: (block_n, warps, stages, TMA): deeper rings of 16 / 32 KB stages within two programs per SM (the
+#: registers allow two programs of 4 warps), and the same through TMA descriptor loads
+TILES = (
+    (64, 4, 3, False), (64, 4, 4, False), (32, 4, 5, False), (32, 4, 6, False), (32, 4, 8, False),
+    (32, 2, 6, False), (64, 4, 3, True), (64, 4, 4, True), (32, 4, 6, True),
+)  # fmt: skip
+SPLITS = (2, 4)  # ``--tiles``: split-KV counts forced on the full decode (the default chooses 1)
 
 
 def _reader():
@@ -143,6 +151,14 @@ def run(fh=None, smoke: bool = False, tiles: bool = False) -> list[dict]:
         record(
             f"triton-{name}", lambda o=ours, n=name: A.run_ours(n, o, max_q_len=1, max_ctx=ctx, check=check)
         )
+    # ours on the contiguous layout too: a head-wise table (pages given directly) whose (request, kv head)
+    # row lists that pair's consecutive pages, so each of our programs streams one contiguous run
+    k, v = lays["contiguous"][:2]
+    n_tiles = ctx // bs
+    rows = torch.arange(bsz * hkv, device=k.device, dtype=torch.int32)[:, None] * n_tiles
+    heads_tbl = rows + torch.arange(n_tiles, device=k.device, dtype=torch.int32)[None, :]
+    ours = dict(batch, kc=k.view(-1, hkv, bs, d), vc=v.view(-1, hkv, bs, d), table=heads_tbl, headwise=True)
+    record("triton-contiguous", lambda: A.run_ours("contiguous", ours, max_q_len=1, max_ctx=ctx, check=check))
     if not smoke:  # cuDNN on contiguous K/V, as attention.py times it
         k, v = k_con.view(bsz, hkv, ctx, d), v_con.view(bsz, hkv, ctx, d)
         q = torch.randn(bsz, A.HQ, 1, d, device=k.device, dtype=k.dtype)
@@ -157,13 +173,20 @@ def run(fh=None, smoke: bool = False, tiles: bool = False) -> list[dict]:
         if tiles:
             from fastdeploy_paddlefleet.kernels.paged_attention import TileConfig
 
-            for bn, w, st in TILES:
-                kw = dict(max_q_len=1, max_ctx=ctx, check=check, decode_config=TileConfig(16, bn, w, st))
+            for bn, w, st, tma in TILES:
+                cfg = TileConfig(16, bn, w, st, use_tma=tma)
+                kw = dict(max_q_len=1, max_ctx=ctx, check=check, decode_config=cfg)
                 record(
-                    f"triton-paged-random-n{bn}w{w}s{st}",
+                    f"triton-paged-random-n{bn}w{w}s{st}" + ("-tma" if tma else ""),
                     lambda kw=kw: A.run_ours("tiles", ours, **kw),
-                    block_n=bn, warps=w, stages=st,
+                    block_n=bn, warps=w, stages=st, tma=tma,
                 )  # fmt: skip
+            # split-KV on a batch that fills the GPU without it: shorter programs, so a shorter drain
+            # at the end of the launch, for one more reduce launch and the partials' traffic
+            for n in SPLITS:
+                kw = dict(max_q_len=1, max_ctx=ctx, check=check, num_splits=n)
+                run = lambda kw=kw: A.run_ours("splits", ours, **kw)  # noqa: E731
+                record(f"triton-paged-random-splits{n}", run, splits=n)
     return recs
 
 
@@ -184,6 +207,8 @@ def summary(recs: list[dict]) -> dict:
         "ours_vs_reader_same_layout": ratio("triton-paged-random", "read-paged-random"),
         "reader_random_vs_contiguous": ratio("read-paged-random", "read-contiguous"),
         "ours_ordered_vs_cudnn": ratio("triton-paged-ordered", "sdpa-cudnn"),
+        # the same layout as cuDNN's: one contiguous run per (request, kv head)
+        "ours_contiguous_vs_cudnn": ratio("triton-contiguous", "sdpa-cudnn"),
     }
 
 
@@ -195,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--json", action="store_true", help="the summary as one JSON object on stdout's last line"
     )
-    ap.add_argument("--tiles", action="store_true", help="ours with other decode tile shapes too (TILES)")
+    ap.add_argument("--tiles", action="store_true", help="ours with the TILES and SPLITS variants too")
     args = ap.parse_args(argv)
     try:
         tags = parse_tags(args.tag)

@@ -138,10 +138,48 @@ def test_decode_ceiling_smoke(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     impls = {r["impl"] for r in rows}
     assert impls == {"read-paged-random", "read-paged-ordered", "read-contiguous", "triton-paged-random",
-                     "triton-paged-ordered"}  # fmt: skip
+                     "triton-paged-ordered", "triton-contiguous"}  # fmt: skip
     assert all("error" not in r and r["run"] == "smoke" for r in rows), rows
     assert all(r["max_abs_err"] < 1e-4 for r in rows if r["impl"].startswith("triton")), rows
     assert set(json.loads(proc.stdout.splitlines()[-1])["gbps"]) == impls
+
+
+def _bench_module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_decode_probe_stamps_the_current_kernel():
+    """benchmarks/decode_probe.py's stamp points still match the decode kernel's source (each anchor found
+    exactly once), every variant's copy is valid Python, and a changed kernel names the moved anchor."""
+    probe = _bench_module("decode_probe")
+    for variant in probe.VARIANTS:
+        text = probe.patched_source(variant=variant)
+        compile(text, "decode_probe_kernels.py", "exec")
+        assert text.count("_probe_time(") == 3  # the helper, the start and the end of a program
+        assert text.count("Trace + pid") == 3
+    assert probe.patched_source(variant="evict-first").count('eviction_policy="evict_first"') == 2
+    with pytest.raises(ValueError, match="stamp point 'stamp helpers'"):
+        probe.patched_source("def nothing(): pass\n")
+
+
+def test_decode_probe_timeline_counts_running_programs():
+    """decode_probe.timeline on a hand-made trace: 4 programs of 1 us on 2 slots, the second pair started
+    as the first ended, the last one 0.5 us late: span, peak, waves and the 2 us bins are as counted."""
+    probe = _bench_module("decode_probe")
+    ns = 1000
+    trace = [[1 * ns, 2 * ns, 0, 0], [1 * ns, 2 * ns, 1, 0], [2 * ns, 3 * ns, 0, 0], [2500, 3500, 1, 0]]
+    t = probe.timeline(trace, kv_bytes=4000)
+    assert t["programs"] == 4 and t["sms"] == 2 and t["peak_active"] == 2
+    assert t["span_us"] == 2.5 and t["first_end_us"] == 1.0 and t["last_start_us"] == 1.5
+    assert t["ramp_us"] == 0.0 and t["tail_us"] == 0.5  # one program runs alone for the last 0.5 us
+    assert t["first_wave_us"] == 1.0 and t["later_us"] == 1.0
+    # time-weighted programs per 2 us bin: [0, 2) us holds 1 + 1 + 1 + 0.5 us, [2, 4) the last 0.5 us
+    assert t["active_2us"] == [1.8, 0.2]  # rounded to one decimal: 1.75, 0.25
+    assert t["mean_active"] == pytest.approx(4 / 2.5, abs=0.05)
 
 
 def test_hopper_probe_stamps_the_current_kernel():
