@@ -78,8 +78,33 @@ EDITS = [
 #: kernel variants timed beside the package's (``--variants``): extra edits of the stamped copy
 _K_LOAD = "k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)"
 _V_LOAD = "v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)"
+_SPLIT = (
+    "    per = tl.cdiv(tl.cdiv(kv_len, BLOCK_N) - t0, NUM_SPLITS)\n"
+    "    start = (t0 + split * per) * BLOCK_N\n"
+    "    stop = tl.minimum((t0 + split * per + per) * BLOCK_N, kv_len)\n"
+)
+
+
+def _skewed(weights: dict) -> list:
+    """Split ``s`` of ``NUM_SPLITS`` covers its share ``weights[NUM_SPLITS][s]`` of the key tiles (the grid
+    launches split 0 of every (request, kv head) first: long pieces first, short ones fill the drain)."""
+    lines = ["    n_t = tl.cdiv(kv_len, BLOCK_N) - t0\n", "    c0 = split * 0\n", "    c1 = split * 0 + 1\n",
+             "    den = 1\n"]  # fmt: skip
+    for n, ws in weights.items():
+        cum = [sum(ws[:i]) for i in range(n + 1)]
+        lines.append(f"    if NUM_SPLITS == {n}:\n        den = {cum[-1]}\n")
+        for i in range(n):
+            lines.append(f"        c0 = tl.where(split == {i}, {cum[i]}, c0)\n")
+            lines.append(f"        c1 = tl.where(split == {i}, {cum[i + 1]}, c1)\n")
+    lines.append("    start = (t0 + n_t * c0 // den) * BLOCK_N\n")
+    lines.append("    stop = tl.minimum((t0 + n_t * c1 // den) * BLOCK_N, kv_len)\n")
+    return [("split bounds", _SPLIT, "".join(lines), 1)]
+
+
 VARIANTS = {
     "package": [],
+    # longest pieces first: splits of 3:1 (2 splits) and 8:4:2:1 (4 splits) of each key range
+    "skewed": _skewed({2: (3, 1), 4: (8, 4, 2, 1)}),
     # K/V are read once per launch: mark them first to leave L2 (the queries, tables stay)
     "evict-first": [
         ("k load", _K_LOAD, _K_LOAD[:-1] + ', eviction_policy="evict_first")', 1),
@@ -116,9 +141,10 @@ def _batch(bsz: int, ctx: int):
     return A.paged_batch([ctx - 1] * bsz, [1] * bsz, A.HQ, A.HKV, A.D, A.D, seed=1)
 
 
-def _recorded_launch(batch, ctx: int):
+def _recorded_launch(batch, ctx: int, num_splits: int | None = None, every: bool = False):
     """``(args, grid, consts)`` of the decode launch ``paged_attention`` makes for ``batch`` (Triton's
-    path, recorded by a stand-in ``KernelCache.launch``)."""
+    path, recorded by a stand-in ``KernelCache.launch``); ``every``: the list of ``(kernel, grid, args,
+    consts)`` of every launch (decode, then the split-KV reduce)."""
     from fastdeploy_paddlefleet.kernels import _launch
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
@@ -135,11 +161,13 @@ def _recorded_launch(batch, ctx: int):
         q = batch["q"]
         pa.paged_attention(
             q, batch["kc"], batch["vc"], batch["cu"], batch["dec"], batch["table"], scale=1 / math.sqrt(A.D),
-            max_q_len=1, max_context_len=ctx,
+            max_q_len=1, max_context_len=ctx, num_splits=num_splits,
         )  # fmt: skip
     finally:
         _launch.KernelCache.launch = real
         pa._PLANS.clear()
+    if every:
+        return seen
     decodes = [s for s in seen if s[0].__name__ == "_decode_kernel"]
     if len(decodes) != 1:
         raise ValueError(f"expected one decode launch, got {[s[0].__name__ for s in seen]}")
@@ -218,6 +246,51 @@ def stamps(shapes, variant: str = "package") -> list[dict]:
         print(json.dumps(rec), flush=True)
         recs.append(rec)
         del batch, trace
+    return recs
+
+
+def splits_part(bsz: int = 64, ctx: int = 4096) -> list[dict]:
+    """The full decode with its key ranges split 1, 2 or 4 ways, equal pieces (the package's kernel) or
+    longest first (``skewed``), the reduce launch included; stamps of the decode launch for the drain.
+    Outputs checked against the package's unsplit launch (itself checked against the dense reference
+    by ``attention.py`` / ``decode_ceiling.py``)."""
+    import torch
+
+    batch = _batch(bsz, ctx)
+    kv_bytes = bsz * A.HKV * ctx * 2 * A.D * batch["kc"].element_size()
+    mods = {v: load_probe(v) for v in ("package", "skewed")}
+    want = None
+    recs = []
+    for variant, splits in (("package", 1), ("package", 2), ("package", 4), ("skewed", 2), ("skewed", 4)):
+        seen = _recorded_launch(batch, ctx, splits, every=True)
+        (_, grid, dargs, dconsts), rest = seen[0], seen[1:]
+        n = grid[0] * grid[1] * grid[2]
+        trace = torch.zeros(n * 4, dtype=torch.int64, device=batch["q"].device)
+        out = dargs[3]  # the decode's (or the reduce's) output: O
+
+        def launch(mod=mods[variant], grid=grid, dargs=dargs, dconsts=dconsts, rest=rest, trace=trace):
+            mod._decode_kernel[grid](*dargs, trace, **dconsts)
+            for fn, g, args, consts in rest:
+                fn[g](*args, **consts)
+
+        launch()
+        torch.cuda.synchronize()
+        got = out.float().clone()
+        if want is None:
+            want = got
+        err = float((got - want).abs().max())
+        t = A.bench_best(launch)
+        trace.zero_()
+        launch()
+        torch.cuda.synchronize()
+        tl_ = timeline(trace.view(n, 4).cpu().tolist(), kv_bytes)
+        rec = {"part": "splits", "variant": variant, "splits": splits, "bsz": bsz, "ctx": ctx, "ms": t["ms"],
+               "gbps": round(kv_bytes / (t["ms"] * 1e-3) / 1e9, 1), "timing": t["timing"],
+               "max_abs_vs_unsplit": err, **tl_}  # fmt: skip
+        print(json.dumps({k: v for k, v in rec.items() if k != "active_2us"}), flush=True)
+        recs.append(rec)
+        if err > 2e-2:
+            raise ValueError(f"{variant} x {splits}: output differs from the unsplit launch by {err}")
     return recs
 
 
@@ -412,7 +485,7 @@ def plot(recs: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="stamps,shapes", help="comma list of stamps, shapes, modes")
+    ap.add_argument("--parts", default="stamps,shapes", help="comma list of stamps, shapes, modes, splits")
     ap.add_argument("--out", help="write every record to this JSON file")
     ap.add_argument("--variants", action="store_true", help="stamps of every variant (VARIANTS) too")
     ap.add_argument("--plot", help="draw the stamps' running-programs curves into this PNG")
@@ -428,9 +501,9 @@ def main(argv=None) -> int:
             plot(recs, args.plot)
         return 0
     parts = [p for p in args.parts.split(",") if p]
-    bad = sorted(set(parts) - {"stamps", "shapes", "modes"})
+    bad = sorted(set(parts) - {"stamps", "shapes", "modes", "splits"})
     if bad:
-        raise SystemExit(f"--parts: unknown {bad}; choose from stamps, shapes, modes")
+        raise SystemExit(f"--parts: unknown {bad}; choose from stamps, shapes, modes, splits")
     recs: list[dict] = []
     if "stamps" in parts:
         for variant in VARIANTS if args.variants else ["package"]:
@@ -439,6 +512,8 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - the other parts still run
                 recs.append({"part": "stamps", "variant": variant, "error": repr(e)[:400]})
                 print(json.dumps(recs[-1]), flush=True)
+    if "splits" in parts:
+        recs += splits_part()
     if "modes" in parts:
         recs += modes()
     if "shapes" in parts:
