@@ -18,7 +18,16 @@ import triton
 import triton.language as tl
 
 from ._framework import is_torch, torch
-from ._launch import KernelCache, LaunchStep, PlanMemo, caches_key, switches_key
+from ._launch import (
+    _TORCH_TENSOR,
+    KernelCache,
+    LaunchStep,
+    PlanMemo,
+    caches_key,
+    fill_step,
+    new_step,
+    switches_key,
+)
 from .errors import KERNEL_CACHE_WRITE, check_entries
 
 
@@ -110,21 +119,32 @@ def write_kv_cache(
         return
     # the plan of an earlier call with the same caches (_PLANS), else a new one; its key: what the plan
     # derives from the caches (caches_key), headwise, the switches
-    key = (caches_key(key_cache, value_cache), headwise, switches_key())
+    if type(key_cache) is _TORCH_TENSOR and type(value_cache) is _TORCH_TENSOR:  # caches_key, inline
+        ck = (
+            key_cache.data_ptr(), key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+            value_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
+            value_cache.device,
+        )  # fmt: skip
+    else:
+        ck = caches_key(key_cache, value_cache)
+    key = (ck, headwise, switches_key())
     try:
         plan, slot = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo
         key = plan = slot = None
     if plan is None:
         plan = CacheWritePlan(key_cache, value_cache, headwise=headwise)
-    else:
-        plan.bind(key_cache, value_cache)
+    else:  # bind(), inline
+        plan.key_cache = key_cache
+        plan.value_cache = value_cache
     try:
-        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors=errors)
+        step = fill_step(
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, None, None, errors
+        )
         plan._launch_step(k, v, ks, vs, t, step, None)
     finally:
         if key is not None:
-            plan.bind(None, None)  # the memo keeps no cache alive
+            plan.key_cache = plan.value_cache = None  # the memo keeps no cache alive (bind(None, None))
             _PLANS.give(key, plan, None, slot)
 
 
@@ -207,7 +227,9 @@ class CacheWritePlan:
         """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` (this plan's heads and dims) for one step's
         metadata (as in :func:`write_kv_cache`). ``stream``: the current stream when the caller read
         it already (saves a lookup)."""
-        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors=errors)
+        step = fill_step(
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, None, None, errors
+        )
         self.run_step(k, v, step, stream=stream)
 
     def run_step(

@@ -34,7 +34,17 @@ from typing import Any
 
 from .. import envs
 from ._framework import empty, is_torch, num_sms, to_float32, torch
-from ._launch import KernelCache, LaunchStep, PlanMemo, caches_key, switches_key, tensor_version
+from ._launch import (
+    _TORCH_TENSOR,
+    KernelCache,
+    LaunchStep,
+    PlanMemo,
+    caches_key,
+    fill_step,
+    new_step,
+    switches_key,
+    tensor_version,
+)
 from .attention_kernels import _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl
 from .split_kv_reduce import reduce_kept, split_kv_reduce
@@ -236,8 +246,16 @@ def paged_attention(
     # derives from the caches (caches_key: address, shape, strides, dtype, device), q's heads, dims,
     # dtype and device, every scalar and flag, the sinks tensor (identity, in-place version, address),
     # the environment switches and the module settings a plan reads (tests, benchmarks)
+    if type(key_cache) is _TORCH_TENSOR and type(value_cache) is _TORCH_TENSOR:  # caches_key, inline
+        ck = (
+            key_cache.data_ptr(), key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+            value_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
+            value_cache.device,
+        )  # fmt: skip
+    else:
+        ck = caches_key(key_cache, value_cache)
     key = (
-        caches_key(key_cache, value_cache), qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
+        ck, qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
         None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
@@ -253,6 +271,9 @@ def paged_attention(
             sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks, prefill_config=prefill_config,
             decode_config=decode_config, prefill_impl=prefill_impl, logits_soft_cap=logits_soft_cap,
         )  # fmt: skip
+    elif plan.hopper is None:  # bind(), inline
+        plan.key_cache = key_cache
+        plan.value_cache = value_cache
     else:
         plan.bind(key_cache, value_cache)
     try:
@@ -261,17 +282,19 @@ def paged_attention(
             osh = out.shape
             if osh[0] != t or osh[1] != plan.hq or osh[2] != plan.dv:
                 raise ValueError(f"out must be [{t}, {plan.hq}, {plan.dv}], got {list(osh)}")
-        step = LaunchStep(
-            cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
-            max_context_len=max_context_len, errors=errors,
-        )  # fmt: skip
+        step = fill_step(
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, None, max_q_len, max_context_len, errors
+        )
         # q's dtype is the plan's (in the key), its strides and out's are checked above
         fused = None if new_kv is None else plan._check_new_kv(new_kv, t, step)
         return plan._launch_step(q, qs, t, step, out, ost, False, num_splits, None, fused)
     finally:
         # portable TMA descriptors (a tuning config) are built over views of the caches: not kept
         if key is not None and plan.memo_ok:
-            plan.bind(None, None)  # the memo keeps no cache alive
+            if plan.hopper is None:  # the memo keeps no cache alive (bind(None, None), inline)
+                plan.key_cache = plan.value_cache = None
+            else:
+                plan.bind(None, None)
             _PLANS.give(key, plan, sinks, slot)
 
 
@@ -464,10 +487,9 @@ class AttentionPlan:
         """Attention of ``q [T, Hq, Dqk]`` (this plan's heads, dims and dtype) over the plan's caches
         for one step's metadata (as in :func:`paged_attention`); returns ``out [T, Hq, Dv]``.
         ``stream``: the current CUDA stream when the caller read it already."""
-        step = LaunchStep(
-            cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
-            max_context_len=max_context_len, errors=errors,
-        )  # fmt: skip
+        step = fill_step(
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, None, max_q_len, max_context_len, errors
+        )
         return self.run_step(q, step, out=out, num_splits=num_splits, stream=stream)
 
     def run_step(
