@@ -650,7 +650,13 @@ class AttentionPlan:
         if not cache.addresses:
             return False
         key = (qs[0], qs[1], ost[0], ost[1], step.sig)
-        run_prefill, run_decode = self._runs(step, t)
+        num_reqs = step.num_reqs
+        mq = step.max_q_len
+        if mq is None:  # _runs(), inline
+            run_prefill = run_decode = True
+        else:
+            run_prefill = mq > 1
+            run_decode = not (run_prefill and t >= num_reqs * mq)
         if new is not None and run_prefill:
             return False  # a fused write is for decode-only steps (run_step refuses others)
         hopper = pre = dec = red = None
@@ -667,14 +673,13 @@ class AttentionPlan:
         splits = 1
         if run_decode:
             splits = self._num_splits(step, num_splits)
-            dec = cache.kernel(self._decode_key(splits, key, new))
+            dec = cache.kernel(("decode", splits, key) if new is None else self._decode_key(splits, key, new))
             if dec is None:
                 return False
             if splits > 1:
                 red = cache.kernel(("reduce", splits, key))
                 if red is None:
                     return False
-        num_reqs = step.num_reqs
         kp, vp, sp = self.ptrs
         if self.sink_mode != 1:
             sp = qp  # unused: any pointer
