@@ -420,7 +420,7 @@ class AttentionPlan:
         index = (q.device.index if q.device.index is not None else 0) if on_gpu else None
         self.kernels = KernelCache(index if cached else None)
         self._consts: dict = {}  # per (kernel, has_err[, splits]): the launch's constexprs and options
-        self._splits: dict = {}  # (requests, key span) -> split count
+        self._splits: dict = {}  # (requests, max_context_len, table width) -> split count
         self.torch_out = is_torch(q)  # outputs by q.new_empty, else _framework.empty
         #: a server's decode-only steps write their K/V in the decode launch (``FDFLEET_FUSED_DECODE_WRITE``)
         self.fuse_write = envs.fused_decode_write()
@@ -606,21 +606,20 @@ class AttentionPlan:
         return mq > 1, not (mq > 1 and t >= step.num_reqs * mq)
 
     def _num_splits(self, step: LaunchStep, num_splits: int | None) -> int:
-        """The decode's split count for this step (given, else chosen per (requests, key span), kept)."""
+        """The decode's split count for this step (given, else chosen per (requests, key span), kept by
+        the step values the span comes from: ``launch_kept`` looks them up inline)."""
         if num_splits is not None:
             return num_splits
-        span = step.max_context_len
-        if span is None:
-            span = step.n_blk * self.bs
-        if self.all_slide and span > self.window + 1:
-            span = self.window + 1
-        num_reqs = step.num_reqs
-        splits = self._splits.get((num_reqs, span))
+        num_reqs, mc, n_blk = step.num_reqs, step.max_context_len, step.n_blk
+        splits = self._splits.get((num_reqs, mc, n_blk))
         if splits is None:
+            span = n_blk * self.bs if mc is None else mc
+            if self.all_slide and span > self.window + 1:
+                span = self.window + 1
             if len(self._splits) > 4096:
                 self._splits.clear()
             splits = choose_num_splits(num_reqs, self.hkv, span, self.decode_cfg.block_n, self.sms)
-            self._splits[(num_reqs, span)] = splits
+            self._splits[(num_reqs, mc, n_blk)] = splits
         return splits
 
     def launch_kept(
@@ -672,7 +671,11 @@ class AttentionPlan:
                 return False
         splits = 1
         if run_decode:
-            splits = self._num_splits(step, num_splits)
+            splits = num_splits
+            if splits is None:  # _num_splits(), its memo inline
+                splits = self._splits.get((num_reqs, step.max_context_len, step.n_blk))
+                if splits is None:
+                    splits = self._num_splits(step, None)
             dec = cache.kernel(("decode", splits, key) if new is None else self._decode_key(splits, key, new))
             if dec is None:
                 return False
