@@ -358,13 +358,19 @@ class PlanMemo:
         or ``(None, None)``. ``TypeError`` if ``key`` holds an unhashable argument (the wrapper then
         builds a plan and keeps none)."""
         last_key, slot = self._last
-        if not (last_key == key and slot[3]):  # else that slot, still in the memo
-            slot = self._plans.get(key)
-            if slot is None:
+        if last_key == key and slot[3]:  # that slot, still in the memo (_last stays: an equal key)
+            try:
+                plan = slot[1].pop()
+            except IndexError:  # its plan is out (another thread's call)
                 return None, None
+            slot[2] = next(self._clock)
+            return plan, slot
+        slot = self._plans.get(key)
+        if slot is None:
+            return None, None
         try:
             plan = slot[1].pop()
-        except IndexError:  # its plan is out (another thread's call)
+        except IndexError:
             return None, None
         slot[2] = next(self._clock)
         self._last = (key, slot)
