@@ -56,12 +56,21 @@ class Recorder(KernelCache):
             bad = [type(a).__name__ for a in args if hasattr(a, "data_ptr")]
             if bad:
                 raise TypeError(f"a kept kernel was given tensors {bad}")
-            Recorder.calls.append((key, tuple(grid), tuple(args), stream))
+            Recorder.calls.append((key, tuple(grid), tuple(_snapshot(a) for a in args), stream))
 
         return hit
 
     def launch(self, fn, key, grid, args, consts, stream):
         raise RuntimeError(f"Triton's path taken (key {key!r})")
+
+
+def _snapshot(a):
+    """A TMA descriptor argument as what it reads at this launch: its base's address, shape, strides,
+    block (a one-shot plan's descriptors hold no cache between calls); any other argument as it is."""
+    if hasattr(a, "block_shape") and hasattr(a, "base"):
+        base = a.base.data_ptr() if hasattr(a.base, "data_ptr") else a.base
+        return ("desc", base, tuple(a.shape), tuple(a.strides), tuple(a.block_shape))
+    return a
 
 
 @pytest.fixture
@@ -386,3 +395,49 @@ def test_write_lane_after_a_tensor_changed_in_place(kept, what, kind, how):
     assert len(got) == 1 and got == want
     assert may_repeat or got != first
     assert kept["write"] == 0
+
+
+def test_hopper_lane_launches_tritons_arguments_by_address(kept, monkeypatch):
+    """A prefill one-shot on the Hopper kernel (forced: these are CPU tensors): its kept launch passes
+    what the Hopper plan's Triton path passes for the same tensors, tensors as their addresses (the value
+    cache's row stride included, read once per plan)."""
+    from fastdeploy_paddlefleet.kernels import hopper_prefill as hpm
+
+    if not hpm.gluon_available():
+        pytest.skip("needs triton.experimental.gluon (descriptors)")
+    monkeypatch.setattr(pa, "choose_prefill_impl", lambda *args: "hopper")
+    monkeypatch.setattr(hpm, "_num_sms", lambda device: 4)
+    s = make_step(STEPS["prefill"], hkv=2, group=2, dqk=64, dv=64, block_size=16, dtype=torch.bfloat16)
+    kc = s.key_cache.clone()
+    vc = torch.zeros(*s.value_cache.shape[:3], 128, dtype=torch.bfloat16)[..., :64]  # wider rows than kc's
+    vc.copy_(s.value_cache)
+    flag = torch.zeros(8, dtype=torch.int32)
+    out = torch.empty(s.q.shape[0], s.q.shape[1], 64, dtype=torch.bfloat16)
+    for _ in range(3):  # builds the memo's plan (its Hopper plan on the first prefill), then finds it
+        res, got = _recorded(
+            lambda: pa.paged_attention(
+                s.q, kc, vc, s.cu, s.dec, s.table, scale=0.25, max_q_len=8, out=out, errors=flag
+            )
+        )
+    assert res is out and [c[0][0] for c in got] == ["hopper"] and got[0][3] == STREAM
+
+    class TritonPath:  # a kernel cache with nothing kept: records Triton's launch
+        addresses = True
+        calls: list = []
+
+        def kernel(self, key):
+            return None
+
+        def launch(self, fn, key, grid, args, consts, stream):
+            self.calls.append((grid, tuple(_snapshot(a) for a in args), stream))
+
+    plan = hpm.HopperPlan(
+        kc, vc, s.q.shape[1], None, qk_scale=0.25 * pa.LOG2E, sink_mode=0, headwise=False, has_window=False,
+        window=0, win_h0=0, win_h1=2,
+    )  # fmt: skip
+    ref = TritonPath()
+    plan.run(s.q, out, s.cu, s.dec, s.table, flag, ref, None, STREAM, None)
+    ((grid, args, stream),) = ref.calls
+    want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    assert got[0][1:] == (grid, want, stream)
+    assert want[14] == vc.stride(2) == 128 and want[3][1] == kc.data_ptr() and want[4][1] == vc.data_ptr()
