@@ -315,7 +315,8 @@ _TORCH_TENSOR = _framework.torch.Tensor if _framework.torch is not None else Non
 
 def caches_key(kc: Any, vc: Any) -> tuple:
     """:func:`tensor_key` of both caches of a one-shot call, read inline for plain torch tensors (the
-    wrappers' memo keys: a call per field costs more than the rest of the key)."""
+    wrappers' memo keys: a call per field costs more than the rest of the key; the wrappers inline this
+    torch branch too, and call this for any other tensors)."""
     if type(kc) is _TORCH_TENSOR and type(vc) is _TORCH_TENSOR:
         return (
             kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
