@@ -182,6 +182,65 @@ class _CudaLike(torch.Tensor):
         return True
 
 
+class _NoIsCuda:
+    """A tensor stand-in without ``is_cuda`` (a paddle tensor may lack it): everything else read through."""
+
+    def __init__(self, x):
+        self._x = x
+
+    def __getattr__(self, name):
+        if name == "is_cuda":
+            raise AttributeError(name)
+        return getattr(self._x, name)
+
+
+@pytest.mark.parametrize("build", ["class", "fill_step"])
+@pytest.mark.parametrize("where", ["gpu", "cpu", "no-is_cuda-table", "no-is_cuda-bid", "misaligned-bid"])
+def test_launch_step_derives_what_the_launches_read(build, where):
+    """``LaunchStep(...)`` and ``fill_step(new_step(), ...)`` (the one-shot wrappers' constructor, by
+    position) give the step's sizes, addresses and dtypes as read from the tensors, and allow direct
+    launches only when every tensor says it is on a GPU (a missing ``is_cuda`` counts as not) and every
+    address is 16-byte aligned."""
+    from fastdeploy_paddlefleet.kernels import _launch
+
+    s = make_step([(9, 4), (20, 1), (3, 2)], **SMALL)
+    gpu_like = where != "cpu"
+
+    def wrap(x):
+        return x.as_subclass(_CudaLike) if gpu_like else x
+
+    cu, dec, table, flag = wrap(s.cu), wrap(s.dec), wrap(s.table), wrap(torch.zeros(8, dtype=torch.int32))
+    bid = wrap(s.bid)
+    if where == "no-is_cuda-table":
+        table = _NoIsCuda(table)
+    elif where == "no-is_cuda-bid":
+        bid = _NoIsCuda(bid)
+    elif where == "misaligned-bid":
+        bid = wrap(torch.zeros(s.bid.numel() + 1, dtype=s.bid.dtype)[1:])
+    for b, errors in ((bid, flag), (None, None)):
+        if build == "class":
+            step = _launch.LaunchStep(cu, dec, table, b, max_q_len=4, max_context_len=21, errors=errors)
+        else:
+            step = _launch.fill_step(_launch.new_step(), cu, dec, table, b, 4, 21, errors)
+        err = flag if errors is not None else table
+        assert (step.cu, step.dec, step.table, step.bid, step.errors, step.err_arg) == (
+            cu, dec, table, b, errors, err
+        )  # fmt: skip
+        assert (step.max_q_len, step.max_context_len) == (4, 21)
+        assert (step.num_reqs, step.n_blk, step.stride_tbl) == (3, s.table.shape[1], s.table.shape[1])
+        assert step.ptrs == (s.cu.data_ptr(), s.dec.data_ptr(), s.table.data_ptr(), err.data_ptr())
+        assert step.bid_ptr == (0 if b is None else b.data_ptr())
+        bid_dtype = None if b is None else b.dtype
+        assert step.sig == (torch.int32, torch.int32, torch.int32, bid_dtype, errors is not None)
+        direct = where == "gpu" or (b is None and where in ("no-is_cuda-bid", "misaligned-bid"))
+        assert step.direct_ok is direct, (where, b is None)
+    with pytest.raises(ValueError, match="block_tables must be 2-D"):
+        if build == "class":
+            _launch.LaunchStep(cu, dec, s.table[0])
+        else:
+            _launch.fill_step(_launch.new_step(), cu, dec, s.table[0], None, None, None, None)
+
+
 class _RecordingJit:
     """Stands in for one of the plans' kernels: the real parameter list; records Triton's path (args as
     given) and the direct path (the compiled launcher's args)."""

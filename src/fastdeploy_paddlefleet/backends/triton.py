@@ -508,7 +508,10 @@ class TritonBackend(AttentionBackend):
             except ValueError:
                 return None  # _run names the bad shape
             new = (kp, vp, ks, vs, kdt, vdt)
-        elif not write.launch_kept(kp, vp, ks, vs, kdt, vdt, tk, launch, stream):
+        elif not write.launch_kept(
+            kp, vp, ks, vs, kdt, vdt, tk, launch.num_reqs, launch.stride_tbl, launch.n_blk, launch.ptrs,
+            launch.bid_ptr, launch.sig, stream,
+        ):  # fmt: skip
             return None
         if not paddle:
             out = q.new_empty(t, attend.hqdv)
@@ -517,7 +520,10 @@ class TritonBackend(AttentionBackend):
                 self._paddle_alloc = fw.paddle_empty()
             out = self._paddle_alloc([t, attend.hqdv], q.dtype, q.place)
         op = out.data_ptr()
-        if op & 15 or not attend.launch_kept(q, qp, qs, t, op, attend.out_strides, launch, None, stream, new):
+        if op & 15 or not attend.launch_kept(
+            q, qp, qs, t, op, attend.out_strides, launch.num_reqs, launch.max_q_len, launch.max_context_len,
+            launch.n_blk, launch.stride_tbl, launch.ptrs, launch.sig, None, stream, new,
+        ):  # fmt: skip
             return None  # _run launches again (a write already made stores the same values)
         return out
 

@@ -27,6 +27,7 @@ sizes, dtypes, alignment), derived once and shared by the layers that read the s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -210,55 +211,81 @@ class LaunchStep:
         max_context_len: int | None = None,
         errors: Any = None,
     ) -> None:
-        st = block_tables.stride()
-        if len(st) != 2:
-            raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
-        err = errors if errors is not None else block_tables  # any pointer when there is no flag
-        # one store per attribute (a tuple-unpacking store costs more: this runs per one-shot call)
-        self.cu = cu_seqlens_q
-        self.dec = seq_lens_decoder
-        self.table = block_tables
-        self.bid = batch_id_per_token
-        self.errors = errors
-        self.err_arg = err
-        self.max_q_len = max_q_len
-        self.max_context_len = max_context_len
-        self.num_reqs = cu_seqlens_q.shape[0] - 1
-        self.n_blk = block_tables.shape[1]
-        self.stride_tbl = st[0]
-        #: addresses of cu_seqlens_q, seq_lens_decoder, block_tables, the error flag (or the table);
-        #: ``bid_ptr``: batch_id_per_token's (0 without). What a direct launch passes.
-        p0 = cu_seqlens_q.data_ptr()
-        p1 = seq_lens_decoder.data_ptr()
-        p2 = block_tables.data_ptr()
-        p3 = err.data_ptr()
-        self.ptrs = (p0, p1, p2, p3)
-        # every tensor on a GPU (getattr: paddle tensors, never launched directly, may lack is_cuda)
+        args = (cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, max_q_len, max_context_len)
+        fill_step(self, *args, errors)
+
+
+def fill_step(
+    s: LaunchStep,
+    cu_seqlens_q: Any,
+    seq_lens_decoder: Any,
+    block_tables: Any,
+    batch_id_per_token: Any,
+    max_q_len: int | None,
+    max_context_len: int | None,
+    errors: Any,
+) -> LaunchStep:
+    """Derive :class:`LaunchStep` ``s``'s fields (its constructor's arguments, by position) and return it.
+    The one-shot wrappers build their step per call as ``fill_step(new_step(), ...)``: a class call with
+    keywords costs ~0.3 us more (its keyword binding and ``__init__``'s frame)."""
+    st = block_tables.stride()
+    if len(st) != 2:
+        raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
+    err = errors if errors is not None else block_tables  # any pointer when there is no flag
+    # one store per attribute (a tuple-unpacking store costs more: this runs per one-shot call)
+    s.cu = cu_seqlens_q
+    s.dec = seq_lens_decoder
+    s.table = block_tables
+    s.bid = batch_id_per_token
+    s.errors = errors
+    s.err_arg = err
+    s.max_q_len = max_q_len
+    s.max_context_len = max_context_len
+    s.num_reqs = cu_seqlens_q.shape[0] - 1
+    s.n_blk = block_tables.shape[1]
+    s.stride_tbl = st[0]
+    #: addresses of cu_seqlens_q, seq_lens_decoder, block_tables, the error flag (or the table);
+    #: ``bid_ptr``: batch_id_per_token's (0 without). What a direct launch passes.
+    p0 = cu_seqlens_q.data_ptr()
+    p1 = seq_lens_decoder.data_ptr()
+    p2 = block_tables.data_ptr()
+    p3 = err.data_ptr()
+    s.ptrs = (p0, p1, p2, p3)
+    if batch_id_per_token is None:
+        bp = 0
+        bid_dtype = None
+    else:
+        bp = batch_id_per_token.data_ptr()
+        bid_dtype = batch_id_per_token.dtype
+    # every tensor on a GPU; an AttributeError: a tensor without ``is_cuda`` (paddle tensors, never
+    # launched directly, may lack it), not on a GPU (``getattr(x, "is_cuda", False)`` costs more)
+    try:
         on_gpu = (
-            getattr(cu_seqlens_q, "is_cuda", False) is True
-            and getattr(seq_lens_decoder, "is_cuda", False) is True
-            and getattr(block_tables, "is_cuda", False) is True
-            and getattr(err, "is_cuda", False) is True
+            cu_seqlens_q.is_cuda is True
+            and seq_lens_decoder.is_cuda is True
+            and block_tables.is_cuda is True
+            and err.is_cuda is True
+            and (batch_id_per_token is None or batch_id_per_token.is_cuda is True)
         )
-        if batch_id_per_token is None:
-            bp = 0
-            bid_dtype = None
-        else:
-            bp = batch_id_per_token.data_ptr()
-            bid_dtype = batch_id_per_token.dtype
-            on_gpu = on_gpu and getattr(batch_id_per_token, "is_cuda", False) is True
-        self.bid_ptr = bp
-        #: every tensor on a GPU and 16-byte aligned: direct launches may take this step
-        self.direct_ok = on_gpu and not (p0 | p1 | p2 | p3 | bp) & 15
-        #: the metadata's part of a direct launch's key (Triton compiles per pointer dtype; the flag
-        #: switches the error recording on)
-        self.sig = (
-            cu_seqlens_q.dtype,
-            seq_lens_decoder.dtype,
-            block_tables.dtype,
-            bid_dtype,
-            errors is not None,
-        )
+    except AttributeError:
+        on_gpu = False
+    s.bid_ptr = bp
+    #: every tensor on a GPU and 16-byte aligned: direct launches may take this step
+    s.direct_ok = on_gpu and not (p0 | p1 | p2 | p3 | bp) & 15
+    #: the metadata's part of a direct launch's key (Triton compiles per pointer dtype; the flag
+    #: switches the error recording on)
+    s.sig = (
+        cu_seqlens_q.dtype,
+        seq_lens_decoder.dtype,
+        block_tables.dtype,
+        bid_dtype,
+        errors is not None,
+    )
+    return s
+
+
+#: ``new_step()``: an empty :class:`LaunchStep` for :func:`fill_step` (no ``__init__``; a C call)
+new_step = functools.partial(object.__new__, LaunchStep)
 
 
 def tensor_version(x: Any) -> int:
@@ -288,7 +315,8 @@ _TORCH_TENSOR = _framework.torch.Tensor if _framework.torch is not None else Non
 
 def caches_key(kc: Any, vc: Any) -> tuple:
     """:func:`tensor_key` of both caches of a one-shot call, read inline for plain torch tensors (the
-    wrappers' memo keys: a call per field costs more than the rest of the key)."""
+    wrappers' memo keys: a call per field costs more than the rest of the key; the wrappers inline this
+    torch branch too, and call this for any other tensors)."""
     if type(kc) is _TORCH_TENSOR and type(vc) is _TORCH_TENSOR:
         return (
             kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
@@ -331,13 +359,19 @@ class PlanMemo:
         or ``(None, None)``. ``TypeError`` if ``key`` holds an unhashable argument (the wrapper then
         builds a plan and keeps none)."""
         last_key, slot = self._last
-        if not (last_key == key and slot[3]):  # else that slot, still in the memo
-            slot = self._plans.get(key)
-            if slot is None:
+        if last_key == key and slot[3]:  # that slot, still in the memo (_last stays: an equal key)
+            try:
+                plan = slot[1].pop()
+            except IndexError:  # its plan is out (another thread's call)
                 return None, None
+            slot[2] = next(self._clock)
+            return plan, slot
+        slot = self._plans.get(key)
+        if slot is None:
+            return None, None
         try:
             plan = slot[1].pop()
-        except IndexError:  # its plan is out (another thread's call)
+        except IndexError:
             return None, None
         slot[2] = next(self._clock)
         self._last = (key, slot)
@@ -380,6 +414,8 @@ __all__ = [
     "TritonHit",
     "OWN_LAUNCHER",
     "direct_wanted",
+    "fill_step",
+    "new_step",
     "own_wanted",
     "caches_key",
     "switches_key",

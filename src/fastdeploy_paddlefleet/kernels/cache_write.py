@@ -18,7 +18,16 @@ import triton
 import triton.language as tl
 
 from ._framework import is_torch, torch
-from ._launch import KernelCache, LaunchStep, PlanMemo, caches_key, switches_key
+from ._launch import (
+    _TORCH_TENSOR,
+    KernelCache,
+    LaunchStep,
+    PlanMemo,
+    caches_key,
+    fill_step,
+    new_step,
+    switches_key,
+)
 from .errors import KERNEL_CACHE_WRITE, check_entries
 
 
@@ -110,21 +119,79 @@ def write_kv_cache(
         return
     # the plan of an earlier call with the same caches (_PLANS), else a new one; its key: what the plan
     # derives from the caches (caches_key), headwise, the switches
-    key = (caches_key(key_cache, value_cache), headwise, switches_key())
+    if type(key_cache) is _TORCH_TENSOR and type(value_cache) is _TORCH_TENSOR:  # caches_key, inline
+        ck = (
+            key_cache.data_ptr(), key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+            value_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
+            value_cache.device,
+        )  # fmt: skip
+    else:
+        ck = caches_key(key_cache, value_cache)
+    key = (ck, headwise, switches_key())
     try:
         plan, slot = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo
         key = plan = slot = None
     if plan is None:
         plan = CacheWritePlan(key_cache, value_cache, headwise=headwise)
-    else:
-        plan.bind(key_cache, value_cache)
+    else:  # bind(), inline
+        plan.key_cache = key_cache
+        plan.value_cache = value_cache
     try:
-        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors=errors)
+        cache = plan.kernels
+        if cache.direct and batch_id_per_token is not None and ks[2] == 1 and vs[2] == 1:
+            # the kept lane: the step read as fill_step reads it, into locals (no LaunchStep), the kernel
+            # launched as _launch_step launches it when kept; any other call takes the path below
+            st = block_tables.stride()
+            if len(st) == 2:
+                err = errors if errors is not None else block_tables
+                num_reqs = cu_seqlens_q.shape[0] - 1
+                n_blk = block_tables.shape[1]
+                p0 = cu_seqlens_q.data_ptr()
+                p1 = seq_lens_decoder.data_ptr()
+                p2 = block_tables.data_ptr()
+                p3 = err.data_ptr()
+                bp = batch_id_per_token.data_ptr()
+                bid_dtype = batch_id_per_token.dtype
+                try:
+                    on_gpu = (
+                        cu_seqlens_q.is_cuda is True
+                        and seq_lens_decoder.is_cuda is True
+                        and block_tables.is_cuda is True
+                        and err.is_cuda is True
+                        and batch_id_per_token.is_cuda is True
+                    )
+                except AttributeError:
+                    on_gpu = False
+                if (
+                    on_gpu
+                    and not (p0 | p1 | p2 | p3 | bp) & 15
+                    and plan.static_aligned
+                    and k.is_cuda
+                    and v.is_cuda
+                ):
+                    kp = k.data_ptr()
+                    vp = v.data_ptr()
+                    if not (kp | vp) & 15:
+                        sig = (
+                            cu_seqlens_q.dtype,
+                            seq_lens_decoder.dtype,
+                            block_tables.dtype,
+                            bid_dtype,
+                            errors is not None,
+                        )
+                        if plan.launch_kept(
+                            kp, vp, ks, vs, k.dtype, v.dtype, t, num_reqs, st[0], n_blk, (p0, p1, p2, p3),
+                            bp, sig, cache.stream(),
+                        ):  # fmt: skip
+                            return
+        step = fill_step(
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, None, None, errors
+        )
         plan._launch_step(k, v, ks, vs, t, step, None)
     finally:
         if key is not None:
-            plan.bind(None, None)  # the memo keeps no cache alive
+            plan.key_cache = plan.value_cache = None  # the memo keeps no cache alive (bind(None, None))
             _PLANS.give(key, plan, None, slot)
 
 
@@ -207,7 +274,9 @@ class CacheWritePlan:
         """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` (this plan's heads and dims) for one step's
         metadata (as in :func:`write_kv_cache`). ``stream``: the current stream when the caller read
         it already (saves a lookup)."""
-        step = LaunchStep(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors=errors)
+        step = fill_step(
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, None, None, errors
+        )
         self.run_step(k, v, step, stream=stream)
 
     def run_step(
@@ -252,7 +321,10 @@ class CacheWritePlan:
                 if stream is None:
                     stream = cache.stream()
                 kdt, vdt = k.dtype, v.dtype
-                if self.launch_kept(kp, vp, ks, vs, kdt, vdt, t, step, stream):
+                if self.launch_kept(
+                    kp, vp, ks, vs, kdt, vdt, t, step.num_reqs, step.stride_tbl, step.n_blk, step.ptrs,
+                    step.bid_ptr, step.sig, stream,
+                ):  # fmt: skip
                     return
                 key = (ks[0], ks[1], vs[0], vs[1], kdt, vdt, step.sig)  # compiled and kept below
         hit = cache.kernel(key)
@@ -268,28 +340,31 @@ class CacheWritePlan:
 
     def launch_kept(
         self, kp: int, vp: int, ks: Sequence[int], vs: Sequence[int], kdt: Any, vdt: Any, t: int,
-        step: LaunchStep, stream: int | None,
+        num_reqs: int, stride_tbl: int, n_blk: int, ptrs: tuple, bid_ptr: int, sig: tuple,
+        stream: int | None,
     ) -> bool:  # fmt: skip
         """Launch the write by addresses if its kernel is compiled and kept (a kernel cache hit), else
         launch nothing and return ``False``. ``kp`` / ``vp``: addresses of ``k [T, Hkv, Dqk]`` / ``v [T,
         Hkv, Dv]`` (16-byte aligned, on the plan's GPU, contiguous last dims: the caller checked), ``ks``
         / ``vs`` their strides, ``kdt`` / ``vdt`` their dtypes as torch names them (the kernel's key),
-        ``t`` their rows (> 0), ``step`` a direct-launch :class:`~._launch.LaunchStep` with
-        ``batch_id_per_token``. No tensor is read, so paddle tensors launch here as torch tensors do."""
+        ``t`` their rows (> 0). The step as a direct-launch :class:`~._launch.LaunchStep` with
+        ``batch_id_per_token`` gives it: ``num_reqs``, ``stride_tbl``, ``n_blk``, ``ptrs``, ``bid_ptr``,
+        ``sig`` (the one-shot wrapper reads them from its tensors, without a ``LaunchStep``). No tensor is
+        read, so paddle tensors launch here as torch tensors do."""
         cache = self.kernels
-        if not cache.addresses or step.bid is None:
+        if not cache.addresses or sig[3] is None:  # no batch_id_per_token (its dtype)
             return False
-        hit = cache.kernel((ks[0], ks[1], vs[0], vs[1], kdt, vdt, step.sig))
+        hit = cache.kernel((ks[0], ks[1], vs[0], vs[1], kdt, vdt, sig))
         if hit is None:
             return False
         kcp, vcp = self.ptrs
-        p0, p1, p2, p3 = step.ptrs
+        p0, p1, p2, p3 = ptrs
         c0, c1, c2, c3 = self.cache_strides
         hit(
             (t,),
             (
-                kp, vp, kcp, vcp, step.bid_ptr, p0, p1, p2, p3, ks[0], ks[1], vs[0], vs[1], c0, c1, c2, c3,
-                step.stride_tbl, step.n_blk, self.n_pages, step.num_reqs,
+                kp, vp, kcp, vcp, bid_ptr, p0, p1, p2, p3, ks[0], ks[1], vs[0], vs[1], c0, c1, c2, c3,
+                stride_tbl, n_blk, self.n_pages, num_reqs,
             ),
             stream,
         )  # fmt: skip

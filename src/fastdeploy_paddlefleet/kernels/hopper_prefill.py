@@ -852,6 +852,9 @@ class HopperPlan:
         self.sinks = sinks
         self.n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
         self.scalars = (qk_scale, window, win_h0, win_h1)
+        #: the value cache's row stride: the same for every cache :meth:`.paged_attention.AttentionPlan.bind`
+        #: points the plan at (equal in ``tensor_key``), read once
+        self.stride_vr = value_cache.stride(2)
         self.ctas = num_ctas or _num_sms(key_cache.device)
         self.consts = dict(
             G=g, GP=gp, HKV=hkv, DQK=dqk, DV=dv, QKC=qkc, BLOCK_M=block_m, BLOCK_N=block_n, BS=bs, BOX=box,
@@ -899,7 +902,7 @@ class HopperPlan:
             return
         n_items, grid = self._items(t, num_reqs)
         tail = (
-            qs[0], qs[1], out.stride(0), out.stride(1), self.value_cache.stride(2),
+            qs[0], qs[1], out.stride(0), out.stride(1), self.stride_vr,
             block_tables.stride(0), block_tables.shape[1], self.n_pages, t, num_reqs, 2, *self.scalars,
             n_items,
         )  # fmt: skip
@@ -933,13 +936,13 @@ class HopperPlan:
         strides (the first two read), ``t`` q's rows, the table's row stride and width. No tensor is
         touched but the plan's own, so the caller's framework does not matter (the backend's paddle
         lane)."""
-        n_items, grid = self._items(t, num_reqs)
+        n_items = (t // self.tile_q + num_reqs) * self.hkv  # _items(), inline
+        s0, s1, s2, s3 = self.scalars
         hit(
-            grid,
+            (max(1, min(n_items, self.ctas)),),
             (
                 qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, qs[0], qs[1], ost[0], ost[1],
-                self.value_cache.stride(2), stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, *self.scalars,
-                n_items,
+                self.stride_vr, stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3, n_items,
             ),
             stream,
         )  # fmt: skip

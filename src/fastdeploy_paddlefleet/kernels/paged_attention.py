@@ -34,7 +34,17 @@ from typing import Any
 
 from .. import envs
 from ._framework import empty, is_torch, num_sms, to_float32, torch
-from ._launch import KernelCache, LaunchStep, PlanMemo, caches_key, switches_key, tensor_version
+from ._launch import (
+    _TORCH_TENSOR,
+    KernelCache,
+    LaunchStep,
+    PlanMemo,
+    caches_key,
+    fill_step,
+    new_step,
+    switches_key,
+    tensor_version,
+)
 from .attention_kernels import _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl
 from .split_kv_reduce import reduce_kept, split_kv_reduce
@@ -236,8 +246,16 @@ def paged_attention(
     # derives from the caches (caches_key: address, shape, strides, dtype, device), q's heads, dims,
     # dtype and device, every scalar and flag, the sinks tensor (identity, in-place version, address),
     # the environment switches and the module settings a plan reads (tests, benchmarks)
+    if type(key_cache) is _TORCH_TENSOR and type(value_cache) is _TORCH_TENSOR:  # caches_key, inline
+        ck = (
+            key_cache.data_ptr(), key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+            value_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
+            value_cache.device,
+        )  # fmt: skip
+    else:
+        ck = caches_key(key_cache, value_cache)
     key = (
-        caches_key(key_cache, value_cache), qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
+        ck, qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
         None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
@@ -253,6 +271,9 @@ def paged_attention(
             sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks, prefill_config=prefill_config,
             decode_config=decode_config, prefill_impl=prefill_impl, logits_soft_cap=logits_soft_cap,
         )  # fmt: skip
+    elif plan.hopper is None:  # bind(), inline
+        plan.key_cache = key_cache
+        plan.value_cache = value_cache
     else:
         plan.bind(key_cache, value_cache)
     try:
@@ -261,17 +282,66 @@ def paged_attention(
             osh = out.shape
             if osh[0] != t or osh[1] != plan.hq or osh[2] != plan.dv:
                 raise ValueError(f"out must be [{t}, {plan.hq}, {plan.dv}], got {list(osh)}")
-        step = LaunchStep(
-            cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
-            max_context_len=max_context_len, errors=errors,
-        )  # fmt: skip
+        cache = plan.kernels
+        if new_kv is None and cache.direct and t:
+            # the kept lane: the step read as fill_step reads it, into locals (no LaunchStep), its kernels
+            # launched as _launch_step launches them when kept; any other call takes the path below
+            st = block_tables.stride()
+            if len(st) == 2:
+                err = errors if errors is not None else block_tables
+                num_reqs = cu_seqlens_q.shape[0] - 1
+                n_blk = block_tables.shape[1]
+                p0 = cu_seqlens_q.data_ptr()
+                p1 = seq_lens_decoder.data_ptr()
+                p2 = block_tables.data_ptr()
+                p3 = err.data_ptr()
+                try:
+                    on_gpu = (
+                        cu_seqlens_q.is_cuda is True
+                        and seq_lens_decoder.is_cuda is True
+                        and block_tables.is_cuda is True
+                        and err.is_cuda is True
+                    )
+                except AttributeError:
+                    on_gpu = False
+                if (
+                    on_gpu
+                    and num_reqs > 0
+                    and not (p0 | p1 | p2 | p3) & 15
+                    and plan.static_aligned
+                    and q.is_cuda
+                    and (out is None or out.is_cuda)
+                ):
+                    if out is None:
+                        out, ost = plan._new_out(q, t, False), plan.out_strides
+                    qp = q.data_ptr()
+                    op = out.data_ptr()
+                    if not (qp | op) & 15:
+                        sig = (
+                            cu_seqlens_q.dtype,
+                            seq_lens_decoder.dtype,
+                            block_tables.dtype,
+                            None,
+                            errors is not None,
+                        )
+                        if plan.launch_kept(
+                            q, qp, qs, t, op, ost, num_reqs, max_q_len, max_context_len, n_blk, st[0],
+                            (p0, p1, p2, p3), sig, num_splits, cache.stream(),
+                        ):  # fmt: skip
+                            return out
+        step = fill_step(
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, None, max_q_len, max_context_len, errors
+        )
         # q's dtype is the plan's (in the key), its strides and out's are checked above
         fused = None if new_kv is None else plan._check_new_kv(new_kv, t, step)
         return plan._launch_step(q, qs, t, step, out, ost, False, num_splits, None, fused)
     finally:
         # portable TMA descriptors (a tuning config) are built over views of the caches: not kept
         if key is not None and plan.memo_ok:
-            plan.bind(None, None)  # the memo keeps no cache alive
+            if plan.hopper is None:  # the memo keeps no cache alive (bind(None, None), inline)
+                plan.key_cache = plan.value_cache = None
+            else:
+                plan.bind(None, None)
             _PLANS.give(key, plan, sinks, slot)
 
 
@@ -397,7 +467,7 @@ class AttentionPlan:
         index = (q.device.index if q.device.index is not None else 0) if on_gpu else None
         self.kernels = KernelCache(index if cached else None)
         self._consts: dict = {}  # per (kernel, has_err[, splits]): the launch's constexprs and options
-        self._splits: dict = {}  # (requests, key span) -> split count
+        self._splits: dict = {}  # (requests, max_context_len, table width) -> split count
         self.torch_out = is_torch(q)  # outputs by q.new_empty, else _framework.empty
         #: a server's decode-only steps write their K/V in the decode launch (``FDFLEET_FUSED_DECODE_WRITE``)
         self.fuse_write = envs.fused_decode_write()
@@ -464,10 +534,9 @@ class AttentionPlan:
         """Attention of ``q [T, Hq, Dqk]`` (this plan's heads, dims and dtype) over the plan's caches
         for one step's metadata (as in :func:`paged_attention`); returns ``out [T, Hq, Dv]``.
         ``stream``: the current CUDA stream when the caller read it already."""
-        step = LaunchStep(
-            cu_seqlens_q, seq_lens_decoder, block_tables, max_q_len=max_q_len,
-            max_context_len=max_context_len, errors=errors,
-        )  # fmt: skip
+        step = fill_step(
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, None, max_q_len, max_context_len, errors
+        )
         return self.run_step(q, step, out=out, num_splits=num_splits, stream=stream)
 
     def run_step(
@@ -542,11 +611,7 @@ class AttentionPlan:
         and ``new_kv`` as ``(k, v, k strides, v strides)`` read (and checked) by the caller."""
         given = out is not None
         if not given:
-            hq, dv = self.hq, self.dv
-            if self.torch_out:  # new_empty with int sizes: the cheapest allocation torch has (~1 us)
-                out = q.new_empty(t, self.hqdv) if flat else q.new_empty(t, hq, dv)
-            else:
-                out = empty((t, self.hqdv) if flat else (t, hq, dv), self.dtype, q)
+            out = self._new_out(q, t, flat)
             ost = self.out_strides  # a fresh allocation: contiguous
         if t == 0 or step.num_reqs <= 0:
             return out
@@ -568,11 +633,21 @@ class AttentionPlan:
             if not align & 15:  # else Triton's path: it specialises on alignment
                 if stream is None:
                     stream = cache.stream()
-                if self.launch_kept(q, qp, qs, t, op, ost, step, num_splits, stream, new):
+                if self.launch_kept(
+                    q, qp, qs, t, op, ost, step.num_reqs, step.max_q_len, step.max_context_len, step.n_blk,
+                    step.stride_tbl, step.ptrs, step.sig, num_splits, stream, new,
+                ):  # fmt: skip
                     return out
                 key = (qs[0], qs[1], ost[0], ost[1], step.sig)  # compiled and kept below
         self._launch_triton(q, qs, t, step, out, ost, num_splits, stream, key, new_kv)
         return out
+
+    def _new_out(self, q: Any, t: int, flat: bool) -> Any:
+        """A new output for ``t`` rows of ``q``'s framework and device: ``[T, Hq * Dv]`` if ``flat``, else
+        ``[T, Hq, Dv]`` (contiguous: :attr:`out_strides`)."""
+        if self.torch_out:  # new_empty with int sizes: the cheapest allocation torch has (~1 us)
+            return q.new_empty(t, self.hqdv) if flat else q.new_empty(t, self.hq, self.dv)
+        return empty((t, self.hqdv) if flat else (t, self.hq, self.dv), self.dtype, q)
 
     def _runs(self, step: LaunchStep, t: int) -> tuple[bool, bool]:
         """Which kernels a step needs: (prefill, decode). Prefill: requests with >= 2 tokens (unknown
@@ -583,22 +658,21 @@ class AttentionPlan:
             return True, True
         return mq > 1, not (mq > 1 and t >= step.num_reqs * mq)
 
-    def _num_splits(self, step: LaunchStep, num_splits: int | None) -> int:
-        """The decode's split count for this step (given, else chosen per (requests, key span), kept)."""
+    def _num_splits(self, num_reqs: int, mc: int | None, n_blk: int, num_splits: int | None) -> int:
+        """The decode's split count for a step of ``num_reqs`` requests, ``max_context_len`` ``mc`` and
+        table width ``n_blk`` (given, else chosen per (requests, key span), kept by the values the span
+        comes from: ``launch_kept`` looks them up inline)."""
         if num_splits is not None:
             return num_splits
-        span = step.max_context_len
-        if span is None:
-            span = step.n_blk * self.bs
-        if self.all_slide and span > self.window + 1:
-            span = self.window + 1
-        num_reqs = step.num_reqs
-        splits = self._splits.get((num_reqs, span))
+        splits = self._splits.get((num_reqs, mc, n_blk))
         if splits is None:
+            span = n_blk * self.bs if mc is None else mc
+            if self.all_slide and span > self.window + 1:
+                span = self.window + 1
             if len(self._splits) > 4096:
                 self._splits.clear()
             splits = choose_num_splits(num_reqs, self.hkv, span, self.decode_cfg.block_n, self.sms)
-            self._splits[(num_reqs, span)] = splits
+            self._splits[(num_reqs, mc, n_blk)] = splits
         return splits
 
     def launch_kept(
@@ -609,7 +683,13 @@ class AttentionPlan:
         t: int,
         op: int,
         ost: Sequence[int],
-        step: LaunchStep,
+        num_reqs: int,
+        mq: int | None,
+        mc: int | None,
+        n_blk: int,
+        stride_tbl: int,
+        ptrs: tuple,
+        sig: tuple,
         num_splits: int | None,
         stream: int | None,
         new: tuple | None = None,
@@ -619,16 +699,22 @@ class AttentionPlan:
 
         ``qp`` / ``op``: addresses of ``q [T, Hq, Dqk]`` and ``out [T, Hq, Dv]`` (16-byte aligned, on
         the plan's GPU: the caller checked), ``qs`` / ``ost`` their strides (the first two read), ``t``
-        q's rows, ``step`` a direct-launch :class:`~._launch.LaunchStep` (``direct_ok``). ``like``: a
-        tensor of the caller's framework, for the split decode's partial buffers. Nothing else is read
-        from a tensor, so paddle tensors launch here as torch tensors do (the backend's paddle lane).
-        ``new``: the fused cache write's ``(k address, v address, k strides, v strides, k dtype, v dtype)``
-        (16-byte aligned; a decode-only step, :meth:`_check_new_kv`), or ``None``."""
+        q's rows. The step as a direct-launch :class:`~._launch.LaunchStep` (``direct_ok``) gives it:
+        ``num_reqs``, ``max_q_len`` (``mq``), ``max_context_len`` (``mc``), ``n_blk``, ``stride_tbl``,
+        ``ptrs``, ``sig`` (the one-shot wrapper reads them from its tensors, without a ``LaunchStep``).
+        ``like``: a tensor of the caller's framework, for the split decode's partial buffers. Nothing
+        else is read from a tensor, so paddle tensors launch here as torch tensors do (the backend's
+        paddle lane). ``new``: the fused cache write's ``(k address, v address, k strides, v strides, k
+        dtype, v dtype)`` (16-byte aligned; a decode-only step, :meth:`_check_new_kv`), or ``None``."""
         cache = self.kernels
         if not cache.addresses:
             return False
-        key = (qs[0], qs[1], ost[0], ost[1], step.sig)
-        run_prefill, run_decode = self._runs(step, t)
+        key = (qs[0], qs[1], ost[0], ost[1], sig)
+        if mq is None:  # _runs(), inline
+            run_prefill = run_decode = True
+        else:
+            run_prefill = mq > 1
+            run_decode = not (run_prefill and t >= num_reqs * mq)
         if new is not None and run_prefill:
             return False  # a fused write is for decode-only steps (run_step refuses others)
         hopper = pre = dec = red = None
@@ -644,22 +730,25 @@ class AttentionPlan:
                 return False
         splits = 1
         if run_decode:
-            splits = self._num_splits(step, num_splits)
-            dec = cache.kernel(self._decode_key(splits, key, new))
+            splits = num_splits
+            if splits is None:  # _num_splits(), its memo inline
+                splits = self._splits.get((num_reqs, mc, n_blk))
+                if splits is None:
+                    splits = self._num_splits(num_reqs, mc, n_blk, None)
+            dec = cache.kernel(("decode", splits, key) if new is None else self._decode_key(splits, key, new))
             if dec is None:
                 return False
             if splits > 1:
                 red = cache.kernel(("reduce", splits, key))
                 if red is None:
                     return False
-        num_reqs = step.num_reqs
         kp, vp, sp = self.ptrs
         if self.sink_mode != 1:
             sp = qp  # unused: any pointer
-        p0, p1, p2, p3 = step.ptrs
+        p0, p1, p2, p3 = ptrs
         if hopper is not None:
             hopper.run_kept(
-                pre, qp, vp, op, sp, p0, p1, p2, p3, qs, ost, t, num_reqs, step.stride_tbl, step.n_blk, stream
+                pre, qp, vp, op, sp, p0, p1, p2, p3, qs, ost, t, num_reqs, stride_tbl, n_blk, stream
             )  # fmt: skip
         elif pre is not None:  # one flat tuple (a starred one costs ~0.3 us per star here)
             c0, c1, c2, c3 = self.common
@@ -669,7 +758,7 @@ class AttentionPlan:
                 ((t // self.block_q + num_reqs) * self.hkv,),
                 (
                     qp, kp, vp, op, d0, d1, sp, p0, p1, p2, p3, qs[0], qs[1], ost[0], ost[1], c0, c1, c2, c3,
-                    step.stride_tbl, step.n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3,
+                    stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3,
                 ),
                 stream,
             )  # fmt: skip
@@ -693,7 +782,7 @@ class AttentionPlan:
             (num_reqs, self.hkv, splits),
             (
                 qp, kp, vp, op, d0, d1, pmo, pml, sp, p0, p1, p2, p3, qs[0], qs[1], ost[0], ost[1],
-                c0, c1, c2, c3, step.stride_tbl, step.n_blk, self.n_pages, t, s0, s1, s2, s3,
+                c0, c1, c2, c3, stride_tbl, n_blk, self.n_pages, t, s0, s1, s2, s3,
                 knp, vnp, ks0, ks1, vs0, vs1,
             ),
             stream,
@@ -784,7 +873,7 @@ class AttentionPlan:
                 )
         if not run_decode:
             return
-        splits = self._num_splits(step, num_splits)
+        splits = self._num_splits(num_reqs, step.max_context_len, step.n_blk, num_splits)
         new = None
         if new_kv is not None:
             k, v, ks, vs = new_kv
