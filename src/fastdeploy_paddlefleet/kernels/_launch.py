@@ -215,42 +215,20 @@ class LaunchStep:
         fill_step(self, *args, errors)
 
 
-def fill_step(
-    s: LaunchStep,
-    cu_seqlens_q: Any,
-    seq_lens_decoder: Any,
-    block_tables: Any,
-    batch_id_per_token: Any,
-    max_q_len: int | None,
-    max_context_len: int | None,
-    errors: Any,
-) -> LaunchStep:
-    """Derive :class:`LaunchStep` ``s``'s fields (its constructor's arguments, by position) and return it.
-    The one-shot wrappers build their step per call as ``fill_step(new_step(), ...)``: a class call with
-    keywords costs ~0.3 us more (its keyword binding and ``__init__``'s frame)."""
+def step_values(
+    cu_seqlens_q: Any, seq_lens_decoder: Any, block_tables: Any, batch_id_per_token: Any, errors: Any
+) -> tuple:
+    """What a direct launch takes from a step's tensors: ``(num_reqs, n_blk, stride_tbl, ptrs, bid_ptr,
+    sig, direct_ok)`` (:class:`LaunchStep`'s fields of those names). The one-shot wrappers' kept lanes
+    launch from these values without building a :class:`LaunchStep`; :func:`fill_step` stores them."""
     st = block_tables.stride()
     if len(st) != 2:
         raise ValueError(f"block_tables must be 2-D, got shape {list(block_tables.shape)}")
     err = errors if errors is not None else block_tables  # any pointer when there is no flag
-    # one store per attribute (a tuple-unpacking store costs more: this runs per one-shot call)
-    s.cu = cu_seqlens_q
-    s.dec = seq_lens_decoder
-    s.table = block_tables
-    s.bid = batch_id_per_token
-    s.errors = errors
-    s.err_arg = err
-    s.max_q_len = max_q_len
-    s.max_context_len = max_context_len
-    s.num_reqs = cu_seqlens_q.shape[0] - 1
-    s.n_blk = block_tables.shape[1]
-    s.stride_tbl = st[0]
-    #: addresses of cu_seqlens_q, seq_lens_decoder, block_tables, the error flag (or the table);
-    #: ``bid_ptr``: batch_id_per_token's (0 without). What a direct launch passes.
     p0 = cu_seqlens_q.data_ptr()
     p1 = seq_lens_decoder.data_ptr()
     p2 = block_tables.data_ptr()
     p3 = err.data_ptr()
-    s.ptrs = (p0, p1, p2, p3)
     if batch_id_per_token is None:
         bp = 0
         bid_dtype = None
@@ -269,18 +247,39 @@ def fill_step(
         )
     except AttributeError:
         on_gpu = False
-    s.bid_ptr = bp
-    #: every tensor on a GPU and 16-byte aligned: direct launches may take this step
-    s.direct_ok = on_gpu and not (p0 | p1 | p2 | p3 | bp) & 15
-    #: the metadata's part of a direct launch's key (Triton compiles per pointer dtype; the flag
-    #: switches the error recording on)
-    s.sig = (
-        cu_seqlens_q.dtype,
-        seq_lens_decoder.dtype,
-        block_tables.dtype,
-        bid_dtype,
-        errors is not None,
-    )
+    # sig: the metadata's part of a direct launch's key (Triton compiles per pointer dtype; the flag
+    # switches the error recording on); direct_ok: every tensor on a GPU and 16-byte aligned
+    sig = (cu_seqlens_q.dtype, seq_lens_decoder.dtype, block_tables.dtype, bid_dtype, errors is not None)
+    direct_ok = on_gpu and not (p0 | p1 | p2 | p3 | bp) & 15
+    return cu_seqlens_q.shape[0] - 1, block_tables.shape[1], st[0], (p0, p1, p2, p3), bp, sig, direct_ok
+
+
+def fill_step(
+    s: LaunchStep,
+    cu_seqlens_q: Any,
+    seq_lens_decoder: Any,
+    block_tables: Any,
+    batch_id_per_token: Any,
+    max_q_len: int | None,
+    max_context_len: int | None,
+    errors: Any,
+    values: tuple | None = None,
+) -> LaunchStep:
+    """Derive :class:`LaunchStep` ``s``'s fields (its constructor's arguments, by position) and return it;
+    ``values``: :func:`step_values` of the same tensors when the caller has them already. The one-shot
+    wrappers build their step per call as ``fill_step(new_step(), ...)``: a class call with keywords
+    costs ~0.3 us more (its keyword binding and ``__init__``'s frame)."""
+    if values is None:
+        values = step_values(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors)
+    s.num_reqs, s.n_blk, s.stride_tbl, s.ptrs, s.bid_ptr, s.sig, s.direct_ok = values
+    s.cu = cu_seqlens_q
+    s.dec = seq_lens_decoder
+    s.table = block_tables
+    s.bid = batch_id_per_token
+    s.errors = errors
+    s.err_arg = errors if errors is not None else block_tables  # any pointer when there is no flag
+    s.max_q_len = max_q_len
+    s.max_context_len = max_context_len
     return s
 
 
@@ -315,8 +314,7 @@ _TORCH_TENSOR = _framework.torch.Tensor if _framework.torch is not None else Non
 
 def caches_key(kc: Any, vc: Any) -> tuple:
     """:func:`tensor_key` of both caches of a one-shot call, read inline for plain torch tensors (the
-    wrappers' memo keys: a call per field costs more than the rest of the key; the wrappers inline this
-    torch branch too, and call this for any other tensors)."""
+    wrappers' memo keys: a call per field costs more than the rest of the key)."""
     if type(kc) is _TORCH_TENSOR and type(vc) is _TORCH_TENSOR:
         return (
             kc.data_ptr(), kc.shape, kc.stride(), kc.dtype, kc.device,
@@ -416,6 +414,7 @@ __all__ = [
     "direct_wanted",
     "fill_step",
     "new_step",
+    "step_values",
     "own_wanted",
     "caches_key",
     "switches_key",

@@ -19,13 +19,13 @@ import triton.language as tl
 
 from ._framework import is_torch, torch
 from ._launch import (
-    _TORCH_TENSOR,
     KernelCache,
     LaunchStep,
     PlanMemo,
     caches_key,
     fill_step,
     new_step,
+    step_values,
     switches_key,
 )
 from .errors import KERNEL_CACHE_WRITE, check_entries
@@ -119,79 +119,47 @@ def write_kv_cache(
         return
     # the plan of an earlier call with the same caches (_PLANS), else a new one; its key: what the plan
     # derives from the caches (caches_key), headwise, the switches
-    if type(key_cache) is _TORCH_TENSOR and type(value_cache) is _TORCH_TENSOR:  # caches_key, inline
-        ck = (
-            key_cache.data_ptr(), key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
-            value_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
-            value_cache.device,
-        )  # fmt: skip
-    else:
-        ck = caches_key(key_cache, value_cache)
-    key = (ck, headwise, switches_key())
+    key = (caches_key(key_cache, value_cache), headwise, switches_key())
     try:
         plan, slot = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo
         key = plan = slot = None
     if plan is None:
         plan = CacheWritePlan(key_cache, value_cache, headwise=headwise)
-    else:  # bind(), inline
-        plan.key_cache = key_cache
-        plan.value_cache = value_cache
+    else:
+        plan.bind(key_cache, value_cache)
     try:
+        vals = step_values(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors)
         cache = plan.kernels
-        if cache.direct and batch_id_per_token is not None and ks[2] == 1 and vs[2] == 1:
-            # the kept lane: the step read as fill_step reads it, into locals (no LaunchStep), the kernel
-            # launched as _launch_step launches it when kept; any other call takes the path below
-            st = block_tables.stride()
-            if len(st) == 2:
-                err = errors if errors is not None else block_tables
-                num_reqs = cu_seqlens_q.shape[0] - 1
-                n_blk = block_tables.shape[1]
-                p0 = cu_seqlens_q.data_ptr()
-                p1 = seq_lens_decoder.data_ptr()
-                p2 = block_tables.data_ptr()
-                p3 = err.data_ptr()
-                bp = batch_id_per_token.data_ptr()
-                bid_dtype = batch_id_per_token.dtype
-                try:
-                    on_gpu = (
-                        cu_seqlens_q.is_cuda is True
-                        and seq_lens_decoder.is_cuda is True
-                        and block_tables.is_cuda is True
-                        and err.is_cuda is True
-                        and batch_id_per_token.is_cuda is True
-                    )
-                except AttributeError:
-                    on_gpu = False
-                if (
-                    on_gpu
-                    and not (p0 | p1 | p2 | p3 | bp) & 15
-                    and plan.static_aligned
-                    and k.is_cuda
-                    and v.is_cuda
-                ):
-                    kp = k.data_ptr()
-                    vp = v.data_ptr()
-                    if not (kp | vp) & 15:
-                        sig = (
-                            cu_seqlens_q.dtype,
-                            seq_lens_decoder.dtype,
-                            block_tables.dtype,
-                            bid_dtype,
-                            errors is not None,
-                        )
-                        if plan.launch_kept(
-                            kp, vp, ks, vs, k.dtype, v.dtype, t, num_reqs, st[0], n_blk, (p0, p1, p2, p3),
-                            bp, sig, cache.stream(),
-                        ):  # fmt: skip
-                            return
+        if (
+            cache.direct
+            and batch_id_per_token is not None
+            and ks[2] == 1
+            and vs[2] == 1
+            and vals[6]
+            and plan.static_aligned
+            and k.is_cuda
+            and v.is_cuda
+        ):
+            # the kept lane: the kernel launched from the step's values, as _launch_step launches it when
+            # kept (no LaunchStep); any other call takes the path below
+            kp = k.data_ptr()
+            vp = v.data_ptr()
+            if not (kp | vp) & 15:
+                num_reqs, n_blk, stride_tbl, ptrs, bp, sig, _ = vals
+                if plan.launch_kept(
+                    kp, vp, ks, vs, k.dtype, v.dtype, t, num_reqs, stride_tbl, n_blk, ptrs, bp, sig,
+                    cache.stream(),
+                ):  # fmt: skip
+                    return
         step = fill_step(
-            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, None, None, errors
-        )
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, None, None, errors,
+            vals,
+        )  # fmt: skip
         plan._launch_step(k, v, ks, vs, t, step, None)
     finally:
         if key is not None:
-            plan.key_cache = plan.value_cache = None  # the memo keeps no cache alive (bind(None, None))
+            plan.bind(None, None)  # the memo keeps no cache alive
             _PLANS.give(key, plan, None, slot)
 
 

@@ -35,13 +35,13 @@ from typing import Any
 from .. import envs
 from ._framework import empty, is_torch, num_sms, to_float32, torch
 from ._launch import (
-    _TORCH_TENSOR,
     KernelCache,
     LaunchStep,
     PlanMemo,
     caches_key,
     fill_step,
     new_step,
+    step_values,
     switches_key,
     tensor_version,
 )
@@ -246,16 +246,8 @@ def paged_attention(
     # derives from the caches (caches_key: address, shape, strides, dtype, device), q's heads, dims,
     # dtype and device, every scalar and flag, the sinks tensor (identity, in-place version, address),
     # the environment switches and the module settings a plan reads (tests, benchmarks)
-    if type(key_cache) is _TORCH_TENSOR and type(value_cache) is _TORCH_TENSOR:  # caches_key, inline
-        ck = (
-            key_cache.data_ptr(), key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
-            value_cache.data_ptr(), value_cache.shape, value_cache.stride(), value_cache.dtype,
-            value_cache.device,
-        )  # fmt: skip
-    else:
-        ck = caches_key(key_cache, value_cache)
     key = (
-        ck, qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
+        caches_key(key_cache, value_cache), qsh[1], qsh[2], qdt, q.device, scale, headwise, window_left,
         None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
@@ -271,9 +263,6 @@ def paged_attention(
             sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks, prefill_config=prefill_config,
             decode_config=decode_config, prefill_impl=prefill_impl, logits_soft_cap=logits_soft_cap,
         )  # fmt: skip
-    elif plan.hopper is None:  # bind(), inline
-        plan.key_cache = key_cache
-        plan.value_cache = value_cache
     else:
         plan.bind(key_cache, value_cache)
     try:
@@ -282,66 +271,42 @@ def paged_attention(
             osh = out.shape
             if osh[0] != t or osh[1] != plan.hq or osh[2] != plan.dv:
                 raise ValueError(f"out must be [{t}, {plan.hq}, {plan.dv}], got {list(osh)}")
+        vals = step_values(cu_seqlens_q, seq_lens_decoder, block_tables, None, errors)
         cache = plan.kernels
-        if new_kv is None and cache.direct and t:
-            # the kept lane: the step read as fill_step reads it, into locals (no LaunchStep), its kernels
-            # launched as _launch_step launches them when kept; any other call takes the path below
-            st = block_tables.stride()
-            if len(st) == 2:
-                err = errors if errors is not None else block_tables
-                num_reqs = cu_seqlens_q.shape[0] - 1
-                n_blk = block_tables.shape[1]
-                p0 = cu_seqlens_q.data_ptr()
-                p1 = seq_lens_decoder.data_ptr()
-                p2 = block_tables.data_ptr()
-                p3 = err.data_ptr()
-                try:
-                    on_gpu = (
-                        cu_seqlens_q.is_cuda is True
-                        and seq_lens_decoder.is_cuda is True
-                        and block_tables.is_cuda is True
-                        and err.is_cuda is True
-                    )
-                except AttributeError:
-                    on_gpu = False
-                if (
-                    on_gpu
-                    and num_reqs > 0
-                    and not (p0 | p1 | p2 | p3) & 15
-                    and plan.static_aligned
-                    and q.is_cuda
-                    and (out is None or out.is_cuda)
-                ):
-                    if out is None:
-                        out, ost = plan._new_out(q, t, False), plan.out_strides
-                    qp = q.data_ptr()
-                    op = out.data_ptr()
-                    if not (qp | op) & 15:
-                        sig = (
-                            cu_seqlens_q.dtype,
-                            seq_lens_decoder.dtype,
-                            block_tables.dtype,
-                            None,
-                            errors is not None,
-                        )
-                        if plan.launch_kept(
-                            q, qp, qs, t, op, ost, num_reqs, max_q_len, max_context_len, n_blk, st[0],
-                            (p0, p1, p2, p3), sig, num_splits, cache.stream(),
-                        ):  # fmt: skip
-                            return out
+        if (
+            new_kv is None
+            and cache.direct
+            and t
+            and vals[0] > 0
+            and vals[6]
+            and plan.static_aligned
+            and q.is_cuda
+            and (out is None or out.is_cuda)
+        ):
+            # the kept lane: the kernels launched from the step's values, as _launch_step launches them
+            # when they are kept (no LaunchStep); any other call takes the path below
+            if out is None:
+                out, ost = plan._new_out(q, t, False), plan.out_strides
+            qp = q.data_ptr()
+            op = out.data_ptr()
+            if not (qp | op) & 15:
+                num_reqs, n_blk, stride_tbl, ptrs, _, sig, _ = vals
+                if plan.launch_kept(
+                    q, qp, qs, t, op, ost, num_reqs, max_q_len, max_context_len, n_blk, stride_tbl, ptrs, sig,
+                    num_splits, cache.stream(),
+                ):  # fmt: skip
+                    return out
         step = fill_step(
-            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, None, max_q_len, max_context_len, errors
-        )
+            new_step(), cu_seqlens_q, seq_lens_decoder, block_tables, None, max_q_len, max_context_len,
+            errors, vals,
+        )  # fmt: skip
         # q's dtype is the plan's (in the key), its strides and out's are checked above
         fused = None if new_kv is None else plan._check_new_kv(new_kv, t, step)
         return plan._launch_step(q, qs, t, step, out, ost, False, num_splits, None, fused)
     finally:
         # portable TMA descriptors (a tuning config) are built over views of the caches: not kept
         if key is not None and plan.memo_ok:
-            if plan.hopper is None:  # the memo keeps no cache alive (bind(None, None), inline)
-                plan.key_cache = plan.value_cache = None
-            else:
-                plan.bind(None, None)
+            plan.bind(None, None)  # the memo keeps no cache alive
             _PLANS.give(key, plan, sinks, slot)
 
 
