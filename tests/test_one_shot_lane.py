@@ -25,7 +25,10 @@ from fastdeploy_paddlefleet.kernels import cache_write as cw  # noqa: E402
 from fastdeploy_paddlefleet.kernels import paged_attention as pa  # noqa: E402
 from fastdeploy_paddlefleet.kernels._launch import KernelCache, LaunchStep, PlanMemo  # noqa: E402
 
-SMALL = dict(hkv=2, group=2, dqk=16, dv=16, block_size=8)
+# CPU tensors on any machine: the kept kernels are recorders and tensors read as on a GPU (``kept``), so
+# the file checks the same launches with or without one (on a GPU, CUDA tensors would put the sinks'
+# float32 copy and the tests' own buffers on another device than the step's)
+SMALL = dict(hkv=2, group=2, dqk=16, dv=16, block_size=8, device=torch.device("cpu"))
 STEPS = {  # (context, new tokens) per request
     "decode": [(9, 1), (20, 1), (3, 1)],
     "decode-split": [(400, 1), (70, 1)],  # two requests, long context: the decode splits, the reduce merges
@@ -409,7 +412,10 @@ def test_hopper_lane_launches_tritons_arguments_by_address(kept, monkeypatch):
         pytest.skip("needs triton.experimental.gluon (descriptors)")
     monkeypatch.setattr(pa, "choose_prefill_impl", lambda *args: "hopper")
     monkeypatch.setattr(hpm, "_num_sms", lambda device: 4)
-    s = make_step(STEPS["prefill"], hkv=2, group=2, dqk=64, dv=64, block_size=16, dtype=torch.bfloat16)
+    s = make_step(
+        STEPS["prefill"], hkv=2, group=2, dqk=64, dv=64, block_size=16, dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )  # fmt: skip
     kc = s.key_cache.clone()
     vc = torch.zeros(*s.value_cache.shape[:3], 128, dtype=torch.bfloat16)[..., :64]  # wider rows than kc's
     vc.copy_(s.value_cache)
