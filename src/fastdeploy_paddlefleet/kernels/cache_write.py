@@ -130,13 +130,14 @@ def write_kv_cache(
         plan.bind(key_cache, value_cache)
     try:
         vals = step_values(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors)
+        num_reqs, n_blk, stride_tbl, ptrs, bid_ptr, sig, direct_ok = vals
         cache = plan.kernels
         if (
             cache.direct
             and batch_id_per_token is not None
             and ks[2] == 1
             and vs[2] == 1
-            and vals[6]
+            and direct_ok
             and plan.static_aligned
             and k.is_cuda
             and v.is_cuda
@@ -146,9 +147,8 @@ def write_kv_cache(
             kp = k.data_ptr()
             vp = v.data_ptr()
             if not (kp | vp) & 15:
-                num_reqs, n_blk, stride_tbl, ptrs, bp, sig, _ = vals
                 if plan.launch_kept(
-                    kp, vp, ks, vs, k.dtype, v.dtype, t, num_reqs, stride_tbl, n_blk, ptrs, bp, sig,
+                    kp, vp, ks, vs, k.dtype, v.dtype, t, num_reqs, stride_tbl, n_blk, ptrs, bid_ptr, sig,
                     cache.stream(),
                 ):  # fmt: skip
                     return

@@ -936,10 +936,10 @@ class HopperPlan:
         strides (the first two read), ``t`` q's rows, the table's row stride and width. No tensor is
         touched but the plan's own, so the caller's framework does not matter (the backend's paddle
         lane)."""
-        n_items = (t // self.tile_q + num_reqs) * self.hkv  # _items(), inline
+        n_items, grid = self._items(t, num_reqs)
         s0, s1, s2, s3 = self.scalars
         hit(
-            (max(1, min(n_items, self.ctas)),),
+            grid,
             (
                 qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, qs[0], qs[1], ost[0], ost[1],
                 self.stride_vr, stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3, n_items,

@@ -272,13 +272,14 @@ def paged_attention(
             if osh[0] != t or osh[1] != plan.hq or osh[2] != plan.dv:
                 raise ValueError(f"out must be [{t}, {plan.hq}, {plan.dv}], got {list(osh)}")
         vals = step_values(cu_seqlens_q, seq_lens_decoder, block_tables, None, errors)
+        num_reqs, n_blk, stride_tbl, ptrs, _, sig, direct_ok = vals
         cache = plan.kernels
         if (
             new_kv is None
             and cache.direct
             and t
-            and vals[0] > 0
-            and vals[6]
+            and num_reqs > 0
+            and direct_ok
             and plan.static_aligned
             and q.is_cuda
             and (out is None or out.is_cuda)
@@ -290,7 +291,6 @@ def paged_attention(
             qp = q.data_ptr()
             op = out.data_ptr()
             if not (qp | op) & 15:
-                num_reqs, n_blk, stride_tbl, ptrs, _, sig, _ = vals
                 if plan.launch_kept(
                     q, qp, qs, t, op, ost, num_reqs, max_q_len, max_context_len, n_blk, stride_tbl, ptrs, sig,
                     num_splits, cache.stream(),
@@ -614,19 +614,19 @@ class AttentionPlan:
             return q.new_empty(t, self.hqdv) if flat else q.new_empty(t, self.hq, self.dv)
         return empty((t, self.hqdv) if flat else (t, self.hq, self.dv), self.dtype, q)
 
-    def _runs(self, step: LaunchStep, t: int) -> tuple[bool, bool]:
-        """Which kernels a step needs: (prefill, decode). Prefill: requests with >= 2 tokens (unknown
-        without ``max_q_len``); decode: requests with exactly 1 (none when every request has
-        ``max_q_len > 1`` tokens)."""
-        mq = step.max_q_len
+    @staticmethod
+    def _runs(mq: int | None, num_reqs: int, t: int) -> tuple[bool, bool]:
+        """Which kernels a step of ``t`` rows over ``num_reqs`` requests with ``max_q_len`` ``mq``
+        needs: (prefill, decode). Prefill: requests with >= 2 tokens (unknown without ``max_q_len``);
+        decode: requests with exactly 1 (none when every request has ``max_q_len > 1`` tokens)."""
         if mq is None:
             return True, True
-        return mq > 1, not (mq > 1 and t >= step.num_reqs * mq)
+        return mq > 1, not (mq > 1 and t >= num_reqs * mq)
 
     def _num_splits(self, num_reqs: int, mc: int | None, n_blk: int, num_splits: int | None) -> int:
         """The decode's split count for a step of ``num_reqs`` requests, ``max_context_len`` ``mc`` and
         table width ``n_blk`` (given, else chosen per (requests, key span), kept by the values the span
-        comes from: ``launch_kept`` looks them up inline)."""
+        comes from)."""
         if num_splits is not None:
             return num_splits
         splits = self._splits.get((num_reqs, mc, n_blk))
@@ -675,11 +675,7 @@ class AttentionPlan:
         if not cache.addresses:
             return False
         key = (qs[0], qs[1], ost[0], ost[1], sig)
-        if mq is None:  # _runs(), inline
-            run_prefill = run_decode = True
-        else:
-            run_prefill = mq > 1
-            run_decode = not (run_prefill and t >= num_reqs * mq)
+        run_prefill, run_decode = self._runs(mq, num_reqs, t)
         if new is not None and run_prefill:
             return False  # a fused write is for decode-only steps (run_step refuses others)
         hopper = pre = dec = red = None
@@ -695,12 +691,8 @@ class AttentionPlan:
                 return False
         splits = 1
         if run_decode:
-            splits = num_splits
-            if splits is None:  # _num_splits(), its memo inline
-                splits = self._splits.get((num_reqs, mc, n_blk))
-                if splits is None:
-                    splits = self._num_splits(num_reqs, mc, n_blk, None)
-            dec = cache.kernel(("decode", splits, key) if new is None else self._decode_key(splits, key, new))
+            splits = self._num_splits(num_reqs, mc, n_blk, num_splits)
+            dec = cache.kernel(self._decode_key(splits, key, new))
             if dec is None:
                 return False
             if splits > 1:
@@ -789,7 +781,7 @@ class AttentionPlan:
         num_reqs = step.num_reqs
         sizes = self._sizes(qs, ost, step, t)
         pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
-        run_prefill, run_decode = self._runs(step, t)
+        run_prefill, run_decode = self._runs(step.max_q_len, step.num_reqs, t)
         out3 = None
         if run_prefill and self._hopper_args is not None:
             if self.hopper is None:
