@@ -828,21 +828,20 @@ def trivial_kernels() -> tuple:
     return trivial20, trivial40
 
 
-def host_cost_cases(fh, calls: int = 2000) -> None:
-    """Host (CPU) time per eager launch of each kernel wrapper at tiny shapes (the GPU idles between
-    calls), beside what bounds it: a trivial Triton kernel with 20 / 40 arguments through Triton's
-    launcher, the same kernel's compiled launcher called directly (the pointer as a tensor, and as an
-    address), our own launcher on it (``kernels/_cuda_launch.py``), and a torch elementwise op."""
+HOST_HQ, HOST_HKV, HOST_D, HOST_BSZ = 4, 2, 64, 4  # the host cases' tiny shapes
+
+
+def host_batches() -> dict:
+    """The host cases' inputs: ``dec`` (4 requests decoding one token over 15 cached), ``pre`` (two
+    16-token chunks, one over 16 cached tokens), this step's ``k`` and ``bid`` for the cache write, and
+    ``flag_kw`` (an error flag where the tree has one)."""
     import inspect
 
     import torch
 
-    from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
-    calls = calls if SH["dev"] == "cuda" else 3
-    dev = SH["dev"]
-    hq, hkv, d, bsz = 4, 2, 64, 4
+    dev, hq, hkv, d, bsz = SH["dev"], HOST_HQ, HOST_HKV, HOST_D, HOST_BSZ
     dec_b = paged_batch([15] * bsz, [1] * bsz, hq, hkv, d, d, seed=8)
     pre_b = paged_batch([0, 16], [16, 16], hq, hkv, d, d, seed=9)
     flag_kw = {}
@@ -850,21 +849,54 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
         from fastdeploy_paddlefleet.kernels.errors import new_error_flag
 
         flag_kw = {"errors": new_error_flag(dec_b["q"])}
+    k = torch.randn(dec_b["q"].shape[0], hkv, d, device=dev, dtype=DT())
+    bid = torch.arange(bsz, dtype=torch.int32, device=dev)
+    return {"dec": dec_b, "pre": pre_b, "k": k, "bid": bid, "flag_kw": flag_kw}
 
-    def attn(b, max_q, impl=None):
-        out = torch.empty(b["q"].shape[0], hq, d, device=dev, dtype=DT())
-        args = (b["q"], b["kc"], b["vc"], b["cu"], b["dec"], b["table"])
+
+def one_shot_cases(b: dict | None = None) -> list:
+    """``(name, call)`` of each one-shot wrapper on :func:`host_batches`' inputs (``b``, else new ones):
+    ``write_kv_cache``, ``paged_attention`` decode, portable and default (``auto``) prefill, ``out``
+    and the error flag given (also ``launch_parts.py --wrappers``)."""
+    import torch
+
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    b = b or host_batches()
+    dec_b, pre_b, k, bid, flag_kw = b["dec"], b["pre"], b["k"], b["bid"], b["flag_kw"]
+
+    def attn(batch, max_q, impl=None):
+        out = torch.empty(batch["q"].shape[0], HOST_HQ, HOST_D, device=SH["dev"], dtype=DT())
+        args = (batch["q"], batch["kc"], batch["vc"], batch["cu"], batch["dec"], batch["table"])
         kw = dict(scale=0.125, max_q_len=max_q, max_context_len=32, out=out, prefill_impl=impl, **flag_kw)
         return lambda: pa.paged_attention(*args, **kw)
-
-    t = dec_b["q"].shape[0]
-    k = torch.randn(t, hkv, d, device=dev, dtype=DT())
-    bid = torch.arange(bsz, dtype=torch.int32, device=dev)
 
     def write():
         cw.write_kv_cache(
             k, k, dec_b["kc"], dec_b["vc"], bid, dec_b["cu"], dec_b["dec"], dec_b["table"], **flag_kw
         )
+
+    return [
+        ("write_kv_cache", write),
+        ("paged_attention-decode", attn(dec_b, 1)),
+        ("paged_attention-prefill-portable", attn(pre_b, 16, "portable")),
+        ("paged_attention-prefill-auto", attn(pre_b, 16)),
+    ]
+
+
+def host_cost_cases(fh, calls: int = 2000) -> None:
+    """Host (CPU) time per eager launch of each kernel wrapper at tiny shapes (the GPU idles between
+    calls), beside what bounds it: a trivial Triton kernel with 20 / 40 arguments through Triton's
+    launcher, the same kernel's compiled launcher called directly (the pointer as a tensor, and as an
+    address), our own launcher on it (``kernels/_cuda_launch.py``), and a torch elementwise op."""
+    import torch
+
+    calls = calls if SH["dev"] == "cuda" else 3
+    dev = SH["dev"]
+    hq, hkv, d = HOST_HQ, HOST_HKV, HOST_D
+    b = host_batches()
+    dec_b, pre_b, k, bid = b["dec"], b["pre"], b["k"], b["bid"]
 
     x = torch.zeros(1024, device=dev)
     trivial20, trivial40 = trivial_kernels()
@@ -907,12 +939,7 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
                 own40((1,), lead40, stream)
 
             cases.append(("own-launcher-40-args", own40_call))
-    cases += [
-        ("write_kv_cache", write),
-        ("paged_attention-decode", attn(dec_b, 1)),
-        ("paged_attention-prefill-portable", attn(pre_b, 16, "portable")),
-        ("paged_attention-prefill-auto", attn(pre_b, 16)),
-    ]
+    cases += one_shot_cases(b)
     try:
         from fastdeploy_paddlefleet.backends.base import BatchMeta
         from fastdeploy_paddlefleet.backends.triton import TritonBackend

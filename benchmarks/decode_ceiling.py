@@ -47,6 +47,10 @@ TILES = (
     (32, 2, 6, False), (64, 4, 3, True), (64, 4, 4, True), (32, 4, 6, True),
 )  # fmt: skip
 SPLITS = (2, 4)  # ``--tiles``: split-KV counts forced on the full decode (the default chooses 1)
+#: ``--regs``: (block_n, warps, stages, maxnreg): the default tile with Triton's register cap, so that
+#: 3 programs of 4 warps (168 registers; 3 x ~72 KB of shared memory fit) or 4 of 2 stages (128) share
+#: an SM instead of 2 at the compiler's 250: more loads in flight per SM, a shorter drain per program
+REGS = ((64, 4, 3, 168), (64, 4, 3, 128), (64, 4, 2, 128), (64, 4, 2, 168))
 
 
 def _reader():
@@ -100,9 +104,26 @@ def layouts(batch: dict, bsz: int, ctx: int) -> dict:
     }
 
 
-def run(fh=None, smoke: bool = False, tiles: bool = False) -> list[dict]:
+def compiled_facts(maxnreg: int | None, block_n: int, stages: int) -> dict:
+    """Registers, spills and shared memory of the decode kernel compiled last with this register cap,
+    tile and depth (Triton's own records of the compile; ``{}`` where this Triton keeps none)."""
+    from fastdeploy_paddlefleet.kernels import attention_kernels as ak
+
+    found = {}
+    for caches in getattr(ak._decode_kernel, "device_caches", {}).values():
+        for kernel in caches[0].values():
+            md = getattr(kernel, "metadata", None)
+            if getattr(md, "maxnreg", "?") != maxnreg or getattr(md, "num_stages", None) != stages:
+                continue
+            if (getattr(kernel, "constants", None) or {}).get("BLOCK_N", block_n) != block_n:
+                continue
+            found = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills, "shared": md.shared}
+    return found
+
+
+def run(fh=None, smoke: bool = False, tiles: bool = False, regs: bool = False) -> list[dict]:
     """Every figure of this benchmark, one record each (errors recorded, not raised). ``tiles``: ours
-    with each of :data:`TILES` too."""
+    with each of :data:`TILES` too; ``regs``: with each register cap of :data:`REGS`."""
     import torch
 
     if smoke:
@@ -187,6 +208,23 @@ def run(fh=None, smoke: bool = False, tiles: bool = False) -> list[dict]:
                 kw = dict(max_q_len=1, max_ctx=ctx, check=check, num_splits=n)
                 run = lambda kw=kw: A.run_ours("splits", ours, **kw)  # noqa: E731
                 record(f"triton-paged-random-splits{n}", run, splits=n)
+        if regs:
+            from fastdeploy_paddlefleet.kernels.paged_attention import TileConfig
+
+            for bn, w, st, cap in REGS:
+                cfg = TileConfig(16, bn, w, st, maxnreg=cap)
+                kw = dict(max_q_len=1, max_ctx=ctx, check=check, decode_config=cfg)
+
+                def timed(kw=kw, bn=bn, st=st, cap=cap):
+                    ms, more = A.run_ours("regs", ours, **kw)
+                    return ms, {**more, **compiled_facts(cap, bn, st)}
+
+                record(
+                    f"triton-paged-random-n{bn}w{w}s{st}-r{cap}", timed, block_n=bn, warps=w, stages=st,
+                    maxnreg=cap,
+                )  # fmt: skip
+            facts = {"case": "decode-full", "impl": "triton-paged-random", "kind": "decode-ceiling-facts"}
+            A.emit({**facts, **compiled_facts(None, 64, 3)}, fh)  # the default's, beside the caps
     return recs
 
 
@@ -221,6 +259,7 @@ def main(argv=None) -> int:
         "--json", action="store_true", help="the summary as one JSON object on stdout's last line"
     )
     ap.add_argument("--tiles", action="store_true", help="ours with the TILES and SPLITS variants too")
+    ap.add_argument("--regs", action="store_true", help="ours with the REGS register caps too")
     args = ap.parse_args(argv)
     try:
         tags = parse_tags(args.tag)
@@ -231,7 +270,7 @@ def main(argv=None) -> int:
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)
     fh = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
     try:
-        recs = run(fh, smoke=args.smoke, tiles=args.tiles)
+        recs = run(fh, smoke=args.smoke, tiles=args.tiles, regs=args.regs)
     finally:
         A.emit = emit
         if fh is not None:

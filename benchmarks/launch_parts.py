@@ -6,9 +6,17 @@ parameters (no pack), the same through a 10-line C extension (METH_FASTCALL, bui
 ``compile_module_from_src``), our launcher whole, Triton's compiled launcher with addresses. Prints
 JSON lines (median of 5 loops of 2000 calls, us per call).
 
+``--wrappers``: each one-shot wrapper of ``attention.py --cases host`` (same shapes) split in three
+figures on this host, to place what a one-shot costs beyond its Python and one launch: ``whole`` (the
+call as served), ``python`` (the same call, its plan's kept kernels swapped for no-ops: real CUDA
+tensors, the real stream query) and ``kept-launch`` (each kept kernel the call launched, called alone
+with the grid, arguments and stream the call gave it). ``whole - python - kept-launch`` is what the
+pieces do not explain alone (e.g. the driver's cost inside the call differing from the same launch
+in a tight loop).
+
 Usage::
 
-    python benchmarks/launch_parts.py [--out FILE.jsonl]
+    python benchmarks/launch_parts.py [--out FILE.jsonl] [--wrappers]
 """
 
 from __future__ import annotations
@@ -73,9 +81,67 @@ def timeit(fn, calls=2000, loops=5):
     return res[len(res) // 2], res[0]
 
 
+class _Recorder:
+    """A kept kernel's stand-in that records each launch (``grid, args, stream``) and, unless ``stub``,
+    launches it through the kept kernel it wraps."""
+
+    def __init__(self, hit) -> None:
+        self.hit, self.calls, self.stub = hit, [], False
+
+    def __call__(self, grid, args, stream) -> None:
+        if len(self.calls) < 4:
+            self.calls.append((grid, args, stream))
+        if not self.stub:
+            self.hit(grid, args, stream)
+
+
+def wrapper_parts(emit) -> None:
+    """The ``--wrappers`` figures (module docstring)."""
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    cases = dict(A.one_shot_cases())
+    for name, fn in cases.items():
+        memo = cw._PLANS if name == "write_kv_cache" else pa._PLANS
+        fn()  # compiles and keeps every kernel the call needs
+        fn()
+        plans = memo.plans()
+        if len(plans) != 1:
+            emit({"kind": "launch-part", "wrapper": name, "error": f"{len(plans)} plans in the memo"})
+            continue
+        kept = plans[0].kernels._kernels
+        recs = {key: _Recorder(hit) for key, hit in kept.items()}
+        kept.update(recs)
+        try:
+            fn()
+            launched = [(r.hit, *r.calls[-1]) for r in recs.values() if r.calls]
+            whole = timeit(fn)
+            for r in recs.values():
+                r.stub = True
+            python = timeit(fn)
+        finally:
+            kept.update({key: r.hit for key, r in recs.items()})
+
+        def alone(launched=launched):
+            for hit, grid, args, stream in launched:
+                hit(grid, args, stream)
+
+        launch = timeit(alone)
+        figs = {"whole": whole[0], "python": python[0], "kept-launch": launch[0]}
+        emit(
+            {
+                "kind": "launch-part", "wrapper": name, "launches": len(launched),
+                **{k: round(v, 2) for k, v in figs.items()},
+                "unexplained": round(whole[0] - python[0] - launch[0], 2),
+                **{k + "_min": round(v[1], 2) for k, v in zip(figs, (whole, python, launch), strict=True)},
+            }
+        )  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--wrappers", action="store_true", help="the one-shot wrappers' parts (docstring)")
     a = ap.parse_args()
     import torch
     from triton.runtime import driver
@@ -114,12 +180,17 @@ def main() -> None:
         ),
     }
     fh = open(a.out, "a") if a.out else None
-    for name, fn in parts.items():
-        med, best = timeit(fn)
-        rec = {"kind": "launch-part", "part": name, "us": round(med, 2), "us_min": round(best, 2)}
+
+    def emit(rec: dict) -> None:
         print(json.dumps(rec))
         if fh:
             fh.write(json.dumps(rec) + "\n")
+
+    for name, fn in parts.items():
+        med, best = timeit(fn)
+        emit({"kind": "launch-part", "part": name, "us": round(med, 2), "us_min": round(best, 2)})
+    if a.wrappers:
+        wrapper_parts(emit)
 
 
 if __name__ == "__main__":

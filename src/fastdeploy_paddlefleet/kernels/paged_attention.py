@@ -64,8 +64,10 @@ ERR_LOOP_DECODE = True
 class TileConfig:
     """Launch shape of one kernel: ``block_m`` rows (prefill: query tokens x padded group heads),
     ``block_n`` keys per step, warps, pipeline stages, whether K/V tiles load through TMA, whether
-    the prefill exponentials run as packed bf16 (bf16 inputs on a GPU only), and a timing ablation
-    switch (``profile`` 1: no softmax, 2: no P @ V; results are wrong when set)."""
+    the prefill exponentials run as packed bf16 (bf16 inputs on a GPU only), a timing ablation
+    switch (``profile`` 1: no softmax, 2: no P @ V; results are wrong when set) and ``maxnreg``, a
+    cap on registers per thread (Triton's option: fewer registers, more programs per SM where shared
+    memory allows; ``None``: the compiler's choice)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -74,6 +76,7 @@ class TileConfig:
     use_tma: bool = False
     exp_bf16: bool = False
     profile: int = 0
+    maxnreg: int | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -130,6 +133,15 @@ def choose_num_splits(num_requests: int, num_kv_heads: int, span: int, block_n: 
 
 SPLIT_TARGET = 2
 MIN_TILES_PER_SPLIT = 4
+
+
+def _reg_cap(cfg: TileConfig) -> dict:
+    """Triton's ``maxnreg`` option of a config (none where it is unset: the options stay as they were)."""
+    if cfg.maxnreg is None:
+        return {}
+    if not isinstance(cfg.maxnreg, int) or not 24 <= cfg.maxnreg <= 255:
+        raise ValueError(f"TileConfig.maxnreg must be an int in [24, 255] or None, got {cfg.maxnreg!r}")
+    return {"maxnreg": cfg.maxnreg}
 
 
 def _next_pow2(x: int) -> int:
@@ -874,7 +886,7 @@ class AttentionPlan:
                 G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
                 USE_TMA=self.prefill_desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile,
                 HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_PREFILL, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **self.consts,
+                num_stages=cfg.num_stages, **self.consts, **_reg_cap(cfg),
             )  # fmt: skip
         return consts
 
@@ -895,7 +907,7 @@ class AttentionPlan:
                 G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
                 NUM_SPLITS=num_splits, USE_TMA=self.decode_desc is not None, HAS_ERR=has_err,
                 ERR_LOOP=ERR_LOOP_DECODE, FUSE_WRITE=fused, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **self.consts,
+                num_stages=cfg.num_stages, **self.consts, **_reg_cap(cfg),
             )  # fmt: skip
         return consts
 
