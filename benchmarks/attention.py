@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import math
 import os
@@ -49,7 +48,6 @@ BS, HQ, HKV, D = 64, 32, 8, 128
 SH = dict(bsz=64, ctx=4096, n=8192, window=1023, mixed=(32, 4096, 2048), dev="cuda", dtype="bfloat16")
 SMOKE = dict(bsz=3, ctx=200, n=150, window=63, mixed=(2, 200, 100), dev="cpu", dtype="float32")
 DEFAULT_OUT = os.path.join(HERE, "results", "attention-h200.jsonl")
-PA_MODULE = "fastdeploy_paddlefleet.kernels.paged_attention"
 RECORDS: list[dict] = []
 #: FlexAttention among the peers (``--no-flex``: SDPA only; Flex compiles for about a minute per mask)
 FLEX = True
@@ -1219,12 +1217,6 @@ def main(argv=None) -> int:
         "launcher's per-pointer cost)",
     )
     ap.add_argument(
-        "--decode-regs",
-        default=None,
-        help="the default decode tile's register cap (kernels/paged_attention.py DECODE_REGS): an int, "
-        "or 'none' for the 3-stage tile at the compiler's registers (the A/B against the earlier default)",
-    )
-    ap.add_argument(
         "--src",
         default=None,
         help="import fastdeploy_paddlefleet from this source tree instead (A/B against an older commit)",
@@ -1273,10 +1265,6 @@ def main(argv=None) -> int:
         from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
 
         pa_mod.ERR_LOOP_PREFILL = pa_mod.ERR_LOOP_DECODE = False
-    if args.decode_regs is not None:
-        from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
-
-        pa_mod.DECODE_REGS = None if args.decode_regs.lower() == "none" else int(args.decode_regs)
     t0 = time.time()
     with replacing(out) as tmp, open(tmp, "w") as fh:  # the previous file stays until the run completes
         on_gpu = SH["dev"] == "cuda"
@@ -1292,7 +1280,6 @@ def main(argv=None) -> int:
                 "block_size": BS,
                 "stat": "median of do_bench",
                 "mode": "sweep" if args.sweep else "cases",
-                "decode_regs": getattr(importlib.import_module(PA_MODULE), "DECODE_REGS", "n/a"),
             },
             fh,
         )

@@ -105,31 +105,19 @@ def default_prefill_config(
 def default_decode_config(
     dqk: int, dv: int, device: torch.device, elem_size: int = 2, sliding: bool = False
 ) -> TileConfig:
-    """Decode tile shape (tuned on an H200; see benchmarks/NOTES.md). ``sliding`` (every kv head
+    """Decode tile shape (tuned on an H200; see benchmarks/NOTES.md): 64-key tiles, 3 pipeline
+    stages (fewer if they do not fit in about 200 KB of shared memory). ``sliding`` (every kv head
     slides, so each program streams only a window): 32-key tiles over 2 warps, 48 KB of shared
-    memory, so 4 programs fit per SM and a 64 x 8 batch runs in one wave (no second ramp-up).
-    Otherwise 64-key tiles over 4 warps: for 16-bit heads up to 128 wide, 2 stages (one 32 KB K + V
-    tile in flight) with registers capped at 128 (:data:`DECODE_REGS`), so 4 programs share an SM
-    instead of the 2 that 3 stages at the compiler's ~250 registers allow: the same bytes in flight
-    per SM, and a 64 x 8 batch in one wave instead of 1.94 (+1.4 % on the H200); wider heads 3 stages
-    (fewer if they do not fit in about 200 KB of shared memory)."""
+    memory, so 4 programs fit per SM and a 64 x 8 batch runs in one wave (no second ramp-up)."""
     if device.type != "cuda":
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if sliding and elem_size <= 2 and max(dqk, dv) <= 128:
         return TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=3)
     block_n = 64 if elem_size <= 2 else 32
     per_stage = block_n * (_next_pow2(dqk) + _next_pow2(dv)) * elem_size
-    if elem_size <= 2 and per_stage <= 32 << 10 and DECODE_REGS is not None:
-        return TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2, maxnreg=DECODE_REGS)
     return TileConfig(
         block_m=16, block_n=block_n, num_warps=4, num_stages=max(2, min(3, (200 << 10) // per_stage))
     )
-
-
-#: register cap of the default 16-bit decode tile for heads up to 128 (:func:`default_decode_config`);
-#: ``None``: the 3-stage tile at the compiler's choice (the default before; benchmarks' A/B). Read when
-#: a plan is built (part of the one-shot memo's key).
-DECODE_REGS: int | None = 128
 
 
 def choose_num_splits(num_requests: int, num_kv_heads: int, span: int, block_n: int, sms: int) -> int:
@@ -275,7 +263,7 @@ def paged_attention(
         None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
-        DECODE_REGS, HopperPlan,
+        HopperPlan,
     )  # fmt: skip
     try:
         plan, slot = _PLANS.take(key)
