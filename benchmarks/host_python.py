@@ -334,6 +334,37 @@ def direct_launches(fn, stub) -> int:
     return counter.calls
 
 
+def lanes(fn) -> dict:
+    """How often one call of ``fn`` took each plan's kept lane (``launch_kept`` returning True), was
+    refused there (a kernel it needs not kept under the lane's key) and took the step path
+    (``_launch_step``: also where the lane's gate failed): the plans' methods wrapped for that call."""
+    from fastdeploy_paddlefleet.kernels import cache_write as cw
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    seen = {"kept": 0, "kept-refused": 0, "step": 0}
+    saved = []
+    for cls in (pa.AttentionPlan, cw.CacheWritePlan):
+        kept, step = cls.launch_kept, cls._launch_step
+
+        def kept_counted(self, *a, _f=kept, **k):
+            ok = _f(self, *a, **k)
+            seen["kept" if ok else "kept-refused"] += 1
+            return ok
+
+        def step_counted(self, *a, _f=step, **k):
+            seen["step"] += 1
+            return _f(self, *a, **k)
+
+        saved.append((cls, kept, step))
+        cls.launch_kept, cls._launch_step = kept_counted, step_counted
+    try:
+        fn()
+    finally:
+        for cls, kept, step in saved:
+            cls.launch_kept, cls._launch_step = kept, step
+    return seen
+
+
 def per_call_us(fn, calls: int, repeats: int) -> tuple[float, float]:
     """Median and min over ``repeats`` loops of ``calls`` calls of ``fn``, microseconds per call."""
     fn()
@@ -391,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if not name.startswith(("torch-", "new_")):
                         rec["direct_launches"] = direct_launches(fn, stub)
+                        rec["lanes"] = lanes(fn)
                     per = STEP_LAYERS if name.startswith("backend-step") else 1  # us per layer
                     calls = max(1, a.calls // per)
                     med, best = per_call_us(fn, calls, a.repeats)

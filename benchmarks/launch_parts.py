@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path; the trivial kernels)
+import host_python as HP  # noqa: E402  (lanes: which path each call took)
 
 C_SRC = r"""
 #define PY_SSIZE_T_CLEAN
@@ -102,40 +103,46 @@ def wrapper_parts(emit) -> None:
 
     cases = dict(A.one_shot_cases())
     for name, fn in cases.items():
-        memo = cw._PLANS if name == "write_kv_cache" else pa._PLANS
-        fn()  # compiles and keeps every kernel the call needs
-        fn()
-        plans = memo.plans()
-        if len(plans) != 1:
-            emit({"kind": "launch-part", "wrapper": name, "error": f"{len(plans)} plans in the memo"})
-            continue
-        kept = plans[0].kernels._kernels
-        recs = {key: _Recorder(hit) for key, hit in kept.items()}
-        kept.update(recs)
         try:
-            fn()
-            launched = [(r.hit, *r.calls[-1]) for r in recs.values() if r.calls]
-            whole = timeit(fn)
-            for r in recs.values():
-                r.stub = True
-            python = timeit(fn)
-        finally:
-            kept.update({key: r.hit for key, r in recs.items()})
+            emit(_wrapper_record(name, fn, cw._PLANS if name == "write_kv_cache" else pa._PLANS))
+        except Exception as e:  # noqa: BLE001 - one wrapper's failure is its record
+            emit({"kind": "launch-part", "wrapper": name, "error": repr(e)[:300]})
 
-        def alone(launched=launched):
-            for hit, grid, args, stream in launched:
-                hit(grid, args, stream)
 
-        launch = timeit(alone)
-        figs = {"whole": whole[0], "python": python[0], "kept-launch": launch[0]}
-        emit(
-            {
-                "kind": "launch-part", "wrapper": name, "launches": len(launched),
-                **{k: round(v, 2) for k, v in figs.items()},
-                "unexplained": round(whole[0] - python[0] - launch[0], 2),
-                **{k + "_min": round(v[1], 2) for k, v in zip(figs, (whole, python, launch), strict=True)},
-            }
-        )  # fmt: skip
+def _wrapper_record(name: str, fn, memo) -> dict:
+    """One wrapper's ``--wrappers`` record: ``fn`` called through the plan ``memo`` keeps."""
+    memo.clear()  # this wrapper's plan alone in its memo
+    fn()  # compiles and keeps every kernel the call needs
+    fn()
+    lane = HP.lanes(fn)
+    plans = memo.plans()
+    if len(plans) != 1:
+        raise RuntimeError(f"{len(plans)} plans in the memo")
+    kept = plans[0].kernels._kernels
+    recs = {key: _Recorder(hit) for key, hit in kept.items()}
+    kept.update(recs)
+    try:
+        fn()
+        launched = [(r.hit, *r.calls[-1]) for r in recs.values() if r.calls]
+        whole = timeit(fn)
+        for r in recs.values():
+            r.stub = True
+        python = timeit(fn)
+    finally:
+        kept.update({key: r.hit for key, r in recs.items()})
+
+    def alone():
+        for hit, grid, args, stream in launched:
+            hit(grid, args, stream)
+
+    launch = timeit(alone)
+    figs = {"whole": whole[0], "python": python[0], "kept-launch": launch[0]}
+    return {
+        "kind": "launch-part", "wrapper": name, "launches": len(launched), "lanes": lane,
+        **{k: round(v, 2) for k, v in figs.items()},
+        "unexplained": round(whole[0] - python[0] - launch[0], 2),
+        **{k + "_min": round(v[1], 2) for k, v in zip(figs, (whole, python, launch), strict=True)},
+    }  # fmt: skip
 
 
 def main() -> None:
