@@ -12,7 +12,9 @@ call as served), ``python`` (the same call, its plan's kept kernels swapped for 
 tensors, the real stream query) and ``kept-launch`` (each kept kernel the call launched, called alone
 with the grid, arguments and stream the call gave it). ``whole - python - kept-launch`` is what the
 pieces do not explain alone (e.g. the driver's cost inside the call differing from the same launch
-in a tight loop).
+in a tight loop). The Hopper prefill's kept launch cannot be called alone: a one-shot plan unbinds its
+caches after each call, so its TMA descriptors have no base between calls (that wrapper's record is its
+error).
 
 Usage::
 
