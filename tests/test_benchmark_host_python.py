@@ -1,5 +1,5 @@
 """benchmarks/host_python.py keeps running on the CPU: every case on the direct path (the kept kernel
-called with addresses, as on a GPU), each launch counted."""
+called with addresses, as on a GPU), each launch counted, and the lane each launch came from."""
 
 from __future__ import annotations
 
@@ -60,6 +60,9 @@ def test_host_python_benchmark_runs_every_case_on_the_direct_path(tmp_path):
         assert row["kind"] == "host-python" and row["device"] == "cpu" and row["call"] == 3
         assert row["calls"] == (2 if case.startswith("backend-step") else 20)
         assert row.get("direct_launches") == LAUNCHES.get(case), row
+        if case in LAUNCHES:  # every launch from a kept lane; DLPack views first build the step
+            n = LAUNCHES[case]
+            assert row["lanes"] == {"kept": n, "kept-refused": 0, "step": n if "views" in case else 0}, row
 
 
 def _has_paddle() -> bool:
