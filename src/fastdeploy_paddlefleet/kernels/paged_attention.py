@@ -78,6 +78,10 @@ class TileConfig:
     profile: int = 0
     maxnreg: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.maxnreg is not None and (type(self.maxnreg) is not int or not 24 <= self.maxnreg <= 255):
+            raise ValueError(f"TileConfig.maxnreg must be an int in [24, 255] or None, got {self.maxnreg!r}")
+
 
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
@@ -137,11 +141,7 @@ MIN_TILES_PER_SPLIT = 4
 
 def _reg_cap(cfg: TileConfig) -> dict:
     """Triton's ``maxnreg`` option of a config (none where it is unset: the options stay as they were)."""
-    if cfg.maxnreg is None:
-        return {}
-    if not isinstance(cfg.maxnreg, int) or not 24 <= cfg.maxnreg <= 255:
-        raise ValueError(f"TileConfig.maxnreg must be an int in [24, 255] or None, got {cfg.maxnreg!r}")
-    return {"maxnreg": cfg.maxnreg}
+    return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
 
 
 def _next_pow2(x: int) -> int:
