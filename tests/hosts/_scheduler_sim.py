@@ -61,20 +61,34 @@ def make_config(
     # FastDeploy turns V1 scheduling off on platforms it does not serve on (CPU here); the
     # scheduler under test is V1's, so it is turned back on for these scenarios
     fd_envs.ENABLE_V1_KVCACHE_SCHEDULER = 1
-    cfg.cache_config.total_block_num = num_blocks
-    cfg.cache_config.prefill_kvcache_block_num = num_blocks
+    # what EngineArgs left before profiling (FastDeploy's placeholder), and the count "profiled"
+    cfg._fdfleet_sim_placeholder = cfg.cache_config.total_block_num
+    cfg._fdfleet_sim_blocks = num_blocks
     cfg.parallel_config.local_engine_worker_queue_port = 20000 + (os.getpid() * 7 + num_blocks) % 30000
     return cfg
 
 
-def make_manager(cfg: Any, model_dir: str | None = None) -> Any:
-    """FastDeploy's ``ResourceManagerV1`` for ``cfg`` (``model_dir``: the plan's config.json)."""
+def make_manager(cfg: Any, model_dir: str | None = None, *, fastdeploy_check: bool = False) -> Any:
+    """FastDeploy's ``ResourceManagerV1`` for ``cfg`` (``model_dir``: the plan's config.json), started in
+    FastDeploy's own order (``EngineService``): built on the placeholder block count ``EngineArgs``
+    left, then ``reset_cache_config`` with the count of ``make_config(num_blocks=...)``, as after
+    profiling. ``fastdeploy_check``: through ``CacheConfig.reset`` with its assertion (a count below
+    ``max_model_len // block_size + 2`` is refused by FastDeploy itself); else the count is set as
+    ``reset`` sets it without that check, so small pools force preemption."""
     from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
     if model_dir is not None:
         cfg.model_config.model = model_dir
     cfg.parallel_config.local_engine_worker_queue_port += 1
-    return ResourceManagerV1(cfg.scheduler_config.max_num_seqs, cfg, 1, "mixed", 0)
+    cc = cfg.cache_config
+    cc.total_block_num = cc.prefill_kvcache_block_num = cfg._fdfleet_sim_placeholder
+    rm = ResourceManagerV1(cfg.scheduler_config.max_num_seqs, cfg, 1, "mixed", 0)
+    if fastdeploy_check:
+        cc.reset(cfg._fdfleet_sim_blocks)
+    else:
+        cc.total_block_num = cc.prefill_kvcache_block_num = cfg._fdfleet_sim_blocks
+    rm.reset_cache_config(cc)
+    return rm
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int) -> Any:
@@ -204,22 +218,20 @@ class SimWorker:
         return preempted, aborted, produced, prefill_tokens
 
     def _check_tables(self, step: int) -> None:
-        """No unit held twice in a group among the live requests' rows."""
+        """No page of the one pool held twice among the live requests' rows (any group, any lane)."""
         live = {s.rid for s in self.slots.values()}
-        for g in range(len(self.layout.groups)):
-            owner: dict[int, str] = {}
-            for rid in live:
-                rows = self.tables.rows.get(rid)
-                if rows is None:
-                    continue
-                for ids in rows[g]:
+        owner: dict[int, tuple] = {}
+        for rid in live:
+            rows = self.tables.rows.get(rid)
+            if rows is None:
+                continue
+            for g, lanes in enumerate(rows):
+                for lane, ids in enumerate(lanes):
                     for u in ids:
                         if u < 0:
                             continue
-                        if owner.setdefault(u, rid) != rid:
-                            raise SimError(
-                                f"step {step}: group {g} unit {u} in the rows of {owner[u]} and {rid}"
-                            )
+                        if owner.setdefault(u, (rid, g, lane)) != (rid, g, lane):
+                            raise SimError(f"step {step}: page {u} in the rows of {owner[u]} and {(rid, g, lane)}")
 
     def _check_queries(self, step: int, rid: str, start: int, end: int) -> None:
         """Queries at positions [start, end) of ``rid``: every key block they see is mapped."""
@@ -291,23 +303,19 @@ class Sim:
         if rec is None:
             return
         mgr = rec.manager
-        for g in rec.layout.groups:
-            seen: dict[int, str] = {}
-            held = 0
-            for rid in mgr.requests:
-                for ids in mgr.lane_ids(rid)[g.index]:
+        seen: dict[int, tuple] = {}
+        held = 0
+        for rid in mgr.requests:
+            for g, lanes in enumerate(mgr.lane_ids(rid)):
+                for lane, ids in enumerate(lanes):
                     for u in ids:
                         if u < 0:
                             continue
                         held += 1
-                        if seen.setdefault(u, rid) != rid:
-                            raise SimError(
-                                f"step {step}: group {g.index} unit {u} owned by {seen[u]} and {rid}"
-                            )
-            free = mgr.group_free_pages(g.index) // g.unit
-            total = mgr.group_total_pages(g.index) // g.unit
-            if held + free != total:
-                raise SimError(f"step {step}: group {g.index} held {held} + free {free} != pool {total}")
+                        if seen.setdefault(u, (rid, g, lane)) != (rid, g, lane):
+                            raise SimError(f"step {step}: page {u} owned by {seen[u]} and {(rid, g, lane)}")
+        if held + mgr.free_units != mgr.total_units:
+            raise SimError(f"step {step}: held {held} + free {mgr.free_units} != pool {mgr.total_units}")
         # the free count FastDeploy reads is a promise the pools keep (allocate() raises otherwise)
         free = self.rm.available_block_num()
         if not rec.can_allocate(free):
@@ -403,4 +411,4 @@ class Sim:
         if rec is None:
             return True
         mgr = rec.manager
-        return not mgr.requests and mgr.free_pages == mgr.total_pages
+        return not mgr.requests and mgr.free_units == mgr.total_units

@@ -106,7 +106,9 @@ def test_hook_installed_by_the_plugin_and_interactions_named(host, tiny_dir):
     d = result.data
     assert d["patched"] and d["has_recycler"] and d["can_allocate_is_ours"]
     kinds = [g["kind"] for g in d["layout"]["groups"]]
-    assert kinds == ["full", "sliding", "headwise"]
+    # tiny: full layers 0, 3; sliding 1, 4; head-wise 2: one layer per group (gcd of 2, 2, 1), one pool
+    assert kinds == ["full", "full", "sliding", "sliding", "headwise"]
+    assert d["layout"]["slots"] == 1 and d["layout"]["heads_per_page"] == 1
     assert d["prefix_after"] is False
     prefix_warnings = [w for w in d["warnings"] if "enable_prefix_caching" in w]
     assert len(prefix_warnings) == 1, d["warnings"]
@@ -164,7 +166,8 @@ def test_real_scheduler_traces_with_a_lagging_worker(host, tiny_dir):
     assert {r["lag"] for r in runs} == {0, 1, 3}
     assert sum(r["preempted"] for r in runs) > 0 and sum(r["aborted"] for r in runs) > 0
     assert {"headwise"} <= {k for r in runs for k in r["groups"]}
-    assert [r["groups"] for r in runs if r["tp"] == 2][0] == ["full", "sliding"]
+    # TP=2: each rank holds one kv head per layer; the head-wise layer's is sliding on both ranks
+    assert [r["groups"] for r in runs if r["tp"] == 2][0] == ["full", "full", "sliding", "sliding", "sliding"]
 
 
 CAPACITY = """

@@ -281,15 +281,54 @@ class HeadwiseKVManager:
             blocks = [num_blocks] * ng
         for i, (g, nb) in enumerate(zip(self.groups, blocks, strict=True)):
             blocks[i] = _count(f"num_blocks[{g.index}]", nb, 0, MAX_PAGES // g.num_kv_heads)
-        self.num_blocks = blocks
-        self._pools = [
-            _Pool(nb * g.num_kv_heads // g.unit) for g, nb in zip(self.groups, blocks, strict=True)
-        ]
+        self.num_blocks: list[int] | None = blocks
+        self._setup([_Pool(nb * g.num_kv_heads // g.unit) for g, nb in zip(self.groups, blocks, strict=True)])
+
+    @classmethod
+    def shared(
+        cls, groups: Sequence[LayerGroup], num_pages: int, block_size: int, mode: RecycleMode = "headwise"
+    ) -> HeadwiseKVManager:
+        """One pool of ``num_pages`` pages for every group and lane (``kvcache/pools.py``,
+        :class:`~.pools.PoolLayout`): a lane's logical block takes one page from the same free list
+        whichever group it belongs to, and a page a window releases can at once serve any request's
+        any group. ``groups``: the layout's groups, all with the same ``unit`` (kv heads per page).
+        ``num_blocks`` is ``None`` for such a manager; ``num_pages`` holds the pool size."""
+        groups = tuple(groups)
+        if not groups or not all(isinstance(g, LayerGroup) for g in groups):
+            raise TypeError(f"groups={groups!r}: expected a non-empty sequence of LayerGroup (PoolLayout.groups)")
+        if len({g.unit for g in groups}) != 1:
+            raise ValueError(f"groups have units {sorted({g.unit for g in groups})}: one shared pool needs one unit")
+        if [g.index for g in groups] != list(range(len(groups))):
+            raise ValueError(f"groups must be indexed 0..{len(groups) - 1} in order, got {[g.index for g in groups]}")
+        if mode not in RECYCLE_MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {RECYCLE_MODES}")
+        self = cls.__new__(cls)
+        self.block_size = _count("block_size", block_size, 1, MAX_TOKENS)
+        self.groups = list(groups)
+        self.mode = mode
+        self.num_blocks = None
+        self.num_pages = _count("num_pages", num_pages, 0, MAX_PAGES // groups[0].unit)
+        pool = _Pool(self.num_pages)
+        self._setup([pool] * len(groups))
+        return self
+
+    def _setup(self, pools: list[_Pool]) -> None:
+        """Per group, its pool (groups may share one); the distinct pools in first-use order."""
+        self._pools = pools
+        distinct: list[_Pool] = []
+        self._pool_index = []
+        for pool in pools:
+            if not any(pool is p for p in distinct):
+                distinct.append(pool)
+            self._pool_index.append(next(i for i, p in enumerate(distinct) if p is pool))
+        self._distinct = distinct
+        self._pool_unit = [self.groups[self._pool_index.index(i)].unit for i in range(len(distinct))]
         self._reqs: dict[Any, _Request] = {}
         self._layer_group = {li: g.index for g in self.groups for li in g.layers}
         logger.debug(
-            "head-wise KV manager, mode %s: %s",
-            mode,
+            "head-wise KV manager, mode %s, %d pool(s): %s",
+            self.mode,
+            len(distinct),
             [(g.kind, g.layers, g.num_kv_heads, self.group_total_pages(g.index)) for g in self.groups],
         )
 
@@ -419,19 +458,24 @@ class HeadwiseKVManager:
 
     # ---- internals ------------------------------------------------------------------------
     def _missing(self, r: _Request, computed: int, need: int) -> dict[int, int]:
-        """Pages per group that releasing up to ``computed`` and growing to ``need`` blocks lacks
-        (exactly what :meth:`_apply` would take from and give back to each pool)."""
+        """Pages per pool that releasing up to ``computed`` and growing to ``need`` blocks lacks
+        (exactly what :meth:`_apply` would take from and give back to each pool). Pools are
+        numbered like the groups when each group has its own, ``0`` for a shared one."""
         bs = self.block_size
-        missing = {}
-        for g, lanes, pool in zip(self.groups, r.lanes, self._pools, strict=True):
-            short = -pool.available()
+        demand = [0] * len(self._distinct)
+        for lanes, pi in zip(r.lanes, self._pool_index, strict=True):
+            d = 0
             for lane in lanes:
                 target = lane.release_target(computed, bs)
                 have = len(lane.ids)
-                short -= max(0, min(target, have) - lane.released)  # pages given back
-                short += max(0, need - max(have, target))  # pages taken
+                d -= max(0, min(target, have) - lane.released)  # pages given back
+                d += max(0, need - max(have, target))  # pages taken
+            demand[pi] += d
+        missing = {}
+        for pi, d in enumerate(demand):
+            short = d - self._distinct[pi].available()
             if short > 0:
-                missing[g.index] = short * g.unit
+                missing[pi] = short * self._pool_unit[pi]
         return missing
 
     def _apply(self, r: _Request, computed: int, need: int | None) -> None:
@@ -470,11 +514,21 @@ class HeadwiseKVManager:
     # ---- counters -------------------------------------------------------------------------
     @property
     def total_pages(self) -> int:
-        return sum(p.num_units * g.unit for g, p in zip(self.groups, self._pools, strict=True))
+        """Pages of every pool (head pages: a unit of ``unit`` kv heads counts ``unit`` pages)."""
+        return sum(p.num_units * u for p, u in zip(self._distinct, self._pool_unit, strict=True))
 
     @property
     def free_pages(self) -> int:
-        return sum(p.available() * g.unit for g, p in zip(self.groups, self._pools, strict=True))
+        return sum(p.available() * u for p, u in zip(self._distinct, self._pool_unit, strict=True))
+
+    @property
+    def free_units(self) -> int:
+        """Free allocation units of every pool (a shared pool's pages)."""
+        return sum(p.available() for p in self._distinct)
+
+    @property
+    def total_units(self) -> int:
+        return sum(p.num_units for p in self._distinct)
 
     @property
     def used_pages(self) -> int:
@@ -506,17 +560,8 @@ class HeadwiseKVManager:
         """Pages per group one request holds with ``num_tokens`` cached once every query before
         ``computed`` (default ``num_tokens``) has run: the release rule in closed form, for
         schedulers that reserve room for future tokens. Touches no state."""
-        num_tokens = _count("num_tokens", num_tokens)
-        c = num_tokens if computed is None else _count("computed", computed, 0, num_tokens)
-        bs = self.block_size
-        blocks = -(-num_tokens // bs)
-        out = {}
-        for g in self.groups:
-            held = 0
-            for w in g.lanes:
-                held += blocks if w is None else blocks - min(blocks, max(0, c - w) // bs)
-            out[g.index] = held * g.unit
-        return out
+        units = held_units(self.groups, self.block_size, num_tokens, computed)
+        return {g.index: n * g.unit for g, n in zip(self.groups, units, strict=True)}
 
     def stats(self) -> dict[str, Any]:
         """Counters for logs/metrics: totals and per group."""
@@ -544,8 +589,8 @@ class HeadwiseKVManager:
         head = _count("head", head, 0, g.num_kv_heads - 1)
         if g.unit == 1:
             return list(lanes[head].ids)
-        hkv = g.num_kv_heads
-        return [u * hkv + head if u >= 0 else -1 for u in lanes[0].ids]
+        unit = g.unit  # lane ``head // unit`` holds units of ``unit`` heads: page ``u * unit + head % unit``
+        return [u * unit + head % unit if u >= 0 else -1 for u in lanes[head // unit].ids]
 
     def _slots(self, req_ids: Iterable[Any]) -> list[_Request | None]:
         if isinstance(req_ids, str | bytes) or not isinstance(req_ids, Iterable):
@@ -572,14 +617,11 @@ class HeadwiseKVManager:
             for b, r in enumerate(reqs):
                 if r is None:
                     continue
-                lanes = r.lanes[g.index]
-                if g.unit == 1:
-                    for h, lane in enumerate(lanes):
-                        t[b * hkv + h, : len(lane.ids)] = lane.ids
-                else:
-                    ids = np.asarray(lanes[0].ids, dtype=np.int64)
-                    rows = np.where(ids[None, :] >= 0, ids[None, :] * hkv + np.arange(hkv)[:, None], -1)
-                    t[b * hkv : (b + 1) * hkv, : len(ids)] = rows
+                unit = g.unit  # lane j: heads [j * unit, (j + 1) * unit), page u * unit + head % unit
+                for j, lane in enumerate(r.lanes[g.index]):
+                    ids = np.asarray(lane.ids, dtype=np.int64)
+                    rows = np.where(ids[None, :] >= 0, ids[None, :] * unit + np.arange(unit)[:, None], -1)
+                    t[b * hkv + j * unit : b * hkv + (j + 1) * unit, : len(ids)] = rows
             out[g.index] = t
         return out
 
@@ -614,6 +656,24 @@ class HeadwiseKVManager:
             for li in g.layers:
                 out[li] = t
         return out
+
+
+def held_units(
+    groups: Sequence[LayerGroup], block_size: int, num_tokens: int, computed: int | None = None
+) -> list[int]:
+    """Units per group one request holds with ``num_tokens`` cached once every query before
+    ``computed`` (default ``num_tokens``) has run: the release rule in closed form (a lane with
+    ``window_left = w`` has given back its first ``max(0, computed - w) // block_size`` blocks,
+    a full lane none). The manager (:meth:`HeadwiseKVManager.held_pages`), the pool arithmetic
+    (``kvcache/pools.py``) and ``fdfleet plan`` all count with this."""
+    num_tokens = _count("num_tokens", num_tokens)
+    c = num_tokens if computed is None else _count("computed", computed, 0, num_tokens)
+    bs = _count("block_size", block_size, 1)
+    blocks = -(-num_tokens // bs)
+    return [
+        sum(blocks if w is None else blocks - min(blocks, max(0, c - w) // bs) for w in g.lanes)
+        for g in groups
+    ]
 
 
 def pool_demand(

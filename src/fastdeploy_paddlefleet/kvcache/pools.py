@@ -1,30 +1,56 @@
-"""How a KV byte budget splits between full and sliding pools: ONE pure function, both sides.
+"""ONE KV pool for every layer group and lane, and the arithmetic every side calls (stdlib only).
 
-The engine's scheduler hook (``serving/kv_recycling``) sizes its page pools with
-:func:`split_kv_pools`, the worker sizes its per-group caches with the same call, and
-``fdfleet plan`` reports it; all three must agree, so nothing else computes a split.
+The engine's scheduler hook (``serving/kv_recycling``), the worker's cache allocation
+(``serving/model_runner``) and ``fdfleet plan`` all build :func:`pool_layout` from the same plan and
+count with :meth:`PoolLayout.num_pages` and :func:`capacity`; nothing else sizes the pool.
 
-Per group ``g`` (``kvcache/headwise.py``: layers sharing kv heads and windows) one block costs
-``block_bytes_g = block_size * sum over g's layers of kv_heads * (qk_head_dim + v_head_dim) * dtype``.
-A request at ``max_model_len`` tokens holds ``ceil((max_model_len + lookahead) / bs)`` blocks on
-a full lane and on average ``(W + 1 + lookahead / 2) / bs + 1`` on a sliding one, where
-``lookahead`` is what FastDeploy allocates beyond the computed tokens (2 blocks + 12 slots when
-decoding; FastDeploy's own pool pays it too). Every group is
-sized to run out at the same concurrency ``N``; when the expected concurrency (FastDeploy's
-``max_num_seqs``) is below ``N``, sliding pools keep just enough for it and full pools get the
-rest, where longer contexts can use it. Each sliding pool also keeps room for the largest single
-allocation of its lanes (:func:`allocation_cap`), so a chunk can always be scheduled once the
-others have released what left their windows.
+Why one pool
+------------
+A split fixed in advance (so many blocks for full layers, so many for sliding ones) is sized for
+one request length. Chat traffic is mostly short, and short requests would then find the full
+pool empty while the sliding pool idles (or the reverse): fewer requests than FastDeploy's own
+single pool serves. Here every page of KV memory can serve any group, request by request: what a
+window releases is at once free for anyone, and a request holds exactly what its lanes hold.
+
+Layout (vLLM's hybrid cache, in FastDeploy's cache shape)
+---------------------------------------------------------
+* Layers sharing kv heads and per-head windows form *kind groups* (``headwise.groups_from_plan``).
+  Each kind group is cut into *groups* of ``slots = T`` consecutive layers, ``T`` the greatest
+  common divisor of the kind groups' layer counts: every group then has the same number of layers,
+  and layer ``t`` of every group reads *slot* ``t``.
+* Slot ``t`` is one key tensor ``[num_pages, G, block_size, qk_head_dim]`` and one value tensor
+  ``[num_pages, G, block_size, v_head_dim]`` (the largest dims over the layers), ``G =
+  heads_per_page`` the greatest common divisor of the kind groups' kv heads per lane (a whole-block
+  group's ``Hkv``, 1 where a layer mixes full and sliding heads). A *page* ``p`` is row ``p`` of
+  every slot: it holds ``G`` kv heads of ``block_size`` tokens of ``T`` layers.
+* A group's layer views its slot as ``[num_pages * G / Hkv, Hkv, block_size, D]`` (contiguous, a
+  reshape; only a layer with a smaller head dim than the slot's reads the leading channels).
+  A *lane* (the unit released at once: a whole-block group's ``Hkv / G`` lanes share one window, a
+  head-wise group has one lane per kv head) takes ONE page per logical block, from the one free list.
+  Its table entries are ``page * G + head % G`` in the layer's view (``HeadwiseKVManager.tables``);
+  with ``G == Hkv`` they are plain block ids.
+* FastDeploy prices a block at every layer's own shape; one such block is ``pages_per_block``
+  pages (one per lane), so ``num_gpu_blocks`` FastDeploy blocks are ``num_gpu_blocks *
+  pages_per_block`` pages in the same bytes, exactly, unless layers differ in head dims (then the
+  pages' padding is priced: :meth:`PoolLayout.block_bytes`).
+
+Capacity
+--------
+A request at ``c`` tokens with ``n`` allocated holds, per lane, the blocks of ``[0, n)`` (full) or
+of ``[c - window_left, n)`` (sliding; ``headwise.held_units``). FastDeploy holds ``ceil(n / bs)``
+blocks of every layer. Per lane ours is never more, so at the same bytes recycling never serves
+fewer requests than FastDeploy's accounting, at any length.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..plan.layer import AttentionPlan
-from .headwise import RecycleMode, check_pool_pages, groups_from_plan
-from .layout import blocks_for, dtype_bytes
+from .headwise import RECYCLE_MODES, LayerGroup, RecycleMode, groups_from_plan, held_units
+from .layout import dtype_bytes
 
 #: tokens FastDeploy allocates beyond the computed ones for a decoding request: 2 blocks
 #: (``enc_dec_block_num``) once 12 or fewer slots are left (``prealloc_dec_block_slot_num_threshold``)
@@ -32,89 +58,147 @@ FASTDEPLOY_LOOKAHEAD_BLOCKS = 2
 FASTDEPLOY_LOOKAHEAD_SLOTS = 12
 
 
-@dataclass(frozen=True)
-class GroupPool:
-    """One group's pool: ``num_blocks`` blocks of ``block_bytes`` each."""
+def fastdeploy_lookahead(block_size: int) -> int:
+    """Tokens FastDeploy allocates at most beyond a decoding request's computed ones."""
+    return FASTDEPLOY_LOOKAHEAD_BLOCKS * block_size + FASTDEPLOY_LOOKAHEAD_SLOTS
 
-    index: int
-    kind: str
-    layers: tuple[int, ...]
-    num_kv_heads: int
-    block_bytes: int
-    blocks_per_request: float
-    num_blocks: int
 
-    @property
-    def bytes(self) -> int:
-        return self.block_bytes * self.num_blocks
+def _int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r}: expected an int >= {low}")
+    return value
 
 
 @dataclass(frozen=True)
-class PoolSplit:
-    """The split of ``budget_bytes`` and what it holds at ``max_model_len`` tokens per request.
+class PoolLayout:
+    """Groups, lanes and slots of the one pool (module docstring). Pure data; counts in pages.
 
-    ``max_requests``: requests of ``max_model_len`` tokens every pool holds at once with
-    recycling; ``fastdeploy_*``: FastDeploy's one pool (every layer keeps every block, each layer
-    sized by its own shape) in the same bytes.
+    ``layer_elements``: elements (K + V) one FastDeploy block holds at every layer's own shape,
+    ``sum_l Hkv_l * (qk_l + v_l) * block_size`` (FastDeploy's accounting, the runner's price
+    basis).
     """
 
-    budget_bytes: int
     block_size: int
-    max_model_len: int
-    concurrency: int | None
-    groups: tuple[GroupPool, ...]
-    max_requests: int
-    fastdeploy_block_bytes: int
-    fastdeploy_num_blocks: int
-    fastdeploy_max_requests: int
-    #: blocks one ``max_model_len`` request holds in FastDeploy's pool (its look-ahead included)
-    request_blocks: int = 0
+    mode: str
+    heads_per_page: int
+    slots: int
+    qk_head_dim: int
+    v_head_dim: int
+    groups: tuple[LayerGroup, ...]
+    layer_elements: int
 
     @property
-    def num_blocks(self) -> list[int]:
-        """Blocks per group, in group order (``HeadwiseKVManager``'s ``num_blocks``)."""
-        return [g.num_blocks for g in self.groups]
+    def page_elements(self) -> int:
+        """Elements of one page over every slot, K and V."""
+        return self.slots * self.heads_per_page * self.block_size * (self.qk_head_dim + self.v_head_dim)
 
     @property
-    def used_bytes(self) -> int:
-        return sum(g.bytes for g in self.groups)
+    def pages_per_block(self) -> int:
+        """Pages one FastDeploy block of every layer stands for: one per lane of every group."""
+        return sum(len(g.lanes) for g in self.groups)
 
     @property
-    def ratio(self) -> float:
-        """Concurrent ``max_model_len`` requests against FastDeploy's accounting."""
-        return self.max_requests / max(1, self.fastdeploy_max_requests)
+    def padding(self) -> float:
+        """Share of the pool's bytes no layer reads (head dims padded to the slot's; 0 when alike)."""
+        total = self.pages_per_block * self.page_elements
+        return 1.0 - self.layer_elements / total
+
+    @property
+    def page_multiple(self) -> int:
+        """The slot tensors' page count must be a multiple of this (each layer's reshaped view
+        ``[pages * G / Hkv, Hkv, ...]``)."""
+        out = 1
+        for g in self.groups:
+            out = math.lcm(out, g.num_kv_heads // self.heads_per_page)
+        return out
+
+    def page_bytes(self, dtype: Any) -> int:
+        return self.page_elements * dtype_bytes(dtype)
+
+    def block_bytes(self, dtype: Any) -> int:
+        """What one FastDeploy block costs in this pool: ``pages_per_block`` pages (the runner's
+        ``cal_theortical_kvcache``). Equals FastDeploy's per-layer price when nothing is padded."""
+        return self.pages_per_block * self.page_bytes(dtype)
+
+    def num_pages(self, num_gpu_blocks: int) -> int:
+        """Pages the pool manages for ``num_gpu_blocks`` FastDeploy blocks (engine and worker)."""
+        return _int("num_gpu_blocks", num_gpu_blocks, 0) * self.pages_per_block
+
+    def alloc_pages(self, num_pages: int) -> int:
+        """Rows the worker allocates per slot for ``num_pages`` managed pages (rounded up to
+        :attr:`page_multiple`; the extra rows are never handed out)."""
+        m = self.page_multiple
+        return -(-_int("num_pages", num_pages, 0) // m) * m
+
+    def layer_slots(self) -> dict[int, tuple[int, int]]:
+        """``{layer index: (group, slot)}``."""
+        return {li: (g.index, t) for g in self.groups for t, li in enumerate(g.layers)}
+
+    def layer_group(self) -> dict[int, int]:
+        """``{layer index: group index}``."""
+        return {li: g.index for g in self.groups for li in g.layers}
+
+    def lanes(self, group: int) -> int:
+        """Lanes (table rows per request in the protocol) of ``group``."""
+        return len(self.groups[group].lanes)
+
+    @property
+    def slides(self) -> bool:
+        """True when some lane releases pages (else recycling gains nothing)."""
+        return any(w is not None for g in self.groups for w in g.lanes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "budget_bytes": self.budget_bytes,
             "block_size": self.block_size,
-            "max_model_len": self.max_model_len,
-            "concurrency": self.concurrency,
-            "groups": [
-                {
-                    "index": g.index,
-                    "kind": g.kind,
-                    "layers": list(g.layers),
-                    "num_kv_heads": g.num_kv_heads,
-                    "block_bytes": g.block_bytes,
-                    "blocks_per_request": g.blocks_per_request,
-                    "num_blocks": g.num_blocks,
-                    "bytes": g.bytes,
-                }
-                for g in self.groups
-            ],
-            "used_bytes": self.used_bytes,
-            "max_requests": self.max_requests,
-            "fastdeploy_block_bytes": self.fastdeploy_block_bytes,
-            "fastdeploy_num_blocks": self.fastdeploy_num_blocks,
-            "fastdeploy_max_requests": self.fastdeploy_max_requests,
-            "request_blocks": self.request_blocks,
-            "ratio": self.ratio,
+            "mode": self.mode,
+            "heads_per_page": self.heads_per_page,
+            "slots": self.slots,
+            "qk_head_dim": self.qk_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "pages_per_block": self.pages_per_block,
+            "padding": self.padding,
+            "groups": [{**g.describe(), "lanes": list(g.lanes)} for g in self.groups],
         }
 
 
+def pool_layout(plan: AttentionPlan, block_size: int, mode: RecycleMode = "headwise") -> PoolLayout:
+    """The one pool's layout for ``plan`` (the plan whose windows hold on every TP rank,
+    ``serving/kv_recycling/protocol.py`` ``merge_tp_plans``) at FastDeploy's ``block_size``."""
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
+    bs = _int("block_size", block_size, 1)
+    if mode not in RECYCLE_MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {RECYCLE_MODES}")
+    kinds = groups_from_plan(plan, mode)
+    if not kinds:
+        raise ValueError(f"plan has no layers: {plan!r}")
+    slots = 0
+    heads = 0
+    for k in kinds:
+        slots = math.gcd(slots, len(k.layers))
+        heads = math.gcd(heads, k.unit)  # a whole-block kind's Hkv, 1 for a head-wise one
+    groups: list[LayerGroup] = []
+    for k in kinds:
+        for start in range(0, len(k.layers), slots):
+            lanes = k.lanes if k.unit == 1 else k.lanes * (k.num_kv_heads // heads)
+            unit = 1 if k.unit == 1 else heads
+            groups.append(
+                LayerGroup(len(groups), k.layers[start : start + slots], k.num_kv_heads, k.windows, unit, lanes)
+            )
+    return PoolLayout(
+        block_size=bs,
+        mode=mode,
+        heads_per_page=heads,
+        slots=slots,
+        qk_head_dim=max(la.qk_head_dim for la in plan),
+        v_head_dim=max(la.v_head_dim for la in plan),
+        groups=tuple(groups),
+        layer_elements=bs * sum(la.num_kv_heads * (la.qk_head_dim + la.v_head_dim) for la in plan),
+    )
+
+
 def allocation_cap(window_left: int, block_size: int, max_num_batched_tokens: int) -> int:
-    """Most units one FastDeploy allocation can add to a sliding lane with ``window_left``.
+    """Most pages one FastDeploy allocation can add to a sliding lane with ``window_left``.
 
     After ``reserve(target, computed)`` a sliding lane holds the blocks of
     ``[computed - window_left, target)``; FastDeploy's ``target - computed`` is at most one
@@ -127,152 +211,123 @@ def allocation_cap(window_left: int, block_size: int, max_num_batched_tokens: in
     return -(-(window_left + step) // block_size) + 2
 
 
-def _per_request(groups: list, bs: int, ctx: int, lookahead: int) -> list[float]:
-    """Blocks one request holds per group on average over its decode: a full lane
-    ``ceil((ctx + lookahead) / bs)`` (FastDeploy's own count), a sliding lane the window plus the
-    query's block plus half the look-ahead (it runs from 12 slots to 2 blocks + 12 slots), in
-    blocks: ``(W + 1 + lookahead / 2) / bs + 1``. Many requests at different points of their
-    look-ahead sum to about this; the pools' headroom (:func:`allocation_cap`) and FastDeploy's
-    preemption absorb the rest, and ``can_allocate`` never promises more than the pools hold."""
-    full = -(-(ctx + lookahead) // bs)
-    out = []
-    for g in groups:
-        share = g.unit / g.num_kv_heads
-        out.append(
-            sum((full if w is None else min(full, (w + 1 + lookahead / 2) / bs + 1)) * share for w in g.lanes)
-        )
-    return out
+def pages_needed(layout: PoolLayout, num_blocks: int, caps: list[list[int | None]]) -> int:
+    """Pages the pool must have free so that ANY request can grow by ``num_blocks`` FastDeploy
+    blocks: ``num_blocks`` per full lane, at most ``cap`` per sliding lane (``caps`` per group and
+    lane, :func:`allocation_cap`; ``None`` for a full lane). What ``can_allocate_gpu_blocks``
+    answers with, so a promised allocation always succeeds."""
+    n = max(0, int(num_blocks))
+    return sum(n if cap is None else min(n, cap) for lanes in caps for cap in lanes)
 
 
-def _int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r}: expected an int >= {low}")
-    return value
+def request_pages(layout: PoolLayout, num_tokens: int, computed: int | None = None) -> int:
+    """Pages one request holds with ``num_tokens`` tokens allocated once every query before
+    ``computed`` (default ``num_tokens``) has run (``headwise.held_units``)."""
+    return sum(held_units(layout.groups, layout.block_size, num_tokens, computed))
 
 
-def split_kv_pools(
-    plan: AttentionPlan,
-    budget_bytes: int,
-    block_size: int,
-    max_model_len: int,
-    concurrency: int | None = None,
-    *,
-    dtype: Any = "bf16",
-    mode: RecycleMode = "headwise",
-    max_num_batched_tokens: int = 0,
-    lookahead_tokens: int | None = None,
-) -> PoolSplit:
-    """Split ``budget_bytes`` of KV memory (one rank) into blocks per layer group.
+@dataclass(frozen=True)
+class Capacity:
+    """Requests of ``context`` tokens held at once in ``num_gpu_blocks`` FastDeploy blocks.
 
-    ``plan``: the plan whose windows hold on every rank (``serving/kv_recycling/protocol.py``
-    ``merge_tp_plans``). ``concurrency``: requests expected at once (``max_num_seqs``; None: no
-    cap). ``max_num_batched_tokens``: one step's prefill tokens, held transiently in full by
-    sliding lanes. ``lookahead_tokens``: tokens allocated beyond the computed ones (default:
-    FastDeploy's 2 blocks + 12 slots). Refuses (``ValueError`` naming the numbers) a budget that
-    cannot hold one ``max_model_len`` request.
+    ``fastdeploy_requests``: FastDeploy's accounting (every layer keeps every block, its decode
+    look-ahead included). ``recycling_requests``: the one pool, each request holding what its
+    lanes hold at ``context`` tokens decoding (look-ahead included), less ``transient_pages`` (one
+    step's prefill chunk on the sliding lanes, beyond their windows). Both capped at
+    ``max_num_seqs`` when given.
     """
-    if not isinstance(plan, AttentionPlan):
-        raise TypeError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
-    budget = _int("budget_bytes", budget_bytes, 1)
-    bs = _int("block_size", block_size, 1)
-    ctx = _int("max_model_len", max_model_len, 1)
-    cap = None if concurrency is None else _int("concurrency", concurrency, 1)
-    batched = _int("max_num_batched_tokens", max_num_batched_tokens, 0)
-    if lookahead_tokens is None:
-        lookahead_tokens = FASTDEPLOY_LOOKAHEAD_BLOCKS * bs + FASTDEPLOY_LOOKAHEAD_SLOTS
-    nbytes = dtype_bytes(dtype)
-    groups = groups_from_plan(plan, mode)
-    layer_bytes = {la.index: bs * la.num_kv_heads * (la.qk_head_dim + la.v_head_dim) * nbytes for la in plan}
-    bb = [sum(layer_bytes[li] for li in g.layers) for g in groups]
-    per_req = _per_request(groups, bs, ctx, lookahead_tokens)
-    # room for the largest single allocation of each sliding lane, whatever the others hold
-    trans = [
-        sum(allocation_cap(w, bs, batched) * g.unit / g.num_kv_heads for w in g.lanes if w is not None)
-        for g in groups
-    ]
 
-    per_req_bytes = sum(b * p for b, p in zip(bb, per_req, strict=True))
-    fixed = sum(b * t for b, t in zip(bb, trans, strict=True))
-    n_eq = (budget - fixed) / per_req_bytes
-    if n_eq < 1:
-        raise ValueError(
-            f"KV budget of {budget} bytes cannot hold one request of max_model_len={ctx} tokens: "
-            f"it needs {int(per_req_bytes)} bytes (block_size={bs}) plus {int(fixed)} bytes for "
-            f"max_num_batched_tokens={batched}; lower max_model_len or give the KV cache more memory"
-        )
-    n = [n_eq] * len(groups)
-    full = [all(w is None for w in g.lanes) for g in groups]
-    if cap is not None and cap < n_eq and any(full) and not all(full):
-        # sliding pools hold the expected concurrency; the full pools take the rest
-        slide_bytes = sum(
-            b * (cap * p + t) for b, p, t, f in zip(bb, per_req, trans, full, strict=True) if not f
-        )
-        full_bytes = sum(b * p for b, p, f in zip(bb, per_req, full, strict=True) if f)
-        n_full = (budget - slide_bytes) / full_bytes
-        n = [n_full if f else cap for f in full]
-    blocks = [int(k * p + t) for k, p, t in zip(n, per_req, trans, strict=True)]
-    check_pool_pages(groups, blocks, f"budget_bytes={budget}")
-    max_requests = min(int((nb - t) // p) for nb, p, t in zip(blocks, per_req, trans, strict=True))
-    fd_block = sum(layer_bytes.values())
-    fd_blocks = budget // fd_block
-    pools = tuple(
-        GroupPool(g.index, g.kind, g.layers, g.num_kv_heads, b, p, nb)
-        for g, b, p, nb in zip(groups, bb, per_req, blocks, strict=True)
-    )
-    return PoolSplit(
-        budget_bytes=budget,
-        block_size=bs,
-        max_model_len=ctx,
-        concurrency=cap,
-        groups=pools,
-        max_requests=max_requests,
-        fastdeploy_block_bytes=fd_block,
-        fastdeploy_num_blocks=fd_blocks,
-        fastdeploy_max_requests=fd_blocks // blocks_for(ctx + lookahead_tokens, bs),
-        request_blocks=blocks_for(ctx + lookahead_tokens, bs),
-    )
+    context: int
+    num_gpu_blocks: int
+    num_pages: int
+    fastdeploy_blocks_per_request: int
+    fastdeploy_requests: int
+    pages_per_request: int
+    fastdeploy_pages_per_request: int
+    transient_pages: int
+    recycling_requests: int
+
+    @property
+    def ratio(self) -> float:
+        return self.recycling_requests / max(1, self.fastdeploy_requests)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "context": self.context,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "num_pages": self.num_pages,
+            "fastdeploy_blocks_per_request": self.fastdeploy_blocks_per_request,
+            "fastdeploy_requests": self.fastdeploy_requests,
+            "pages_per_request": self.pages_per_request,
+            "fastdeploy_pages_per_request": self.fastdeploy_pages_per_request,
+            "transient_pages": self.transient_pages,
+            "recycling_requests": self.recycling_requests,
+            "ratio": self.ratio,
+        }
 
 
-def split_fastdeploy_blocks(
-    plan: AttentionPlan,
+def capacity(
+    layout: PoolLayout,
     num_gpu_blocks: int,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int = 0,
+    context: int,
     *,
-    dtype: Any = "bf16",
-    mode: RecycleMode = "headwise",
-) -> PoolSplit:
-    """:func:`split_kv_pools` of the bytes FastDeploy's ``num_gpu_blocks`` stand for.
-
-    FastDeploy counts ``num_gpu_blocks`` (``cache_config.total_block_num``) blocks of every layer
-    at once; with per-layer shapes one such block costs ``PoolSplit.fastdeploy_block_bytes``, so
-    the budget is ``num_gpu_blocks * fastdeploy_block_bytes``. The engine's scheduler hook and the
-    worker call this with the same FastDeploy settings and get the same blocks per group.
-    """
-    nbytes = dtype_bytes(dtype)
-    bs = _int("block_size", block_size, 1)
-    per_block = bs * sum(la.num_kv_heads * (la.qk_head_dim + la.v_head_dim) * nbytes for la in plan)
-    blocks = _int("num_gpu_blocks", num_gpu_blocks, 1)
-    return split_kv_pools(
-        plan,
-        blocks * per_block,
-        bs,
-        max_model_len,
-        max_num_seqs,
-        dtype=dtype,
-        mode=mode,
-        max_num_batched_tokens=max_num_batched_tokens,
+    max_num_batched_tokens: int = 0,
+    max_num_seqs: int | None = None,
+) -> Capacity:
+    """FastDeploy vs the one pool for requests of ``context`` tokens (:class:`Capacity`)."""
+    blocks = _int("num_gpu_blocks", num_gpu_blocks, 0)
+    ctx = _int("context", context, 1)
+    batched = _int("max_num_batched_tokens", max_num_batched_tokens, 0)
+    seqs = None if max_num_seqs is None else _int("max_num_seqs", max_num_seqs, 1)
+    bs = layout.block_size
+    held = ctx + fastdeploy_lookahead(bs)
+    fd_blocks = -(-held // bs)
+    per_req = request_pages(layout, held, ctx)
+    full = layout.pages_per_block * fd_blocks
+    # one step's chunk sits on the sliding lanes on top of their windows (never more than they save)
+    chunk = -(-batched // bs)
+    units = held_units(layout.groups, bs, held, ctx)
+    transient = sum(
+        min(chunk * sum(1 for w in g.lanes if w is not None), len(g.lanes) * fd_blocks - n)
+        for g, n in zip(layout.groups, units, strict=True)
     )
+    pages = layout.num_pages(blocks)
+    fd = blocks // fd_blocks
+    ours = max(0, pages - transient) // per_req
+    if seqs is not None:
+        fd, ours = min(fd, seqs), min(ours, seqs)
+    return Capacity(ctx, blocks, pages, fd_blocks, fd, per_req, full, transient, ours)
+
+
+def min_gpu_blocks(layout: PoolLayout, max_model_len: int) -> int:
+    """Fewest FastDeploy blocks whose pages hold one request of ``max_model_len`` tokens with
+    FastDeploy's own minimum (``max_model_len // block_size + enc_dec_block_num`` blocks of look-ahead
+    included): never more than FastDeploy's own minimum, so recycling refuses no engine start
+    FastDeploy accepts."""
+    ctx = _int("max_model_len", max_model_len, 1)
+    bs = layout.block_size
+    tokens = (ctx // bs + FASTDEPLOY_LOOKAHEAD_BLOCKS) * bs
+    need = request_pages(layout, tokens, min(ctx, tokens))
+    return -(-need // layout.pages_per_block)
+
+
+def budget_blocks(layout: PoolLayout, budget_bytes: int, dtype: Any) -> int:
+    """FastDeploy blocks ``budget_bytes`` of KV memory buy in this pool (the runner's
+    ``available // cal_theortical_kvcache``)."""
+    return _int("budget_bytes", budget_bytes, 0) // layout.block_bytes(dtype)
 
 
 __all__ = [
     "FASTDEPLOY_LOOKAHEAD_BLOCKS",
-    "allocation_cap",
     "FASTDEPLOY_LOOKAHEAD_SLOTS",
-    "GroupPool",
-    "PoolSplit",
-    "split_fastdeploy_blocks",
-    "split_kv_pools",
+    "Capacity",
+    "PoolLayout",
+    "allocation_cap",
+    "budget_blocks",
+    "capacity",
+    "fastdeploy_lookahead",
+    "min_gpu_blocks",
+    "pages_needed",
+    "pool_layout",
+    "request_pages",
 ]

@@ -6,17 +6,20 @@ the worker process (``serving/model_runner/``) reads them, and both build the sa
 
 Groups and lanes
 ----------------
-Layers that share their kv head count and per-head windows form a *group* (``LayerGroup`` of
-``kvcache/headwise.py``, one page pool, one set of tables). A group is cut into *lanes*, the
-units that are released independently:
+The layout is the one pool's (``kvcache/pools.py``, :class:`~...kvcache.pools.PoolLayout`): layers
+sharing kv heads and per-head windows, cut into *groups* of ``slots`` layers, each group one table.
+A group is cut into *lanes*, the units that are released independently; a lane's logical block
+holds ONE page of the shared pool, whichever group it is in:
 
-* whole-block groups (``unit == num_kv_heads``: all heads full, all sliding, or any group when
-  head-wise release is off) have ONE lane; its entries are block ids of that group's cache
-  ``[num_blocks_g, Hkv, block_size, D]``.
+* whole-block groups (``unit == heads_per_page``; all heads full, all sliding, or any group when
+  head-wise release is off) have ``Hkv / unit`` lanes sharing one window (one lane when a page holds
+  every kv head); lane ``j`` holds kv heads ``[j * unit, (j + 1) * unit)``.
 * head-wise groups (``unit == 1``: one layer mixes full and sliding kv heads) have one lane per
-  local kv head ``h``; its entries are page ids of the cache viewed as ``[num_blocks_g * Hkv,
-  block_size, D]`` (page ``p`` is block ``p // Hkv``, head ``p % Hkv``); any page may hold any
-  head's block.
+  local kv head ``h``.
+
+A lane's entries are page ids of the pool; in the layer's cache view ``[pages * unit / Hkv, Hkv,
+block_size, D]`` the page of head ``h`` is ``page * unit + h % unit`` (plain block ids when a
+page holds every kv head).
 
 Tensor parallelism: every rank shares the engine's one set of tables, so a lane slides only if
 it slides on EVERY rank (:func:`merge_tp_plans`); where ranks' windows differ the lane keeps the
@@ -63,13 +66,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...kvcache.headwise import RECYCLE_MODES, LayerGroup, RecycleMode, groups_from_plan
+from ...kvcache.headwise import RECYCLE_MODES, LayerGroup, RecycleMode
+from ...kvcache.pools import PoolLayout, pool_layout
 from ...plan.layer import AttentionPlan, LayerAttention
 
 #: the attribute of a scheduled task (``Request`` / ``ScheduledDecodeTask``) holding its KVDelta
 TASK_ATTR = "fdfleet_kv_delta"
 #: bumped when the meaning of a delta changes
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: ``(group, lane, logical_block, unit_id)``; ``unit_id == -1``: released
 Change = tuple[int, int, int, int]
@@ -114,16 +118,27 @@ def merge_tp_plans(plans: Sequence[AttentionPlan]) -> AttentionPlan:
 
 @dataclass(frozen=True)
 class RecyclingLayout:
-    """Groups and lanes shared by the engine's manager and the worker's tables."""
+    """The one pool's layout (``kvcache/pools.py``) shared by the engine's manager and the worker's
+    caches and tables."""
 
-    block_size: int
-    mode: str
-    groups: tuple[LayerGroup, ...]
+    pool: PoolLayout
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def mode(self) -> str:
+        return self.pool.mode
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        return self.pool.groups
 
     @functools.cached_property
     def layout_id(self) -> str:
         """Short digest of everything the tables depend on (engine and worker must agree)."""
-        text = repr((PROTOCOL_VERSION, self.block_size, self.mode, self.groups))
+        text = repr((PROTOCOL_VERSION, self.pool))
         return hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def lanes(self, group: int) -> int:
@@ -133,19 +148,14 @@ class RecyclingLayout:
     @property
     def slides(self) -> bool:
         """True when some lane releases pages (else recycling gains nothing)."""
-        return any(w is not None for g in self.groups for w in g.lanes)
+        return self.pool.slides
 
     def layer_group(self) -> dict[int, int]:
         """``{layer index: group index}``."""
-        return {li: g.index for g in self.groups for li in g.layers}
+        return self.pool.layer_group()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "mode": self.mode,
-            "layout_id": self.layout_id,
-            "groups": [{**g.describe(), "lanes": list(g.lanes)} for g in self.groups],
-        }
+        return {"layout_id": self.layout_id, **self.pool.to_dict()}
 
 
 def layout_from_plans(
@@ -157,7 +167,7 @@ def layout_from_plans(
     if mode not in RECYCLE_MODES:
         raise ValueError(f"mode={mode!r}: expected one of {RECYCLE_MODES}")
     plan = plans if isinstance(plans, AttentionPlan) else merge_tp_plans(plans)
-    return RecyclingLayout(block_size, mode, tuple(groups_from_plan(plan, mode)))
+    return RecyclingLayout(pool_layout(plan, block_size, mode))
 
 
 def layout_from_config(

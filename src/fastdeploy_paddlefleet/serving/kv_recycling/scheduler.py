@@ -1,14 +1,19 @@
-"""Window recycling inside FastDeploy's own scheduler (engine side).
+"""Window recycling inside FastDeploy's own scheduler (engine side), on ONE shared KV pool.
 
 FastDeploy's ``ResourceManagerV1.schedule()`` keeps running unchanged; :func:`install` patches the
-few places where it touches KV blocks so they go to a :class:`HeadwiseKVManager` instead of
-``PrefixCacheManager``'s single free list, for a PaddleFleet model whose plan has sliding
-layers or heads:
+few places where it touches KV blocks so they go to a :class:`HeadwiseKVManager` over the one pool
+of ``kvcache/pools.py`` (every group and lane draws pages from one free list) instead of
+``PrefixCacheManager``'s single free list, for a PaddleFleet model whose plan has sliding layers or
+heads:
 
 * ``ResourceManagerV1.__init__``: :func:`decide` reads the FastDeploy config; when recycling
-  applies, the instance gets a :class:`KVRecycler` (attribute :data:`RECYCLER_ATTR`) and its
-  ``cache_manager.can_allocate_gpu_blocks`` answers from the manager's pools. Every other model
-  keeps FastDeploy's behaviour exactly (the patched methods call the originals).
+  applies, the instance gets a :class:`KVRecycler` (attribute :data:`RECYCLER_ATTR`) sized on
+  FastDeploy's placeholder count (it builds the scheduler before profiling) without refusing
+  anything, and its ``cache_manager.can_allocate_gpu_blocks`` answers from the pool. Every other
+  model keeps FastDeploy's behaviour exactly (the patched methods call the originals).
+* ``reset_cache_config`` (after profiling): the pool is rebuilt for the profiled count; a count too
+  small for one ``max_model_len`` request is refused in FastDeploy's own words (never a count
+  FastDeploy itself accepts).
 * ``_allocate_gpu_blocks(request, n)``: ``reserve(request, (len(block_tables) + n) * block_size,
   computed=request.num_computed_tokens)``. At that call FastDeploy has already set a decoding
   request's ``num_computed_tokens`` to ``num_total_tokens - 1`` and has not yet added a prefill
@@ -21,13 +26,16 @@ layers or heads:
   the true free count; after it, each prefill / decode task gets the request's
   :class:`KVDelta` (``protocol.TASK_ATTR``), and a request with changes but no task gets a
   decode task carrying them (FastDeploy itself sends decode tasks only when it allocates).
-* ``reset_cache_config``: the pools are re-split for the profiled block count.
+* FastDeploy's V0 scheduler (``ENABLE_V1_KVCACHE_SCHEDULER=0``, the base ``ResourceManager``) is
+  refused by name when recycling would apply: its accounting cannot be reached.
 
-The free count FastDeploy sees (``can_allocate_gpu_blocks(n)``) only says yes when the pools
-hold, for every group, ``n`` units per full lane and ``min(n, cap)`` per sliding lane, where
-``cap`` bounds what one allocation of a sliding lane can take (window + one step's tokens +
-look-ahead): FastDeploy allocates at most ``n`` blocks after asking about ``n``, so an allocation
-it was promised always succeeds (checked: :class:`KVRecycler` raises rather than over-commit).
+Admission is FastDeploy's own (its threshold of the chunk's blocks plus its decode reserve),
+asked of the pool: ``can_allocate_gpu_blocks(n)`` says yes when the pool holds ``n`` pages per
+full lane and ``min(n, cap)`` per sliding lane, where ``cap`` bounds what one allocation of a
+sliding lane can take (window + one step's tokens + look-ahead). So a request is admitted by
+what it will hold, never by ``max_model_len``, and FastDeploy allocates at most ``n`` blocks
+after asking about ``n``: an allocation it was promised always succeeds (checked:
+:class:`KVRecycler` raises rather than over-commit).
 
 Interactions (:func:`decide`): prefix caching is switched off for this model with one WARNING
 (matching cached blocks would need window-aware matching); recompute preemption, chunked
@@ -48,7 +56,7 @@ from typing import Any
 
 from ...envs import kv_recycle
 from ...kvcache.headwise import HeadwiseKVManager
-from ...kvcache.pools import PoolSplit, allocation_cap, split_fastdeploy_blocks
+from ...kvcache.pools import allocation_cap, min_gpu_blocks, pages_needed
 from ...plan.layer import AttentionPlan
 from .._fields import field
 from .protocol import TASK_ATTR, KVDelta, RecyclingLayout, layout_from_plans, merge_tp_plans
@@ -213,69 +221,88 @@ def decide(
     )
 
 
-def split_for(setup: RecyclingSetup, num_gpu_blocks: int, block_size: int) -> PoolSplit:
-    """The pools for ``num_gpu_blocks`` FastDeploy blocks (the worker calls the same)."""
-    return split_fastdeploy_blocks(
-        setup.plan,
-        num_gpu_blocks,
-        block_size,
-        setup.max_model_len,
-        setup.max_num_seqs,
-        setup.max_num_batched_tokens,
-        dtype=setup.dtype,
-        mode=setup.layout.mode,
+def fastdeploy_pool_refusal(num_gpu_blocks: int, needed: int) -> str:
+    """FastDeploy's own words for a pool too small for one ``max_model_len`` request
+    (``CacheConfig.reset``, c1b7c083d ``config.py``)."""
+    return (
+        f"current device block num: {num_gpu_blocks} should be larger than or equal to {needed}, please "
+        "reduce the max_model_len or replace the machine with larger GPU cards"
     )
 
 
 class KVRecycler:
-    """The head-wise manager behind one ``ResourceManagerV1`` and the deltas it owes the worker."""
+    """The one pool behind one ``ResourceManagerV1`` and the deltas it owes the worker.
 
-    def __init__(self, setup: RecyclingSetup, num_gpu_blocks: int, block_size: int) -> None:
+    ``num_gpu_blocks``: FastDeploy's block count (``cache_manager.num_gpu_blocks``); the pool holds
+    ``layout.pool.num_pages(num_gpu_blocks)`` pages. ``placeholder``: FastDeploy's count before
+    profiling (``EngineService`` builds the scheduler first and calls ``reset_cache_config`` once
+    the worker has measured the memory): nothing is refused then. After profiling a count too small
+    for one ``max_model_len`` request is refused in FastDeploy's own words (never a count
+    FastDeploy accepts: :func:`~...kvcache.pools.min_gpu_blocks`).
+    """
+
+    def __init__(self, setup: RecyclingSetup, num_gpu_blocks: int, block_size: int, *, placeholder: bool) -> None:
+        pool = setup.layout.pool
+        if int(block_size) != pool.block_size:
+            raise ValueError(
+                f"block_size={block_size!r}: the recycling layout was planned for block_size={pool.block_size}"
+            )
         self.setup = setup
         self.layout = setup.layout
-        self.block_size = block_size
-        self.split = split_for(setup, num_gpu_blocks, block_size)
-        self.manager = HeadwiseKVManager(setup.plan, self.split.num_blocks, block_size, setup.layout.mode)
+        self.block_size = int(block_size)
+        self.num_gpu_blocks = int(num_gpu_blocks)
+        self.placeholder = placeholder
+        needed = min_gpu_blocks(pool, setup.max_model_len)
+        if not placeholder and self.num_gpu_blocks < needed:
+            raise ValueError(
+                fastdeploy_pool_refusal(self.num_gpu_blocks, needed)
+                + f" (window recycling, max_model_len={setup.max_model_len})"
+            )
+        self.num_pages = pool.num_pages(self.num_gpu_blocks)
+        self.manager = HeadwiseKVManager.shared(pool.groups, self.num_pages, self.block_size, pool.mode)
         self._seq: dict[str, int] = {}
         self._sent: dict[str, list[list[list[int]]]] = {}
         self._pending: dict[str, tuple[bool, list[tuple[int, int, int, int]]]] = {}
         self._due: dict[str, float] = {}  # rid -> computed bound of its next release
-        # the most units one allocation can take on a sliding lane: window + one step + look-ahead
-        self._cap = [
+        # the most pages one allocation can take on a sliding lane: window + one step + look-ahead
+        self._caps = [
             [
-                None if w is None else allocation_cap(w, block_size, setup.max_num_batched_tokens)
+                None if w is None else allocation_cap(w, self.block_size, setup.max_num_batched_tokens)
                 for w in g.lanes
             ]
-            for g in self.layout.groups
+            for g in pool.groups
         ]
         logger.info(
-            "paddlefleet window recycling: %d FastDeploy blocks -> pools %s (max %d requests of %d tokens, "
-            "FastDeploy's accounting %d)",
-            num_gpu_blocks,
-            self.split.num_blocks,
-            self.split.max_requests,
-            self.split.max_model_len,
-            self.split.fastdeploy_max_requests,
+            "paddlefleet window recycling: %d FastDeploy blocks -> one pool of %d pages (%d groups, %d "
+            "pages per FastDeploy block)%s",
+            self.num_gpu_blocks,
+            self.num_pages,
+            len(pool.groups),
+            pool.pages_per_block,
+            " (placeholder until profiling)" if placeholder else "",
         )
 
     # ---- what FastDeploy asks ------------------------------------------------------------
     def can_allocate(self, num_blocks: int, *args: Any, **kwargs: Any) -> bool:
         """Could ANY request get ``num_blocks`` more blocks now (no release credit)?"""
-        n = max(0, int(num_blocks))
-        for g, caps in zip(self.layout.groups, self._cap, strict=True):
-            need = sum(n if cap is None else min(n, cap) for cap in caps)
-            if need * g.unit > self.manager.group_free_pages(g.index):
-                return False
-        return True
+        return pages_needed(self.layout.pool, num_blocks, self._caps) <= self.manager.free_units
 
     def free_blocks(self) -> int:
-        """Blocks every lane of every group can still grow by at once (FastDeploy's free count)."""
-        return min(
-            self.manager.group_free_pages(g.index) // (g.unit * len(g.lanes)) for g in self.layout.groups
-        )
+        """FastDeploy blocks any request can still grow by (the largest ``n`` with
+        ``can_allocate(n)``; FastDeploy's free count)."""
+        free = self.manager.free_units
+        lo, hi = 0, free  # every lane takes at least one page per block
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if pages_needed(self.layout.pool, mid, self._caps) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def usage(self) -> float:
-        return self.manager.used_pages / max(1, self.manager.total_pages)
+        mgr = self.manager
+        return (mgr.total_units - mgr.free_units) / max(1, mgr.total_units)
 
     def allocate(self, request: Any, num_blocks: int) -> list[int]:
         """FastDeploy's ``_allocate_gpu_blocks``: the ids to extend ``request.block_tables`` with
@@ -298,8 +325,8 @@ class KVRecycler:
         result = mgr.reserve(rid, target, computed)
         if not result:
             raise RuntimeError(
-                f"window recycling: request {rid!r} was promised {n} blocks but the pools lack "
-                f"{result.missing} pages (free {mgr.free_pages} of {mgr.total_pages}); this is a bug"
+                f"window recycling: request {rid!r} was promised {n} blocks but the pool lacks "
+                f"{result.missing} pages (free {mgr.free_units} of {mgr.total_units}); this is a bug"
             )
         ids = self._collect(rid)[0][0]
         for k in range(min(len(tables), len(ids))):  # released entries read -1 in FastDeploy's copy
@@ -410,7 +437,8 @@ def _attach_recycler(rm: Any) -> None:
         return
     cache = rm.config.cache_config
     rm.enable_prefix_cache = False
-    rec = KVRecycler(setup, int(rm.cache_manager.num_gpu_blocks), int(cache.block_size))
+    # FastDeploy builds the scheduler before profiling, on a placeholder count: size, refuse nothing
+    rec = KVRecycler(setup, int(rm.cache_manager.num_gpu_blocks), int(cache.block_size), placeholder=True)
     setattr(rm, RECYCLER_ATTR, rec)
     rm.cache_manager.can_allocate_gpu_blocks = rec.can_allocate
 
@@ -479,10 +507,11 @@ def install() -> bool:
         if rec is not None:
             if rec.manager.requests:
                 raise RuntimeError("reset_cache_config with requests holding KV blocks")
+            # the profiled count: refused in FastDeploy's words if it cannot hold one max_model_len request
             setattr(
                 self,
                 RECYCLER_ATTR,
-                KVRecycler(rec.setup, int(self.cache_manager.num_gpu_blocks), rec.block_size),
+                KVRecycler(rec.setup, int(self.cache_manager.num_gpu_blocks), rec.block_size, placeholder=False),
             )
             self.cache_manager.can_allocate_gpu_blocks = recycler_of(self).can_allocate
 
@@ -496,6 +525,7 @@ def install() -> bool:
         rec = recycler_of(self)
         return usage(self) if rec is None else rec.usage()
 
+    _refuse_v0_scheduler(cls)
     cls.__init__ = __init__
     cls._allocate_gpu_blocks = _allocate_gpu_blocks
     cls._free_blocks = _free_blocks
@@ -506,6 +536,30 @@ def install() -> bool:
     setattr(cls, _PATCHED, True)
     logger.info("paddlefleet window recycling hook installed on %s.ResourceManagerV1", _MODULE)
     return True
+
+
+def _refuse_v0_scheduler(v1: type) -> None:
+    """FastDeploy's V0 scheduler (``ENABLE_V1_KVCACHE_SCHEDULER=0``: ``EngineService`` builds the base
+    ``ResourceManager``) keeps its own accounting, which the hook cannot reach: building it for a
+    plan that recycles is refused by name (``decide`` names the switch), before any request runs.
+    ``ResourceManagerV1`` calls the same ``__init__`` and passes untouched."""
+    base = next((c for c in v1.__mro__[1:] if c.__name__ == "ResourceManager"), None)
+    if base is None or getattr(base, _PATCHED, False):
+        return
+    init = base.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, max_num_seqs: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(self, v1) and decide(config, warn=False) is not None:
+            raise ValueError(
+                "window recycling (FDFLEET_KV_RECYCLE=auto, the plan has sliding windows) runs inside "
+                "FastDeploy's V1 scheduler (ResourceManagerV1), but the V0 ResourceManager is being built; "
+                "set ENABLE_V1_KVCACHE_SCHEDULER=1, or FDFLEET_KV_RECYCLE=off to serve this model without recycling"
+            )
+        init(self, max_num_seqs, config, *args, **kwargs)
+
+    base.__init__ = __init__
+    setattr(base, _PATCHED, True)
 
 
 class _PatchAfterImport:
@@ -553,6 +607,6 @@ __all__ = [
     "install",
     "install_when_imported",
     "recycler_of",
-    "split_for",
+    "fastdeploy_pool_refusal",
     "wants_paddlefleet",
 ]

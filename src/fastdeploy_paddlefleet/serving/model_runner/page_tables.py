@@ -1,18 +1,17 @@
 """Per-group page tables on the device, at fixed addresses, updated in place from KVDeltas.
 
-One int32 table per layer group of the recycling layout (``serving/kv_recycling/protocol.py``),
-in the kernels' page format (``backends/base.py``): ``[max_num_seqs * Hkv_g, max_blocks]``, row
-``slot * Hkv_g + h`` is batch slot ``slot``'s kv head ``h``, entry ``page = block * Hkv_g + h`` of
-the group's cache viewed as ``[num_blocks_g * Hkv_g, block_size, D]``, ``-1`` absent.
-
-* whole-block groups (one lane) hold block ids in the delta: lane entry ``u`` becomes
-  ``u * Hkv + h`` on each of the slot's ``Hkv`` rows;
-* head-wise groups (one lane per kv head) hold page ids: lane ``h`` is row ``slot * Hkv + h``.
+One int32 table per group of the recycling layout (``serving/kv_recycling/protocol.py``, the one
+pool of ``kvcache/pools.py``), in the kernels' page format (``backends/base.py``):
+``[max_num_seqs * Hkv_g, max_blocks]``, row ``slot * Hkv_g + h`` is batch slot ``slot``'s kv
+head ``h``, ``-1`` absent. Its entries index the layer's view of its slot, ``[pages * G / Hkv_g,
+Hkv_g, block_size, D]``: a lane of ``unit`` kv heads holds pool page ``u`` for a logical block,
+which is entry ``u * unit + h % unit`` on the rows of its heads (``unit == Hkv``: ``u * Hkv + h``,
+one lane; ``unit == 1``: the page itself, one lane per head).
 
 The tables are allocated once and only ever written in place (``table[rows] = ...``), so a CUDA
 graph captured with them reads the new entries on replay. The delta rules (layout id, order,
 reset, ``num_blocks``) are applied by the protocol's own :class:`LaneTables`; this class mirrors
-its rows into the device tables.
+the rows of the groups a delta touched into the device tables.
 """
 
 from __future__ import annotations
@@ -54,25 +53,21 @@ class DevicePageTables:
             raise ValueError(f"batch slot {slot!r} is outside [0, max_num_seqs={self.max_num_seqs})")
         return slot
 
-    def _write_slot(self, slot: int, rows: list[list[list[int]]] | None) -> None:
-        """Set the slot's rows of every group from ``rows[group][lane]`` (None: all ``-1``) and copy
-        them to the device in place."""
-        for g, (group, heads) in enumerate(zip(self.layout.groups, self._heads, strict=True)):
+    def _write_slot(self, slot: int, rows: list[list[list[int]]] | None, groups: Any = None) -> None:
+        """Set the slot's rows of ``groups`` (default: every group) from ``rows[group][lane]``
+        (None: all ``-1``) and copy them to the device in place."""
+        for g in range(len(self.layout.groups)) if groups is None else sorted(groups):
+            group, heads = self.layout.groups[g], self._heads[g]
             block = self._host[g][slot * heads : (slot + 1) * heads]
             block.fill(-1)
             if rows is not None:
-                lanes = rows[g]
-                if len(lanes) == 1 and group.unit == heads:  # whole blocks: expand to pages per head
-                    ids = np.asarray(lanes[0], dtype=np.int64)
+                unit = group.unit  # lane j: heads [j * unit, (j + 1) * unit), entry u * unit + h % unit
+                for j, ids in enumerate(rows[g]):
                     if len(ids) > self.max_blocks:
                         raise ValueError(self._too_wide(slot, g, len(ids)))
-                    expanded = ids[None, :] * heads + np.arange(heads)[:, None]
-                    block[:, : len(ids)] = np.where(ids[None, :] >= 0, expanded, -1)
-                else:
-                    for h, ids in enumerate(lanes):
-                        if len(ids) > self.max_blocks:
-                            raise ValueError(self._too_wide(slot, g, len(ids)))
-                        block[h, : len(ids)] = ids
+                    lane = np.asarray(ids, dtype=np.int64)
+                    entries = np.where(lane[None, :] >= 0, lane[None, :] * unit + np.arange(unit)[:, None], -1)
+                    block[j * unit : (j + 1) * unit, : len(ids)] = entries
             self.tables[g][slot * heads : (slot + 1) * heads] = paddle.to_tensor(block)
 
     def _too_wide(self, slot: int, group: int, n: int) -> str:
@@ -87,8 +82,11 @@ class DevicePageTables:
         slot = self._check_slot(slot)
         if not self.lanes.apply(delta):
             return False
+        moved = self._slot_request.get(slot) != delta.request_id
         self._slot_request[slot] = delta.request_id
-        self._write_slot(slot, self.lanes.rows[delta.request_id])
+        # only the groups the delta changed (a whole slot after a reset or when the request is new here)
+        groups = None if delta.reset or moved else {c[0] for c in delta.changes}
+        self._write_slot(slot, self.lanes.rows[delta.request_id], groups)
         return True
 
     def clear_slot(self, slot: int, request_id: str | None = None) -> None:
@@ -101,19 +99,16 @@ class DevicePageTables:
         self._slot_request.pop(slot, None)
         self._write_slot(slot, None)
 
-    def fill_dummy(self, slot: int, num_blocks: int, pool_blocks: list[int]) -> None:
+    def fill_dummy(self, slot: int, num_blocks: int, num_pages: int) -> None:
         """Rows for a dummy (profile / capture) request in ``slot`` holding ``num_blocks`` blocks:
-        valid page ids of each group's pool (wrapped around), never ``-1`` in the used range."""
+        valid pages of the pool (``num_pages`` of them, wrapped around), never ``-1`` in the used range."""
         slot = self._check_slot(slot)
         n = min(int(num_blocks), self.max_blocks)
-        rows = []
-        for g, (group, heads) in enumerate(zip(self.layout.groups, self._heads, strict=True)):
-            blocks = max(1, int(pool_blocks[g]))
-            ids = [(slot * n + j) % blocks for j in range(n)]
-            if group.unit == heads:
-                rows.append([ids])
-            else:
-                rows.append([[b * heads + h for b in ids] for h in range(heads)])
+        pages = max(1, int(num_pages))
+        rows = [
+            [[(slot * n * len(g.lanes) + j * len(g.lanes) + k) % pages for j in range(n)] for k in range(len(g.lanes))]
+            for g in self.layout.groups
+        ]
         self._write_slot(slot, rows)
 
     # -- reads --------------------------------------------------------------------------------

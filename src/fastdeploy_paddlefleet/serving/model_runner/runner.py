@@ -8,11 +8,12 @@ FastDeploy's own at once: the runner IS FastDeploy's. For the plugin's model:
 * ``cal_theortical_kvcache``: the price of one block from the real per-layer shapes
   (:func:`sizing.block_bytes`, the cache dtype's bytes), so FastDeploy's
   ``num_gpu_blocks = available // price`` is right;
-* ``initialize_kv_cache``: each layer's K ``[blocks_l, Hkv_l, bs, qk_l]`` and V ``[blocks_l, Hkv_l,
-  bs, v_l]`` (no uniform inflation), passed flat ``[k0, v0, k1, v1, ...]`` as FastDeploy does;
-  with window recycling (``kv_recycling.scheduler.decide``, the engine hook's own decision)
-  ``blocks_l`` is the pool of the layer's group from ``split_for`` over the budget
-  ``num_gpu_blocks * price``, the engine hook's own split;
+* ``initialize_kv_cache``: each layer's K ``[num_gpu_blocks, Hkv_l, bs, qk_l]`` and V
+  ``[num_gpu_blocks, Hkv_l, bs, v_l]`` (no uniform inflation), passed flat ``[k0, v0, k1, v1, ...]``
+  as FastDeploy does; with window recycling (``kv_recycling.scheduler.decide``, the engine hook's
+  own decision) the ONE pool of ``kvcache/pools.py`` instead: ``slots`` key and value tensors
+  whose pages any group can take, each layer's K and V a view of its slot
+  (``sizing.pool_caches``), ``layout.num_pages(num_gpu_blocks)`` pages as the engine's hook counts;
 * with recycling, per-group page tables (``page_tables.DevicePageTables``, fixed addresses) are
   updated in ``insert_tasks_v1`` from the ``KVDelta`` each task carries, and
   ``initialize_forward_meta`` hands them to the model as ``forward_meta.block_tables_headwise``
@@ -69,9 +70,10 @@ class FleetKV:
         self.setup = decide(fd_config, warn=False)  # the prefix-caching WARNING is the engine's line
         self.layout = None if self.setup is None else self.setup.layout
         self.tables = None
-        #: blocks per group of the caches allocated now (None before a non-profile allocation)
-        self.group_blocks: list[int] | None = None
-        self.split = None
+        #: pages of the pool allocated now (None before a non-profile allocation)
+        self.num_pages: int | None = None
+        #: the pool's tensors and views (``sizing.PoolCaches``) once allocated
+        self.pool = None
         if self.layout is not None:
             from .page_tables import DevicePageTables
 
@@ -90,9 +92,12 @@ class FleetKV:
             )
 
     def price(self) -> int:
-        """Bytes of one block over every layer, in the cache dtype."""
-        from .sizing import block_bytes
+        """Bytes of one FastDeploy block in the cache dtype: every layer at its own shape, or with
+        recycling what it costs in the pool (``sizing.pool_block_bytes``)."""
+        from .sizing import block_bytes, pool_block_bytes
 
+        if self.layout is not None:
+            return pool_block_bytes(self.layout.pool, self.layers, self.dtype)
         return block_bytes(self.layers, self.block_size, self.dtype)
 
     def defers(self, fastdeploy_price: int) -> bool:
@@ -103,20 +108,6 @@ class FleetKV:
 
         per_layer = block_bytes(self.layers, self.block_size, "bf16")
         return self.layout is None and int(fastdeploy_price) == per_layer
-
-    def pool_split(self, num_gpu_blocks: int) -> Any:
-        """The engine hook's pools for ``num_gpu_blocks`` FastDeploy blocks (``scheduler.split_for``,
-        the same call); ``ValueError`` when its block price differs from this rank's caches."""
-        from ..kv_recycling.scheduler import split_for
-
-        split = split_for(self.setup, int(num_gpu_blocks), self.block_size)
-        if split.fastdeploy_block_bytes != self.price():
-            raise ValueError(
-                f"the engine prices a block at {split.fastdeploy_block_bytes} bytes, this rank's caches at "
-                f"{self.price()} (layers {[la.index for la in self.layers]}): engine and worker would size "
-                "different pools"
-            )
-        return split
 
 
 def _shared_cache_setting(fd_config: Any) -> str | None:
@@ -194,49 +185,67 @@ def _make_runner_class() -> type:
         def _initialize_fleet_kv_cache(self, profile: bool) -> None:
             import paddle
 
-            from .sizing import worker_caches
-
             fleet = self.fleet
-            group_blocks = None
-            if fleet.layout is not None and not profile:
-                fleet.split = fleet.pool_split(self.num_gpu_blocks)
-                group_blocks = {g.index: g.num_blocks for g in fleet.split.groups}
-            caches = worker_caches(
-                fleet.layers,
-                fleet.block_size,
-                fleet.dtype,
-                int(self.num_gpu_blocks),
-                group_blocks,
-                fleet.layout.layer_group() if fleet.layout is not None else None,
-            )
             local_rank = self.local_rank % self.parallel_config.tensor_parallel_size
-            cache_list = []
-            for c in caches.layers:
-                for role, shape in (("key", c.key_shape), ("value", c.value_shape)):
-                    name = f"{role}_caches_{c.index}_rank{local_rank}.device{self.device_id}"
-                    tensor = paddle.full(shape=list(shape), fill_value=0, dtype=fleet.dtype)
-                    fd_runner.set_data_ipc(tensor, name)
-                    self.cache_kvs_map[name] = tensor
-                    cache_list.append(tensor)
+            suffix = f"rank{local_rank}.device{self.device_id}"
+            if fleet.layout is not None and not profile:
+                cache_list, nbytes, what = self._allocate_pool(fleet, suffix)
+            else:  # no recycling, or the profile run: every layer its own FastDeploy-sized cache
+                cache_list, nbytes, what = self._allocate_layers(fleet, suffix)
             self.share_inputs["caches"] = cache_list
-            if group_blocks is not None:
-                fleet.group_blocks = [group_blocks[g] for g in sorted(group_blocks)]
             logger.info(
-                "paddlefleet runner: %s kv cache, %d layers sized one by one (%.3f GiB)%s",
+                "paddlefleet runner: %s kv cache, %s (%.3f GiB)",
                 "profile" if profile else "serving",
-                len(caches.layers),
-                caches.nbytes / (1 << 30),
-                "" if group_blocks is None else f", blocks per group {fleet.group_blocks}",
+                what,
+                nbytes / (1 << 30),
             )
             if not profile:
                 self.cache_ready_signal.value[local_rank] = 1
             if paddle.is_compiled_with_cuda():
                 paddle.device.cuda.empty_cache()
 
+        def _new_cache(self, name: str, shape: Any) -> Any:
+            import paddle
+
+            tensor = paddle.full(shape=list(shape), fill_value=0, dtype=self.fleet.dtype)
+            fd_runner.set_data_ipc(tensor, name)
+            self.cache_kvs_map[name] = tensor
+            return tensor
+
+        def _allocate_layers(self, fleet: FleetKV, suffix: str) -> tuple[list, int, str]:
+            from .sizing import worker_caches
+
+            caches = worker_caches(fleet.layers, fleet.block_size, fleet.dtype, int(self.num_gpu_blocks))
+            out = []
+            for c in caches.layers:
+                out.append(self._new_cache(f"key_caches_{c.index}_{suffix}", c.key_shape))
+                out.append(self._new_cache(f"value_caches_{c.index}_{suffix}", c.value_shape))
+            return out, caches.nbytes, f"{len(caches.layers)} layers sized one by one"
+
+        def _allocate_pool(self, fleet: FleetKV, suffix: str) -> tuple[list, int, str]:
+            from .sizing import pool_caches
+
+            pool = fleet.layout.pool
+            fleet.num_pages = pool.num_pages(int(self.num_gpu_blocks))
+            caches = fleet.pool = pool_caches(pool, fleet.layers, fleet.num_pages, fleet.dtype)
+            keys = [self._new_cache(f"key_caches_slot{t}_{suffix}", caches.key_shape) for t in range(caches.slots)]
+            values = [self._new_cache(f"value_caches_slot{t}_{suffix}", caches.value_shape) for t in range(caches.slots)]
+            out = []
+            for v in caches.layers:  # each layer's view of its slot: a reshape, then its leading channels
+                k = keys[v.slot].reshape([v.key_shape[0], v.key_shape[1], v.key_shape[2], caches.key_shape[3]])
+                val = values[v.slot].reshape([v.value_shape[0], v.value_shape[1], v.value_shape[2], caches.value_shape[3]])
+                out.append(k if v.key_shape[3] == caches.key_shape[3] else k[..., : v.key_shape[3]])
+                out.append(val if v.value_shape[3] == caches.value_shape[3] else val[..., : v.value_shape[3]])
+            what = (
+                f"one pool of {fleet.num_pages} pages ({caches.slots} slots, {len(pool.groups)} groups, "
+                f"{pool.pages_per_block} pages per FastDeploy block)"
+            )
+            return out, caches.nbytes, what
+
         # -- page tables ------------------------------------------------------------------------
         def _serving_tables(self) -> Any:
             fleet = self.fleet
-            if fleet is None or fleet.tables is None or fleet.group_blocks is None:
+            if fleet is None or fleet.tables is None or fleet.num_pages is None:
                 return None
             return fleet.tables
 
@@ -272,7 +281,7 @@ def _make_runner_class() -> type:
             tables = self._serving_tables()
             if tables is not None:  # capture / warm-up after the pools exist: valid pages, never -1
                 for slot in range(len(input_length_list)):
-                    tables.fill_dummy(slot, block_num, self.fleet.group_blocks)
+                    tables.fill_dummy(slot, block_num, self.fleet.num_pages)
 
         def initialize_forward_meta(self, is_dummy_or_profile_run: bool = False) -> None:
             super().initialize_forward_meta(is_dummy_or_profile_run=is_dummy_or_profile_run)

@@ -8,11 +8,14 @@ PaddleFleet model the plugin instead gives layer ``l``
 * value ``[num_blocks_l, Hkv_l, block_size, v_head_dim_l]``
 
 in the cache dtype (``model_config.dtype``), where ``num_blocks_l`` is FastDeploy's
-``num_gpu_blocks`` for every layer, or, with window recycling, the pool of the layer's group from
-``kvcache/pools.py: split_kv_pools`` (the one split function the engine's scheduler hook calls
-too). The price of one block, :func:`block_bytes`, is the sum of the layers' real block sizes, so
-``num_gpu_blocks = available_memory // block_bytes`` and ``num_gpu_blocks * block_bytes`` is the
-KV budget both sides split.
+``num_gpu_blocks`` for every layer. The price of one block, :func:`block_bytes`, is the sum of the
+layers' real block sizes, so ``num_gpu_blocks = available_memory // block_bytes``.
+
+With window recycling the caches are the ONE pool of ``kvcache/pools.py`` instead
+(:func:`pool_caches`): ``slots`` key and value tensors ``[rows, G, block_size, D]`` whose rows
+(pages) any group can take, each layer a view of its slot, ``layout.num_pages(num_gpu_blocks)``
+pages managed by the engine's hook as by this worker; one FastDeploy block is priced at
+:func:`pool_block_bytes` (the per-layer sum unless head dims differ between layers).
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ class LayerCache:
     """One layer's cache: ``key_shape`` / ``value_shape`` are ``[blocks, Hkv, block_size, D]``."""
 
     index: int
-    group: int | None
     num_blocks: int
     key_shape: Shape
     value_shape: Shape
@@ -47,7 +49,7 @@ class LayerCache:
 
 @dataclass(frozen=True)
 class WorkerCaches:
-    """Every layer's cache shape on this rank (``group`` is None without recycling)."""
+    """Every layer's cache shape on this rank (no recycling)."""
 
     block_size: int
     dtype: str
@@ -67,7 +69,6 @@ class WorkerCaches:
             "layers": [
                 {
                     "index": c.index,
-                    "group": c.group,
                     "num_blocks": c.num_blocks,
                     "key_shape": list(c.key_shape),
                     "value_shape": list(c.value_shape),
@@ -78,27 +79,100 @@ class WorkerCaches:
 
 
 def worker_caches(
-    layers: Sequence[LayerAttention],
-    block_size: int,
-    dtype: Any,
-    num_gpu_blocks: int,
-    group_blocks: dict[int, int] | None = None,
-    layer_group: dict[int, int] | None = None,
+    layers: Sequence[LayerAttention], block_size: int, dtype: Any, num_gpu_blocks: int
 ) -> WorkerCaches:
-    """Each layer's cache: ``num_gpu_blocks`` blocks, or its group's ``group_blocks[g]`` where
-    ``layer_group`` (``{layer index: group}``) places it. ``ValueError`` names a layer with no group."""
+    """Each layer's own cache of ``num_gpu_blocks`` blocks (no recycling, or the profile run)."""
     out = []
     for layer in layers:
-        group = None
-        blocks = num_gpu_blocks
-        if group_blocks is not None:
-            if layer_group is None or layer.index not in layer_group:
-                raise ValueError(f"layer {layer.index} belongs to no layer group of the recycling layout")
-            group = layer_group[layer.index]
-            blocks = group_blocks[group]
-        key, value = cache_shapes(layer, int(blocks), int(block_size))
-        out.append(LayerCache(layer.index, group, int(blocks), key, value))
+        key, value = cache_shapes(layer, int(num_gpu_blocks), int(block_size))
+        out.append(LayerCache(layer.index, int(num_gpu_blocks), key, value))
     return WorkerCaches(int(block_size), str(dtype), tuple(out))
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """One layer's key / value view of its slot: ``[rows * G / Hkv, Hkv, block_size, D]`` of the
+    slot's ``[rows, G, block_size, D_slot]`` (a reshape), the leading ``D`` channels."""
+
+    index: int
+    group: int
+    slot: int
+    key_shape: Shape
+    value_shape: Shape
+
+
+@dataclass(frozen=True)
+class PoolCaches:
+    """The one pool on this rank (``kvcache/pools.py``): ``slots`` key tensors ``key_shape`` and
+    value tensors ``value_shape`` (``[rows, G, block_size, D]``), and each layer's view.
+    ``num_pages`` pages are managed (the engine's count), ``rows >= num_pages`` allocated."""
+
+    block_size: int
+    dtype: str
+    num_pages: int
+    rows: int
+    slots: int
+    key_shape: Shape
+    value_shape: Shape
+    layers: tuple[LayerView, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * (math.prod(self.key_shape) + math.prod(self.value_shape)) * dtype_bytes(self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "dtype": self.dtype,
+            "num_pages": self.num_pages,
+            "rows": self.rows,
+            "slots": self.slots,
+            "key_shape": list(self.key_shape),
+            "value_shape": list(self.value_shape),
+            "nbytes": self.nbytes,
+            "layers": [
+                {"index": v.index, "group": v.group, "slot": v.slot, "key_shape": list(v.key_shape),
+                 "value_shape": list(v.value_shape)}
+                for v in self.layers
+            ],
+        }  # fmt: skip
+
+
+def slot_dims(layers: Sequence[LayerAttention]) -> tuple[int, int]:
+    """The slots' ``(qk_head_dim, v_head_dim)``: the largest over this rank's layers."""
+    return max(la.qk_head_dim for la in layers), max(la.v_head_dim for la in layers)
+
+
+def pool_block_bytes(pool: Any, layers: Sequence[LayerAttention], dtype: Any) -> int:
+    """What one FastDeploy block costs in the pool on this rank: ``pages_per_block`` pages of
+    ``slots * G * block_size * (qk + v)`` elements (the slots' dims: this rank's largest)."""
+    dk, dv = slot_dims(layers)
+    page = pool.slots * pool.heads_per_page * pool.block_size * (dk + dv)
+    return pool.pages_per_block * page * dtype_bytes(dtype)
+
+
+def pool_caches(pool: Any, layers: Sequence[LayerAttention], num_pages: int, dtype: Any) -> PoolCaches:
+    """The slot tensors and each layer's view for ``num_pages`` pages of ``pool``
+    (:class:`~...kvcache.pools.PoolLayout`); ``ValueError`` names a layer the layout does not place."""
+    check_layout_matches(layers, pool)
+    dk, dv = slot_dims(layers)
+    g, bs = pool.heads_per_page, pool.block_size
+    rows = pool.alloc_pages(int(num_pages))
+    where = pool.layer_slots()
+    views = []
+    for la in layers:
+        group, slot = where[la.index]
+        n = rows * g // la.num_kv_heads
+        views.append(
+            LayerView(
+                la.index,
+                group,
+                slot,
+                (n, la.num_kv_heads, bs, la.qk_head_dim),
+                (n, la.num_kv_heads, bs, la.v_head_dim),
+            )
+        )
+    return PoolCaches(bs, str(dtype), int(num_pages), rows, pool.slots, (rows, g, bs, dk), (rows, g, bs, dv), tuple(views))
 
 
 def check_layout_matches(layers: Sequence[LayerAttention], layout: Any) -> None:
@@ -108,7 +182,9 @@ def check_layout_matches(layers: Sequence[LayerAttention], layout: Any) -> None:
     for layer in layers:
         g = groups.get(layer.index)
         if g is None:
-            raise ValueError(f"layer {layer.index} is in no group of the recycling layout {layout.layout_id}")
+            raise ValueError(
+                f"layer {layer.index} is in no group of the recycling layout {getattr(layout, 'layout_id', '')}"
+            )
         if g.num_kv_heads != layer.num_kv_heads:
             raise ValueError(
                 f"layer {layer.index} has {layer.num_kv_heads} kv heads on this rank, its recycling group "
@@ -116,4 +192,15 @@ def check_layout_matches(layers: Sequence[LayerAttention], layout: Any) -> None:
             )
 
 
-__all__ = ["LayerCache", "WorkerCaches", "block_bytes", "check_layout_matches", "worker_caches"]
+__all__ = [
+    "LayerCache",
+    "LayerView",
+    "PoolCaches",
+    "WorkerCaches",
+    "block_bytes",
+    "check_layout_matches",
+    "pool_block_bytes",
+    "pool_caches",
+    "slot_dims",
+    "worker_caches",
+]
