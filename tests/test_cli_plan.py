@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -44,8 +45,9 @@ def test_gpt_oss_json_subprocess():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert set(d) == {"source", "convention", "layers", "kv_cache", "pools", "warnings"}
-    # issue 18: the recycling split beside FastDeploy's accounting (gpt-oss: half the layers slide)
-    assert d["pools"]["fastdeploy_max_requests"] < d["pools"]["max_requests"]
+    # issue 18: the recycling pool beside FastDeploy's accounting (gpt-oss: half the layers slide)
+    (row,) = d["pools"]["contexts"]
+    assert row["context"] == 8192 and row["fastdeploy_requests"] < row["recycling_requests"]
     assert d["source"] == "gpt-oss-20b" and d["convention"] == "hf" and d["warnings"] == []
     assert len(d["layers"]) == 24
     for x in d["layers"]:
@@ -136,3 +138,223 @@ def test_bad_config_subprocess(tmp_path):
         r = fdfleet("plan", source)
         assert r.returncode == 2
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1 and r.stdout == ""
+
+
+# ---- the recycling report: one pool, a mix of request lengths ----------------------------------------
+#
+# The references below are computed by hand from the plan's own layer fields (``--json``'s
+# "layers"), never with kvcache/pools.py: FastDeploy prices a block at every layer's shape and a
+# request holds ceil((ctx + 2 * bs + 12) / bs) blocks of every layer (its decode look-ahead).
+
+GIB = 1 << 30
+CONTEXTS = (128, 256, 1024, 2048, 4096, 8192, 32768)
+SLIDING_PRESETS = ("gpt-oss-20b", "gemma3-27b", "mimo-v2-flash-like", "ernie-4.5-21b-a3b-headwise")
+
+
+def fd_blocks_per_request(ctx, bs=64):
+    return math.ceil((ctx + 2 * bs + 12) / bs)
+
+
+def fd_reference(layers, ctx, memory_gib=40, bs=64, dtype_bytes=2):
+    """FastDeploy's max concurrent requests of ``ctx`` tokens, by hand."""
+    price = bs * sum(x["num_kv_heads"] * (x["qk_head_dim"] + x["v_head_dim"]) for x in layers) * dtype_bytes
+    return int(memory_gib * GIB) // price // fd_blocks_per_request(ctx, bs)
+
+
+def exit_code(argv):
+    """``main``'s exit code, argparse's own exits (a bad flag value) included."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def ctx_arg(contexts):
+    return ",".join(str(c) for c in contexts)
+
+
+@pytest.mark.parametrize("preset", SLIDING_PRESETS)
+def test_recycling_never_serves_fewer_than_fastdeploy(capsys, preset):
+    d = plan_json(capsys, preset, "--context", ctx_arg(CONTEXTS))
+    pools = d["pools"]
+    assert pools["max_model_len"] == max(CONTEXTS) and pools["layout"]["padding"] == 0.0
+    rows = pools["contexts"]
+    assert [r["context"] for r in rows] == list(CONTEXTS)  # one row each, in the order given
+    for r in rows:
+        ctx = r["context"]
+        assert r["fastdeploy_requests"] == fd_reference(d["layers"], ctx), ctx
+        assert r["fastdeploy_blocks_per_request"] == fd_blocks_per_request(ctx)
+        assert r["recycling_requests"] >= r["fastdeploy_requests"] >= 1, (ctx, r)
+        assert r["pages_per_request"] <= r["fastdeploy_pages_per_request"]
+        assert r["ratio"] == pytest.approx(r["recycling_requests"] / r["fastdeploy_requests"])
+    # sliding windows pay off once a request outgrows them
+    assert rows[-1]["recycling_requests"] > rows[-1]["fastdeploy_requests"]
+    # the per-layer budget tables use the longest context
+    assert d["kv_cache"]["context"] == max(CONTEXTS)
+
+
+def gpt_oss_reference(ctx, batched=8192, memory_gib=40, bs=64):
+    """gpt-oss-20b by hand: 12 full layers hold every block, 12 sliding layers (window_left 127)
+    only the window's; a page is one block of all 12 layers of one kind; one step's prefill
+    (``batched`` tokens) is kept free on the sliding layers, spread over at most
+    ``ceil(batched / ctx) + 1`` requests, each holding at most what it releases."""
+    page = 12 * 8 * bs * (64 + 64) * 2
+    pages = int(memory_gib * GIB) // (2 * page) * 2  # FastDeploy blocks, two pages each
+    full = fd_blocks_per_request(ctx, bs)
+    released = max(0, ctx - 127) // bs  # block k goes once (k + 1) * bs <= ctx - window_left
+    sliding = full - released
+    chunk = min(math.ceil(batched / bs), (math.ceil(batched / ctx) + 1) * released)
+    return (pages - chunk) // (full + sliding), full + sliding, chunk
+
+
+def test_gpt_oss_recycling_matches_a_hand_count(capsys):
+    d = plan_json(capsys, "gpt-oss-20b", "--context", "8192")
+    assert {(x["kind"], x["window_left"]) for x in d["layers"]} == {("sliding", 127), ("full", None)}
+    (row,) = d["pools"]["contexts"]
+    requests, pages, chunk = gpt_oss_reference(8192)
+    # the brief's form of the sliding layers' blocks agrees at 8192
+    assert pages == 2 * math.ceil((8192 + 140) / 64) - (8192 - 128) // 64
+    assert (row["recycling_requests"], row["pages_per_request"], row["transient_pages"]) == (
+        requests,
+        pages,
+        chunk,
+    )
+    assert (row["fastdeploy_requests"], requests) == (104, 199)
+    assert d["pools"]["num_gpu_blocks"] == d["pools"]["fastdeploy_num_blocks"] == 40 * GIB // (3 << 20)
+
+
+@pytest.mark.parametrize("batched", [64, 2048, 100000])
+def test_gpt_oss_max_num_batched_tokens(capsys, batched):
+    contexts = (256, 2048, 8192)
+    d = plan_json(
+        capsys, "gpt-oss-20b", "--context", ctx_arg(contexts), "--max-num-batched-tokens", str(batched)
+    )
+    assert d["pools"]["max_num_batched_tokens"] == batched
+    for ctx, row in zip(contexts, d["pools"]["contexts"], strict=True):
+        requests, pages, chunk = gpt_oss_reference(ctx, batched)
+        assert (row["recycling_requests"], row["pages_per_request"], row["transient_pages"]) == (
+            requests,
+            pages,
+            chunk,
+        )
+
+
+def test_max_model_len_beyond_the_contexts(capsys):
+    """Short requests, long max_model_len: the rows are the short ones; the fit is checked at
+    max_model_len (FastDeploy alone needs max_model_len // bs + 2 blocks)."""
+    d = plan_json(capsys, "gpt-oss-20b", "--context", "256,1024", "--max-model-len", "32768")
+    pools = d["pools"]
+    assert [r["context"] for r in pools["contexts"]] == [256, 1024]
+    assert pools["max_model_len"] == 32768 and pools["fastdeploy_min_gpu_blocks"] == 32768 // 64 + 2
+    assert pools["min_gpu_blocks"] <= pools["fastdeploy_min_gpu_blocks"] <= pools["num_gpu_blocks"]
+    assert d["kv_cache"]["context"] == 1024 and d["warnings"] == []
+
+
+def test_cannot_hold_one_max_model_len_request(capsys):
+    d = plan_json(
+        capsys, "gpt-oss-20b", "--context", "256", "--max-model-len", "1000000", "--memory-gib", "1"
+    )
+    assert isinstance(d["pools"], str)
+    assert "max_model_len=1000000" in d["pools"] and "refuses to start" in d["pools"]
+    assert any("max_model_len=1000000" in w for w in d["warnings"])
+    assert (
+        main(["plan", "gpt-oss-20b", "--context", "256", "--max-model-len", "1000000", "--memory-gib", "1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "WARNING: window recycling: one request of max_model_len=1000000" in out
+
+
+def test_nothing_to_recycle_is_a_message(capsys):
+    d = plan_json(capsys, "deepseek-v3", "--context", "256,1024")
+    assert d["pools"].startswith("no lane slides on every rank")
+    assert main(["plan", "deepseek-v3", "--context", "256,1024"]) == 0
+    assert "no lane slides on every rank" in capsys.readouterr().out
+
+
+def test_padding_is_priced(capsys):
+    """tiny's layers differ in head dims: the pool buys fewer blocks than FastDeploy's accounting,
+    and the FastDeploy column is still FastDeploy's own count."""
+    d = plan_json(capsys, "tiny", "--context", "16,64,256", "--block-size", "16", "--memory-gib", "0.01")
+    pools = d["pools"]
+    assert pools["layout"]["padding"] > 0 and pools["num_gpu_blocks"] < pools["fastdeploy_num_blocks"]
+    for r in pools["contexts"]:
+        assert r["fastdeploy_requests"] == fd_reference(d["layers"], r["context"], 0.01, 16), r
+
+
+def test_text_report_has_one_row_per_context(capsys):
+    assert main(["plan", "gpt-oss-20b", "--context", "256,2048,8192"]) == 0
+    out = capsys.readouterr().out
+    report = out[out.index("Window recycling") :].splitlines()
+    assert "2 pages per FastDeploy block" in report[1] and "no padding" in report[1]
+    assert "1 sliding (8 kv heads, 1 lane, window_left 127), 1 full" in report[2]
+    assert "13653 FastDeploy blocks" in report[3] and "27306 pages" in report[3]
+    assert report[4].split()[:2] == ["max_model_len", "8192:"] and "fits" in report[4]
+    header = report[5].split()
+    assert header[:4] == ["context", "FastDeploy", "recycling", "ratio"]
+    rows = {int(line.split()[0]): line.split()[1:4] for line in report[6:9]}
+    expected = {}
+    for ctx in (256, 2048, 8192):
+        fd, ours = 13653 // fd_blocks_per_request(ctx, 64), gpt_oss_reference(ctx)[0]
+        expected[ctx] = [str(fd), str(ours), f"x{ours / fd:.2f}"]
+    assert rows == expected
+    assert rows[8192][:2] == ["104", "199"]
+    assert "context 8192" in out  # the per-layer budget at the longest
+
+
+def test_single_context_still_an_int(capsys):
+    d = plan_json(capsys, "gpt-oss-20b", "--context", "2048")
+    assert d["kv_cache"]["context"] == 2048 and d["pools"]["max_model_len"] == 2048
+    assert [r["context"] for r in d["pools"]["contexts"]] == [2048]
+
+
+@pytest.mark.parametrize(
+    "value,fragment",
+    [
+        ("256,x", "'x'"),
+        ("0", "'0'"),
+        ("256,-1", "'-1'"),
+        ("1.5", "'1.5'"),
+        ("256,,512", "'256,,512'"),
+        ("256,", "'256,'"),
+        ("", "''"),
+        ("256,2048,256", "256 is given twice"),
+        ("2147483647", "2147483647"),  # no room for FastDeploy's look-ahead in int32 lengths
+    ],
+)
+def test_bad_context(capsys, value, fragment):
+    assert exit_code(["plan", "gpt-oss-20b", "--context", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--context" in err and fragment in err, err
+
+
+def test_context_longer_than_max_model_len_is_refused(capsys):
+    assert exit_code(["plan", "gpt-oss-20b", "--context", "256,4096", "--max-model-len", "2048"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--context 256,4096" in err and "--max-model-len 2048" in err and "4096" in err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--max-model-len", "0"),
+        ("--max-model-len", "x"),
+        ("--max-model-len", "2147483647"),
+        ("--max-num-batched-tokens", "0"),
+        ("--max-num-batched-tokens", "1e4"),
+    ],
+)
+def test_bad_max_flags(capsys, flags):
+    assert exit_code(["plan", "gpt-oss-20b", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flags[0] in err and flags[1] in err, err
+
+
+def test_context_mix_subprocess():
+    r = fdfleet("plan", "gemma3-27b", "--context", "128,256,1024,2048,4096,8192", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["pools"]["contexts"]
+    assert [x["context"] for x in rows] == [128, 256, 1024, 2048, 4096, 8192]
+    r = fdfleet("plan", "gemma3-27b", "--context", "128,abc")
+    assert r.returncode == 2 and "--context" in r.stderr and "'abc'" in r.stderr and r.stdout == ""

@@ -396,7 +396,12 @@ class Sim:
                 _, rid, plen, mtok = pending.popleft()
                 self.arrived_at[rid] = step
                 self.arrival_clock[rid] = self.clock
-                self.rm.add_request(make_request(rid, plen, mtok))
+                req = make_request(rid, plen, mtok)
+                self.rm.add_request(req)
+                # FastDeploy preprocesses each request on a thread pool and skips it while that runs:
+                # waited for here, so a trace schedules the same way every run (and in both modes)
+                for future in list(getattr(req, "async_process_futures", None) or ()):
+                    future.result()
             self.step(step, trace)
             step += 1
             if not pending and not self.rm.requests:

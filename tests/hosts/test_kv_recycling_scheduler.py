@@ -16,9 +16,10 @@ Every scenario runs in a fresh child process (``_fastdeploy_host.run_scenario``)
   see is mapped in its own rows and nobody else's, the worker's tables equal the manager's; at
   the end everything is free. >= 10,000 steps in all.
 * capacity: at equal KV bytes, the peak of concurrently running requests against FastDeploy's
-  own accounting (same trace, ``FDFLEET_KV_RECYCLE=off``) is >= 0.9 x the plan's ratio
-  (all-layer bytes per request / bytes actually needed, ``kv_budget``) at 8k tokens, for
-  gpt-oss-20b, Gemma-3-27B, MiMo-V2-Flash-like and the head-wise ERNIE preset.
+  own accounting (same trace, ``FDFLEET_KV_RECYCLE=off``) is never lower, at every request length
+  from 128 tokens to ``max_model_len`` (8192 and 32768), and at ``max_model_len``-long requests
+  >= 0.9 x the plan's ratio (all-layer bytes per request / bytes actually needed, ``kv_budget``),
+  for gpt-oss-20b, Gemma-3-27B, MiMo-V2-Flash-like and the head-wise ERNIE preset.
 """
 
 from __future__ import annotations
@@ -176,39 +177,58 @@ from fastdeploy_paddlefleet.presets import load_preset
 from fastdeploy_paddlefleet.plan import plan_from_config
 from fastdeploy_paddlefleet.kvcache.layout import kv_budget
 
-# one 8k prompt per step, so admission (not FastDeploy's decode reserve, which grows with the
-# remaining output tokens) fills the pools before the first requests finish
-ctx, out, fd_requests = 8192, 512, 24
-cfg = make_config(TINY, max_model_len=ctx + 512, max_num_seqs=512, max_num_batched_tokens=ctx,
-                  block_size=64, num_blocks=fd_requests * 131)
-rows = {}
-for name in NAMES:
-    d = os.path.join(WORK, name)
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(load_preset(name), f)
-    b = kv_budget(plan_from_config(d), 64, "bf16", 40.0, ctx)
-    row = {"plan_ratio": b.bytes_per_request / b.bytes_per_request_recycled}
-    for mode in ("off", "auto"):
-        os.environ["FDFLEET_KV_RECYCLE"] = mode
-        rm = make_manager(cfg, d)
-        row[mode + "_recycler"] = recycler_of(rm) is not None
-        st = Sim(rm, 1, check=False).run(make_trace(7, 300, (ctx - out, ctx - out), (out, out), 0), 700)
-        row[mode] = st.peak_running
-    rows[name] = row
+d = os.path.join(WORK, NAME)
+os.makedirs(d, exist_ok=True)
+with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump(load_preset(NAME), f)
+rows = []
+for mml in MAX_MODEL_LENS:
+    for length in sorted({*LENGTHS, mml}):
+        # the same KV bytes in both modes: 24 requests' worth of FastDeploy blocks at this length (never
+        # below FastDeploy's own minimum for max_model_len); every request arrives at once
+        out = min(512, length // 2)
+        blocks = max(mml // 64 + 2, 24 * -(-(length + 140) // 64))
+        batched = length if length == mml else max(2048, min(length, 8192))
+        cfg = make_config(TINY, max_model_len=mml, max_num_seqs=512, max_num_batched_tokens=batched,
+                          block_size=64, num_blocks=blocks)
+        row = {"max_model_len": mml, "length": length, "blocks": blocks}
+        for mode in ("off", "auto"):
+            os.environ["FDFLEET_KV_RECYCLE"] = mode
+            rm = make_manager(cfg, d, fastdeploy_check=True)
+            row[mode + "_recycler"] = recycler_of(rm) is not None
+            trace = make_trace(7, 300, (length - out, length - out), (out, out), 0)
+            st = Sim(rm, 1, check=False).run(trace, 900)
+            row[mode] = st.peak_running
+            row[mode + "_preempted"] = st.preempted
+        if length == mml:
+            b = kv_budget(plan_from_config(d), 64, "bf16", 40.0, mml)
+            row["plan_ratio"] = b.bytes_per_request / b.bytes_per_request_recycled
+        rows.append(row)
 report(rows=rows)
 """
 
+#: request lengths of the capacity rows (each max_model_len is added)
+CAPACITY_LENGTHS = [128, 256, 1024, 2048, 4096]
 
-def test_capacity_at_equal_kv_bytes(host, tiny_dir, tmp_path):
-    script = f"NAMES = {CAPACITY_PRESETS!r}\nWORK = {str(tmp_path)!r}\n" + CAPACITY
-    result = run_scenario(_prelude(tiny_dir) + script, host=host, env=PLUGIN_ENV, timeout=600).check()
+
+@pytest.mark.parametrize("preset", CAPACITY_PRESETS)
+def test_capacity_at_equal_kv_bytes(host, tiny_dir, tmp_path, preset):
+    """Recycling never serves fewer concurrent requests than FastDeploy's own accounting, at any
+    request length (128 tokens to max_model_len 8192 and 32768), and at max_model_len-long requests
+    at least 0.9 of the plan's ratio (all-layer bytes per request / bytes actually needed)."""
+    script = (
+        f"NAME = {preset!r}\nWORK = {str(tmp_path)!r}\nLENGTHS = {CAPACITY_LENGTHS!r}\n"
+        "MAX_MODEL_LENS = [8192, 32768]\n" + CAPACITY
+    )
+    result = run_scenario(_prelude(tiny_dir) + script, host=host, env=PLUGIN_ENV, timeout=900).check()
     rows = result.data["rows"]
     print(json.dumps(rows, indent=1))
-    for name, row in rows.items():
-        assert row["off_recycler"] is False and row["auto_recycler"] is True
-        measured = row["auto"] / row["off"]
-        assert measured >= 0.9 * row["plan_ratio"], (name, measured, row)
+    assert len(rows) == 12
+    for row in rows:
+        assert row["off_recycler"] is False and row["auto_recycler"] is True, row
+        assert row["auto"] >= row["off"], (preset, row)
+        if row["length"] == row["max_model_len"]:
+            assert row["auto"] / row["off"] >= 0.9 * row["plan_ratio"], (preset, row)
 
 
 def test_serving_benchmark_smoke(host, tmp_path):

@@ -8,7 +8,14 @@ Ranges in the tables include both ends (heads ``0-3`` are heads 0, 1, 2 and
 plan's own half-open ``[start, stop)`` lists. Below the tables, one
 ``WARNING:`` line per thing serving will refuse or cannot do (a checkpoint's
 ``quantization_config``; a rank that cannot hold one request, with the
-``--tp`` that would).
+``--tp`` that would; a window-recycling pool too small for one
+``--max-model-len`` request).
+
+``--context`` takes a comma-separated mix of request lengths (``256,2048,8192``): the window
+recycling report prints one row per length (FastDeploy's max concurrent requests beside
+recycling's, in the same bytes); the per-layer KV budget tables use the LONGEST of them.
+``--max-model-len`` (default: the longest ``--context``) is what the engine must hold one request
+of; a ``--context`` longer than it is refused (FastDeploy admits no such request).
 """
 
 from __future__ import annotations
@@ -23,13 +30,22 @@ from ..plan import AttentionPlan, LayerAttention, load_config, plan_from_config
 from ..presets import list_presets
 from ..serving.cache_views import uniform_budget
 from ..serving.checks import check_quantization
-from ..serving.kv_recycling.report import format_pools, pools_for
-from . import about, float_arg, int_arg
+from ..serving.kv_recycling.report import (
+    NOTHING_TO_RECYCLE,
+    REPORT_BATCHED_TOKENS,
+    PoolsReport,
+    check_contexts,
+    format_pools,
+    pools_for,
+)
+from . import CliError, about, float_arg, int_arg
 
 #: tensor-parallel sizes tried for the ``--tp`` hint when one rank cannot hold a request
 TP_HINTS: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
 #: printed under every table: the range notation of all of them
 RANGE_NOTE = "(ranges a-b include both ends: heads 0-3 = 4 heads; a-b/s: every s-th layer from a to b)"
+#: the most tokens a --context / --max-model-len may ask for (int32 sequence lengths)
+MAX_CONTEXT = 2**31 - 1
 
 LAYER_KEYS = (
     "index",
@@ -72,12 +88,47 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--context",
-        type=int_arg(1, 2**31 - 1),
-        default=8192,
-        help="tokens per request for the budget (default 8192)",
+        type=context_list,
+        default=(8192,),
+        metavar="N[,N...]",
+        help="request lengths in tokens, comma-separated (e.g. 256,2048,8192; default 8192): one row "
+        "each in the recycling report; the per-layer KV budget uses the longest",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int_arg(1, MAX_CONTEXT),
+        default=None,
+        help="longest request the engine must hold one of (default: the longest --context; "
+        "no --context may exceed it)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int_arg(1, MAX_CONTEXT),
+        default=REPORT_BATCHED_TOKENS,
+        help=f"FastDeploy's tokens per step; recycling keeps one step's prefill chunk free "
+        f"(default {REPORT_BATCHED_TOKENS})",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)
+
+
+def context_list(text: str) -> tuple[int, ...]:
+    """An argparse ``type``: comma-separated request lengths, each an int in ``[1, MAX_CONTEXT]``,
+    none twice (argparse names ``--context`` on error)."""
+    parse = int_arg(1, MAX_CONTEXT)
+    items = text.split(",")
+    values: list[int] = []
+    for item in items:
+        if len(items) > 1 and not item.strip():
+            raise argparse.ArgumentTypeError(f"an empty length in {text!r}: expected e.g. 256,2048,8192")
+        try:
+            value = parse(item.strip())
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} in {text!r}" if len(items) > 1 else str(e)) from None
+        if value in values:
+            raise argparse.ArgumentTypeError(f"{value} is given twice in {text!r}")
+        values.append(value)
+    return tuple(values)
 
 
 def layer_dict(layer: LayerAttention) -> dict[str, Any]:
@@ -116,6 +167,11 @@ def serving_refusals(raw: dict[str, Any]) -> list[str]:
     return []
 
 
+def budget_context(args: argparse.Namespace) -> int:
+    """The request length the per-layer KV budget tables use: the longest ``--context``."""
+    return max(args.context)
+
+
 def _fits(source: Any, tp: int, args: argparse.Namespace) -> tuple[int, int] | None:
     """``(max requests per-layer sizing, max requests in FastDeploy's one shape)`` at ``tp``;
     None when the heads do not split ``tp`` ways."""
@@ -123,18 +179,18 @@ def _fits(source: Any, tp: int, args: argparse.Namespace) -> tuple[int, int] | N
         plan = plan_from_config(source, tp_size=tp, tp_rank=0)
     except ValueError:
         return None
-    budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, args.context)
+    budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, budget_context(args))
     return budget.max_requests, uniform_budget(plan, budget)["max_requests_uniform"]
 
 
 def capacity_warnings(raw: dict[str, Any], plan: AttentionPlan, budget: KVBudget, args: Any) -> list[str]:
-    """A warning with a ``--tp`` hint when one rank cannot hold one ``--context`` request in
+    """A warning with a ``--tp`` hint when one rank cannot hold one longest ``--context`` request in
     FastDeploy's cache shape (what serving allocates), e.g. DeepSeek-V3 at TP 1 in 40 GiB."""
     uniform = uniform_budget(plan, budget)["max_requests_uniform"]
     if uniform >= 1:
         return []
     what = (
-        f"one rank cannot hold one request of {args.context} tokens in {args.memory_gib:g} GiB "
+        f"one rank cannot hold one request of {budget_context(args)} tokens in {args.memory_gib:g} GiB "
         f"(max requests 0 in FastDeploy's one cache shape at --tp {plan.tp_size})"
     )
     for tp in (t for t in TP_HINTS if t > plan.tp_size):
@@ -142,6 +198,14 @@ def capacity_warnings(raw: dict[str, Any], plan: AttentionPlan, budget: KVBudget
         if fits is not None and fits[1] >= 1:
             return [f"{what}; --tp {tp} holds {fits[1]} per rank: try --tp {tp}"]
     return [f"{what}, nor at any --tp up to {TP_HINTS[-1]}: give more --memory-gib or a shorter --context"]
+
+
+def pools_warnings(pools: PoolsReport | str) -> list[str]:
+    """A warning when window recycling's pool cannot hold one ``--max-model-len`` request (the
+    engine refuses to start); nothing when it can, or when nothing slides."""
+    if isinstance(pools, str) and pools != NOTHING_TO_RECYCLE:
+        return [f"window recycling: {pools}"]
+    return []
 
 
 def format_indices(indices: list[int]) -> str:
@@ -254,6 +318,24 @@ def format_uniform(u: dict[str, Any], b: KVBudget) -> str:
     return "\n".join([head] + [f"  {label:<18} {value}" for label, value in rows])
 
 
+def checked_contexts(args: argparse.Namespace) -> tuple[int, ...]:
+    """``--context`` checked against ``--max-model-len`` and ``--block-size`` (``report.check_contexts``):
+    a :class:`CliError` naming the flags and values otherwise."""
+    try:
+        return check_contexts(args.context, args.max_model_len, args.block_size)[0]
+    except ValueError as e:
+        ctx = ",".join(str(c) for c in args.context)
+        message = str(e)
+        if " is longer than max_model_len" in message:
+            raise CliError(
+                f"--context {ctx} --max-model-len {args.max_model_len}: {message}; "
+                "give a larger --max-model-len or shorter --context"
+            ) from e
+        if message.startswith("max_model_len="):
+            raise CliError(f"--max-model-len {args.max_model_len}: {message}") from e
+        raise CliError(f"--context {ctx}: {message}") from e
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         raw = load_config(args.source)
@@ -261,11 +343,21 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:  # named by SOURCE, plus the field the message names
         raise about(None, args.source, e) from e
     try:
-        budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, args.context)
+        budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, budget_context(args))
     except ValueError as e:
         raise about("--dtype" if "dtype" in str(e) else None, None, e) from e
-    warnings = serving_refusals(raw) + capacity_warnings(raw, plan, budget, args)
-    pools = pools_for(args.source, args.tp, args.block_size, args.dtype, args.memory_gib, args.context)
+    contexts = checked_contexts(args)
+    pools = pools_for(
+        args.source,
+        args.tp,
+        args.block_size,
+        args.dtype,
+        args.memory_gib,
+        contexts,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    warnings = serving_refusals(raw) + capacity_warnings(raw, plan, budget, args) + pools_warnings(pools)
     if args.json:
         print(json.dumps(plan_json(plan.source, plan, budget, warnings, pools)))
         return 0
@@ -277,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_budget(budget))
     print(format_uniform(uniform_budget(plan, budget), budget))
-    print(format_pools(pools, uniform_budget(plan, budget)["num_blocks_uniform"]))
+    print(format_pools(pools))
     for line in warnings:
         print(f"WARNING: {line}")
     return 0

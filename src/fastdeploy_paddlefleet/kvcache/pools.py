@@ -233,7 +233,7 @@ class Capacity:
     ``fastdeploy_requests``: FastDeploy's accounting (every layer keeps every block, its decode
     look-ahead included). ``recycling_requests``: the one pool, each request holding what its
     lanes hold at ``context`` tokens decoding (look-ahead included), less ``transient_pages`` (one
-    step's prefill chunk on the sliding lanes, beyond their windows). Both capped at
+    step's prefill on the sliding lanes, beyond their windows). Both capped at
     ``max_num_seqs`` when given.
     """
 
@@ -284,11 +284,13 @@ def capacity(
     fd_blocks = -(-held // bs)
     per_req = request_pages(layout, held, ctx)
     full = layout.pages_per_block * fd_blocks
-    # one step's chunk sits on the sliding lanes on top of their windows (never more than they save)
+    # one step's prefill sits on the sliding lanes on top of their windows: ``batched`` tokens, spread
+    # over up to ``ceil(batched / context) + 1`` requests, none holding more than it saves
     chunk = -(-batched // bs)
+    prefilling = -(-batched // ctx) + 1 if batched else 0
     units = held_units(layout.groups, bs, held, ctx)
     transient = sum(
-        min(chunk * sum(1 for w in g.lanes if w is not None), len(g.lanes) * fd_blocks - n)
+        min(chunk * sum(1 for w in g.lanes if w is not None), prefilling * (len(g.lanes) * fd_blocks - n))
         for g, n in zip(layout.groups, units, strict=True)
     )
     pages = layout.num_pages(blocks)

@@ -1,74 +1,374 @@
-"""The pools report of ``fdfleet plan``: FastDeploy's one pool beside the recycling split (stdlib only).
+"""The pools report of ``fdfleet plan``: FastDeploy's accounting beside window recycling's one
+pool, for a mix of request lengths (stdlib only).
 
-The split is :func:`kvcache.pools.split_kv_pools` over the plan every TP rank agrees on
-(``protocol.merge_tp_plans``), the same call the scheduler hook and the worker make.
+The pool is :func:`kvcache.pools.pool_layout` over the plan every TP rank agrees on
+(``protocol.merge_tp_plans``, via :func:`protocol.layout_from_plans`), the same layout the
+scheduler hook and the worker build; every count is :func:`kvcache.pools.capacity`,
+:func:`~kvcache.pools.budget_blocks` and :func:`~kvcache.pools.min_gpu_blocks`, the functions
+they count with.
+
+Per request length (``context``) the report compares, in the same bytes per rank:
+
+* FastDeploy: ``memory // (block_size * sum_l Hkv_l * (qk_l + v_l) * dtype_bytes)`` blocks (every
+  layer at its own shape, ``sizing.block_bytes``), each request holding
+  ``ceil((context + 2 * block_size + 12) / block_size)`` blocks of every layer (its decode
+  look-ahead included);
+* recycling: the blocks the pool's price buys (:func:`~kvcache.pools.budget_blocks`: the same
+  count unless layers differ in head dims, whose padding the pool pays for), as pages of the one
+  pool, each request holding what its lanes hold at ``context`` tokens, less the pages one step's
+  prefill chunk (``max_num_batched_tokens``) takes on the sliding lanes
+  (:class:`~kvcache.pools.Capacity`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ...kvcache.layout import GIB, format_bytes
-from ...kvcache.pools import PoolSplit, split_kv_pools
+from ...kvcache.headwise import MAX_TOKENS, LayerGroup
+from ...kvcache.layout import GIB, dtype_bytes, format_bytes
+from ...kvcache.pools import (
+    FASTDEPLOY_LOOKAHEAD_BLOCKS,
+    Capacity,
+    PoolLayout,
+    budget_blocks,
+    capacity,
+    fastdeploy_lookahead,
+    min_gpu_blocks,
+)
 from .protocol import layout_from_plans, merge_tp_plans
 
-#: FastDeploy's ``max_num_batched_tokens`` assumed by the report (one step's prefill tokens)
+#: FastDeploy's ``max_num_batched_tokens`` assumed by the report unless told (one step's prefill tokens)
 REPORT_BATCHED_TOKENS = 8192
+#: the report's answer for a plan with no lane that releases pages on every TP rank
+NOTHING_TO_RECYCLE = (
+    "no lane slides on every rank: nothing to recycle, FastDeploy's own accounting serves this model"
+)
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """One request length: FastDeploy's max concurrent requests beside recycling's.
+
+    ``fastdeploy``: :func:`capacity` at FastDeploy's own block count (its ``fastdeploy_*`` fields
+    are FastDeploy's accounting); ``recycling``: :func:`capacity` at the pool's block count (its
+    ``recycling_requests``, ``pages_per_request``, ``transient_pages``). The two are one call's
+    result unless the pool pays for padding.
+    """
+
+    fastdeploy: Capacity
+    recycling: Capacity
+
+    @property
+    def context(self) -> int:
+        return self.recycling.context
+
+    @property
+    def fastdeploy_requests(self) -> int:
+        return self.fastdeploy.fastdeploy_requests
+
+    @property
+    def recycling_requests(self) -> int:
+        return self.recycling.recycling_requests
+
+    @property
+    def ratio(self) -> float | None:
+        """Recycling's requests over FastDeploy's; None when FastDeploy holds none."""
+        fd = self.fastdeploy_requests
+        return self.recycling_requests / fd if fd else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "context": self.context,
+            "fastdeploy_requests": self.fastdeploy_requests,
+            "recycling_requests": self.recycling_requests,
+            "ratio": self.ratio,
+            "fastdeploy_blocks_per_request": self.fastdeploy.fastdeploy_blocks_per_request,
+            "fastdeploy_pages_per_request": self.recycling.fastdeploy_pages_per_request,
+            "pages_per_request": self.recycling.pages_per_request,
+            "transient_pages": self.recycling.transient_pages,
+        }
+
+
+@dataclass(frozen=True)
+class PoolsReport:
+    """The one pool for ``memory_bytes`` per rank and its max concurrent requests per context.
+
+    ``fastdeploy_num_blocks`` / ``fastdeploy_block_bytes``: FastDeploy's own count and price of a
+    block (every layer at its shape); ``num_gpu_blocks`` / ``block_bytes``: the pool's
+    (:func:`budget_blocks`, :meth:`PoolLayout.block_bytes`), ``num_pages`` its pages.
+    ``min_gpu_blocks``: the fewest blocks that hold one ``max_model_len`` request (at most
+    ``num_gpu_blocks``: a report is only built when one fits).
+    """
+
+    layout: PoolLayout
+    dtype: str
+    memory_bytes: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    fastdeploy_num_blocks: int
+    fastdeploy_block_bytes: int
+    num_gpu_blocks: int
+    block_bytes: int
+    min_gpu_blocks: int
+    rows: tuple[ContextRow, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.layout.num_pages(self.num_gpu_blocks)
+
+    @property
+    def fastdeploy_min_gpu_blocks(self) -> int:
+        """FastDeploy's own minimum for one ``max_model_len`` request (``CacheConfig.reset``:
+        ``max_model_len // block_size + enc_dec_block_num``)."""
+        return self.max_model_len // self.layout.block_size + FASTDEPLOY_LOOKAHEAD_BLOCKS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "memory_bytes": self.memory_bytes,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "layout": self.layout.to_dict(),
+            "fastdeploy_num_blocks": self.fastdeploy_num_blocks,
+            "fastdeploy_block_bytes": self.fastdeploy_block_bytes,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_bytes": self.block_bytes,
+            "num_pages": self.num_pages,
+            "page_bytes": self.layout.page_bytes(self.dtype),
+            "min_gpu_blocks": self.min_gpu_blocks,
+            "fastdeploy_min_gpu_blocks": self.fastdeploy_min_gpu_blocks,
+            "contexts": [row.to_dict() for row in self.rows],
+        }
+
+
+def _count(name: str, value: Any, low: int, high: int = MAX_TOKENS) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r}: expected an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value!r}: expected an int in [{low}, {high}]")
+    return value
+
+
+def high_gap(block_size: int) -> int:
+    """Tokens a request may hold beyond its length: FastDeploy's decode look-ahead, plus the partial
+    block :func:`min_gpu_blocks` rounds up."""
+    return fastdeploy_lookahead(block_size) + block_size
+
+
+def _length(name: str, value: Any, block_size: int) -> int:
+    """A request length: an int >= 1 whose look-ahead still fits int32 sequence lengths."""
+    high = MAX_TOKENS - high_gap(block_size)
+    try:
+        return _count(name, value, 1, high)
+    except ValueError as e:
+        if value <= high:
+            raise
+        raise ValueError(
+            f"{e} (the {high_gap(block_size)} tokens of FastDeploy's decode look-ahead and block "
+            "rounding must fit int32 sequence lengths)"
+        ) from None
+
+
+def check_contexts(
+    contexts: Iterable[int], max_model_len: int | None, block_size: int
+) -> tuple[tuple[int, ...], int]:
+    """``(contexts, max_model_len)`` checked: ints >= 1, none twice, none longer than
+    ``max_model_len`` (default: the longest), and room for FastDeploy's decode look-ahead within
+    int32 sequence lengths. ``ValueError`` / ``TypeError`` name the bad value."""
+    bs = _count("block_size", block_size, 1)
+    ctxs = tuple(_length("context", c, bs) for c in contexts)
+    if not ctxs:
+        raise ValueError("contexts=(): expected at least one request length")
+    twice = sorted({c for c in ctxs if ctxs.count(c) > 1})
+    if twice:
+        raise ValueError(f"context={twice[0]!r} is given twice in {list(ctxs)}")
+    mml = max(ctxs) if max_model_len is None else _length("max_model_len", max_model_len, bs)
+    longer = [c for c in ctxs if c > mml]
+    if longer:
+        raise ValueError(
+            f"context={max(longer)!r} is longer than max_model_len={mml!r}: FastDeploy admits no such request"
+        )
+    return ctxs, mml
+
+
+def cannot_hold(num_gpu_blocks: int, needed: int, max_model_len: int, memory_bytes: int) -> str:
+    """The report's answer when the pool cannot hold one ``max_model_len`` request (the engine then
+    refuses to start, in FastDeploy's words)."""
+    return (
+        f"one request of max_model_len={max_model_len} tokens needs {needed} FastDeploy blocks even with "
+        f"recycling, {format_bytes(memory_bytes)} buys {num_gpu_blocks}: the engine refuses to start "
+        f"(current device block num: {num_gpu_blocks} should be larger than or equal to {needed}); "
+        "give more memory or a smaller max_model_len"
+    )
+
+
+def pools_report(
+    layout: PoolLayout,
+    memory_bytes: int,
+    dtype: str,
+    contexts: Sequence[int],
+    *,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int = REPORT_BATCHED_TOKENS,
+) -> PoolsReport | str:
+    """The report for ``layout`` (:func:`pool_layout` of the plan every rank agrees on) in
+    ``memory_bytes`` per rank, one row per ``contexts`` entry (in the order given); or why there is
+    none (:data:`NOTHING_TO_RECYCLE`, :func:`cannot_hold`). ``max_model_len`` defaults to the
+    longest context and may not be shorter than any."""
+    if not isinstance(layout, PoolLayout):
+        raise TypeError(f"layout must be a PoolLayout, got {type(layout).__name__}")
+    memory = _count("memory_bytes", memory_bytes, 0, 2**62)
+    batched = _count("max_num_batched_tokens", max_num_batched_tokens, 0)
+    ctxs, mml = check_contexts(contexts, max_model_len, layout.block_size)
+    if not layout.slides:
+        return NOTHING_TO_RECYCLE
+    fd_price = layout.layer_elements * dtype_bytes(dtype)
+    fd_blocks = memory // fd_price
+    blocks = budget_blocks(layout, memory, dtype)
+    needed = min_gpu_blocks(layout, mml)
+    if blocks < needed:
+        return cannot_hold(blocks, needed, mml, memory)
+    rows = []
+    for c in ctxs:
+        ours = capacity(layout, blocks, c, max_num_batched_tokens=batched)
+        fd = ours if fd_blocks == blocks else capacity(layout, fd_blocks, c, max_num_batched_tokens=batched)
+        rows.append(ContextRow(fd, ours))
+    return PoolsReport(
+        layout=layout,
+        dtype=str(dtype),
+        memory_bytes=memory,
+        max_model_len=mml,
+        max_num_batched_tokens=batched,
+        fastdeploy_num_blocks=fd_blocks,
+        fastdeploy_block_bytes=fd_price,
+        num_gpu_blocks=blocks,
+        block_bytes=layout.block_bytes(dtype),
+        min_gpu_blocks=needed,
+        rows=tuple(rows),
+    )
 
 
 def pools_for(
-    source: Any, tp_size: int, block_size: int, dtype: str, memory_gib: float, context: int
-) -> PoolSplit | str:
-    """The split for ``memory_gib`` GiB per rank at ``context`` tokens, or why there is none."""
+    source: Any,
+    tp_size: int,
+    block_size: int,
+    dtype: str,
+    memory_gib: float,
+    contexts: Sequence[int],
+    *,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int = REPORT_BATCHED_TOKENS,
+) -> PoolsReport | str:
+    """:func:`pools_report` for ``source`` (``plan_from_config``'s input) over ``tp_size`` ranks,
+    ``memory_gib`` GiB of KV cache per rank."""
     from ...plan.config import plan_from_config
 
     plans = [plan_from_config(source, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
-    plan = merge_tp_plans(plans)
-    if not layout_from_plans(plan, block_size).slides:
-        return "no lane slides on every rank: FastDeploy's one pool is the split (nothing to recycle)"
-    try:
-        return split_kv_pools(
-            plan,
-            int(memory_gib * GIB),
-            block_size,
-            context,
-            dtype=dtype,
-            max_num_batched_tokens=REPORT_BATCHED_TOKENS,
-        )
-    except ValueError as e:
-        return str(e)
+    layout = layout_from_plans(merge_tp_plans(plans), block_size).pool
+    return pools_report(
+        layout,
+        int(memory_gib * GIB),
+        dtype,
+        contexts,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
 
 
-def format_pools(split: PoolSplit | str, uniform_num_blocks: int) -> str:
-    """Text lines: FastDeploy today vs the full / sliding pools and their max concurrent requests
-    (``uniform_num_blocks``: FastDeploy's blocks in its one cache shape, ``cache_views``)."""
-    head = "Window recycling pools (FDFLEET_KV_RECYCLE=auto; same bytes, FastDeploy's 2-block look-ahead):"
-    if isinstance(split, str):
-        return f"{head}\n  {split}"
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _lanes(g: LayerGroup) -> str:
+    windows = [w for w in g.lanes if w is not None]
+    n = len(g.lanes)
+    if not windows:
+        return _n(n, "full lane")
+    what = "window_left " + "/".join(str(w) for w in sorted(set(windows)))
+    if len(windows) == n:
+        return f"{_n(n, 'lane')}, {what}"
+    return f"{_n(n, 'lane')}: {n - len(windows)} full, {len(windows)} {what}"
+
+
+def group_summary(layout: PoolLayout) -> str:
+    """The groups by kind: ``12 sliding (8 kv heads, 1 lane, window_left 127), 12 full (...)``,
+    counted in groups of ``slots`` layers."""
+    kinds: dict[tuple[str, int, str], int] = {}
+    for g in layout.groups:
+        key = (g.kind, g.num_kv_heads, _lanes(g))
+        kinds[key] = kinds.get(key, 0) + 1
+    return ", ".join(f"{n} {kind} ({_n(hkv, 'kv head')}, {lanes})" for (kind, hkv, lanes), n in kinds.items())
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"x{r:.2f}"
+
+
+def format_pools(report: PoolsReport | str) -> str:
+    """Text lines: the one pool's layout and, per context, FastDeploy's max concurrent requests
+    beside recycling's."""
+    head = "Window recycling (FDFLEET_KV_RECYCLE=auto): one KV pool for every layer, same bytes:"
+    if isinstance(report, str):
+        return f"{head}\n  {report}"
+    lay = report.layout
+    pad = f", padding {lay.padding:.1%} of the pool" if lay.padding else ", no padding"
+    fd_price, price = format_bytes(report.fastdeploy_block_bytes), format_bytes(report.block_bytes)
+    fd_line = f"{report.fastdeploy_num_blocks} FastDeploy blocks ({fd_price} each)"
+    if report.num_gpu_blocks != report.fastdeploy_num_blocks:
+        fd_line += f"; the padded pool buys {report.num_gpu_blocks} ({price} each)"
     rows = [
         (
-            "FastDeploy today",
-            f"one pool of {split.fastdeploy_num_blocks} blocks ({format_bytes(split.fastdeploy_block_bytes)} "
-            f"each, every layer keeps every block): max {split.fastdeploy_max_requests} requests "
-            f"({uniform_num_blocks // max(1, split.request_blocks)} in its one cache shape)",
-        )
+            "layout",
+            f"{_n(len(lay.groups), 'group')} of {_n(lay.slots, 'layer')} (slots), "
+            f"{_n(lay.heads_per_page, 'kv head')} per page, {_n(lay.pages_per_block, 'page')} per "
+            f"FastDeploy block{pad}",
+        ),
+        ("groups", group_summary(lay)),
+        (
+            "memory",
+            f"{format_bytes(report.memory_bytes)}: {fd_line} -> {report.num_pages} pages of "
+            f"{format_bytes(lay.page_bytes(report.dtype))}",
+        ),
+        (
+            "max_model_len",
+            f"{report.max_model_len}: one request fits, needing {report.min_gpu_blocks} of the "
+            f"{report.num_gpu_blocks} blocks (FastDeploy alone: {report.fastdeploy_min_gpu_blocks})",
+        ),
     ]
-    for g in split.groups:
-        rows.append(
+    lines = [head] + [f"  {label:<14} {value}" for label, value in rows]
+    table = [("context", "FastDeploy", "recycling", "ratio", "pages/request FD -> recycling", "chunk pages")]
+    for row in report.rows:
+        table.append(
             (
-                f"{g.kind} pool (group {g.index})",
-                f"{g.num_blocks} blocks x {format_bytes(g.block_bytes)} = {format_bytes(g.bytes)} "
-                f"(layers: {len(g.layers)}, {g.blocks_per_request:.1f} blocks per request)",
+                str(row.context),
+                str(row.fastdeploy_requests),
+                str(row.recycling_requests),
+                _ratio(row.ratio),
+                f"{row.recycling.fastdeploy_pages_per_request} -> {row.recycling.pages_per_request}",
+                str(row.recycling.transient_pages),
             )
         )
-    rows.append(
-        (
-            "max requests",
-            f"{split.max_requests} of {split.max_model_len} tokens with recycling "
-            f"(x{split.ratio:.2f} FastDeploy's accounting)",
-        )
+    widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]
+    for r in table:
+        lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
+    lines.append(
+        f"  (max concurrent requests per rank at each length; FastDeploy's 2-block look-ahead; "
+        f"chunk pages: kept free for one step's {report.max_num_batched_tokens}-token prefill chunk)"
     )
-    return "\n".join([head] + [f"  {label:<22} {value}" for label, value in rows])
+    return "\n".join(lines)
 
 
-__all__ = ["REPORT_BATCHED_TOKENS", "format_pools", "pools_for"]
+__all__ = [
+    "NOTHING_TO_RECYCLE",
+    "REPORT_BATCHED_TOKENS",
+    "ContextRow",
+    "PoolsReport",
+    "cannot_hold",
+    "check_contexts",
+    "format_pools",
+    "group_summary",
+    "pools_for",
+    "pools_report",
+]
