@@ -288,17 +288,10 @@ class KVRecycler:
         return pages_needed(self.layout.pool, num_blocks, self._caps) <= self.manager.free_units
 
     def free_blocks(self) -> int:
-        """FastDeploy blocks any request can still grow by (the largest ``n`` with
-        ``can_allocate(n)``; FastDeploy's free count)."""
-        free = self.manager.free_units
-        lo, hi = 0, free  # every lane takes at least one page per block
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if pages_needed(self.layout.pool, mid, self._caps) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """FastDeploy's free count: the free pages in FastDeploy blocks of every layer (``free //
+        pages_per_block``, at most ``num_gpu_blocks``). Never a promise the pool cannot keep: a block
+        of every lane costs at least as many pages as a capped sliding lane's growth does."""
+        return self.manager.free_units // self.layout.pool.pages_per_block
 
     def usage(self) -> float:
         mgr = self.manager
