@@ -264,14 +264,24 @@ class Trace:
 
 
 def make_trace(
-    seed: int, n: int, prompt: tuple[int, int], out: tuple[int, int], every: int, aborts: float = 0.0
+    seed: int,
+    n: int,
+    prompt: tuple[int, int],
+    out: tuple[int, int],
+    every: int,
+    aborts: float = 0.0,
+    long: tuple[tuple[int, int], float] | None = None,
 ) -> Trace:
+    """``n`` requests, one every ``every`` steps (jittered), prompts and outputs uniform in the given
+    ranges; ``long = ((lo, hi), p)``: each prompt is drawn from ``(lo, hi)`` instead with probability
+    ``p`` (short and long requests mixed); ``aborts``: the share aborted while decoding."""
     rng = random.Random(seed)
     arrivals, abort_at = [], {}
     for i in range(n):
         step = i * every + rng.randint(0, max(0, every - 1))
         rid = f"r{seed}-{i}"
-        arrivals.append((step, rid, rng.randint(*prompt), rng.randint(*out)))
+        span = long[0] if long is not None and rng.random() < long[1] else prompt
+        arrivals.append((step, rid, rng.randint(*span), rng.randint(*out)))
         if rng.random() < aborts:
             abort_at.setdefault(step + rng.randint(5, 60), []).append(rid)
     return Trace(arrivals, abort_at)

@@ -132,19 +132,25 @@ def test_hook_installed_by_the_plugin_and_interactions_named(host, tiny_dir):
 TRACES = """
 import time
 runs = []
-# (FastDeploy blocks, max_num_seqs, tp): small pools force preemption; tp=2 merges the ranks' lanes
-for nb, seqs, tp in ((60, 16, 1), (40, 24, 1), (30, 32, 1), (40, 16, 2)):
+# (FastDeploy blocks, max_num_seqs, tp, mixed): small pools force preemption; tp=2 merges the ranks'
+# lanes; mixed: mostly short requests (4-24 tokens) with a quarter long ones (300-400), in pools of
+# FastDeploy's own minimum (34 blocks: max_model_len // block_size + 2) and a little more
+for nb, seqs, tp, mixed in ((60, 16, 1, False), (40, 24, 1, False), (30, 32, 1, False), (40, 16, 2, False),
+                            (34, 32, 1, True), (48, 48, 1, True)):
     cfg = make_config(TINY, max_model_len=512, max_num_seqs=seqs, max_num_batched_tokens=128,
                       block_size=16, num_blocks=nb)
     cfg.parallel_config.tensor_parallel_size = tp
     for lag in (0, 1, 3):
         rm = make_manager(cfg)
         sim = Sim(rm, lag)
-        trace = make_trace(100 * nb + lag, 50, (4, 300), (1, 200), 2, aborts=0.15)
+        if mixed:
+            trace = make_trace(100 * nb + lag, 80, (4, 24), (20, 100), 1, aborts=0.1, long=((300, 400), 0.25))
+        else:
+            trace = make_trace(100 * nb + lag, 50, (4, 300), (1, 200), 2, aborts=0.15)
         t = time.time()
         st = sim.run(trace, 30000)
         runs.append(dict(
-            blocks=nb, tp=tp, lag=lag, steps=st.steps, checks=st.checks, queries=sim.worker._checks,
+            blocks=nb, tp=tp, lag=lag, mixed=mixed, requests=len(trace.arrivals), steps=st.steps, checks=st.checks, queries=sim.worker._checks,
             tokens=st.tokens, finished=st.finished, preempted=st.preempted, aborted=st.aborted,
             all_free=sim.all_free(), left=len(rm.requests), seconds=round(time.time() - t, 2),
             released=sim.worker.released,
@@ -162,10 +168,11 @@ def test_real_scheduler_traces_with_a_lagging_worker(host, tiny_dir):
     assert sum(r["checks"] for r in runs) == sum(r["steps"] for r in runs)  # every step checked
     for r in runs:
         assert r["all_free"] and r["left"] == 0, r
-        assert r["finished"] + r["aborted"] == 50, r
+        assert r["finished"] + r["aborted"] == r["requests"], r
         assert r["queries"] > 0 and r["released"] > 0
     assert {r["lag"] for r in runs} == {0, 1, 3}
     assert sum(r["preempted"] for r in runs) > 0 and sum(r["aborted"] for r in runs) > 0
+    assert sum(r["preempted"] for r in runs if r["mixed"]) > 0  # short and long mixed, from a small pool
     assert {"headwise"} <= {k for r in runs for k in r["groups"]}
     # TP=2: each rank holds one kv head per layer; the head-wise layer's is sliding on both ranks
     assert [r["groups"] for r in runs if r["tp"] == 2][0] == ["full", "full", "sliding", "sliding", "sliding"]
