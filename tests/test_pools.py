@@ -1,46 +1,128 @@
-"""``split_kv_pools``: the one full/sliding split, checked against independent references.
+"""The one KV pool (``kvcache/pools.py``), checked against independent references.
 
-* FastDeploy's accounting: the budget over the plain per-layer sum of ``kv_heads * (qk + v) *
-  dtype * block_size`` (computed here from the plan's fields, not through the module), and
-  ``kv_budget``'s ``max_requests`` (layout.py's own arithmetic) at the same budget.
-* Recycled capacity: a head-wise manager sized with the split is driven the way FastDeploy's
-  scheduler drives it (chunked prefill, then decode with 2 blocks + 12 slots look-ahead); the
-  split's ``max_requests`` requests of ``max_model_len`` tokens fit at every step.
-* Refusal: a budget below one ``max_model_len`` request raises, naming the numbers.
+* Layout: every layer in exactly one group, groups of equal size reading slots ``0..T-1``, a group's
+  layers alike in kv heads and windows; the pool's bytes per FastDeploy block equal FastDeploy's
+  per-layer price computed here from the plan's fields (no padding for the served presets), and
+  the padding of a preset whose head dims differ is the hand-computed share.
+* Capacity: FastDeploy's count by hand (blocks // ceil((ctx + 2 bs + 12) / bs)); recycling never
+  below it at any length for the served presets; a manager over the pool, driven the way
+  FastDeploy allocates (chunked prefill, then 2 blocks ahead once 12 or fewer slots are left),
+  holds ``capacity().recycling_requests`` requests at every step.
+* The start rule: ``min_gpu_blocks`` never above FastDeploy's own minimum, and a pool of that many
+  blocks carries one ``max_model_len`` request through FastDeploy's allocation pattern.
+* The promise: after ``pages_needed(n) <= free``, ANY request grows by ``n`` blocks.
 """
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from fastdeploy_paddlefleet.kvcache.headwise import HeadwiseKVManager
-from fastdeploy_paddlefleet.kvcache.layout import kv_budget
-from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
+from fastdeploy_paddlefleet.kvcache.pools import (
+    allocation_cap,
+    budget_blocks,
+    capacity,
+    min_gpu_blocks,
+    pages_needed,
+    pool_layout,
+)
 from fastdeploy_paddlefleet.plan import plan_from_config
 
 GIB = 1 << 30
-PRESETS = ["gpt-oss-20b", "gemma3-27b", "mimo-v2-flash-like", "ernie-4.5-21b-a3b-headwise", "tiny"]
+SERVED = ["gpt-oss-20b", "gemma3-27b", "mimo-v2-flash-like", "ernie-4.5-21b-a3b-headwise"]
+PRESETS = [*SERVED, "tiny", "tiny-mimo", "tiny-headwise"]
+
+
+def fd_price(plan, bs=64, nbytes=2):
+    """FastDeploy's block at every layer's own shape (the runner's price basis), by hand."""
+    return bs * sum(la.num_kv_heads * (la.qk_head_dim + la.v_head_dim) * nbytes for la in plan)
+
+
+def fd_requests(blocks, ctx, bs=64):
+    return blocks // math.ceil((ctx + 2 * bs + 12) / bs)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_fastdeploy_accounting_matches_layout(preset):
+def test_layout_places_every_layer_once_in_equal_groups(preset):
     plan = plan_from_config(preset)
-    split = split_kv_pools(plan, 8 * GIB, 64, 8192)
-    per_block = 64 * sum(la.num_kv_heads * (la.qk_head_dim + la.v_head_dim) * 2 for la in plan)
-    assert split.fastdeploy_block_bytes == per_block
-    assert split.fastdeploy_num_blocks == 8 * GIB // per_block
-    # FastDeploy's decode look-ahead (2 blocks + 12 slots) is not capped at max_model_len
-    assert split.fastdeploy_max_requests == kv_budget(plan, 64, "bf16", 8.0, 8192 + 140).max_requests
-    assert split.used_bytes <= 8 * GIB
+    pool = pool_layout(plan, 64)
+    by_index = {la.index: la for la in plan}
+    placed = [li for g in pool.groups for li in g.layers]
+    assert sorted(placed) == sorted(by_index)
+    assert {len(g.layers) for g in pool.groups} == {pool.slots}
+    for g in pool.groups:
+        first = by_index[g.layers[0]]
+        windows = tuple(first.head_window(h) for h in range(first.num_kv_heads))
+        for li in g.layers:
+            la = by_index[li]
+            assert la.num_kv_heads == g.num_kv_heads
+            assert tuple(la.head_window(h) for h in range(la.num_kv_heads)) == windows == g.windows
+        # a lane is ``unit`` kv heads released together; the heads of a layer are all covered
+        assert len(g.lanes) * g.unit == g.num_kv_heads and g.unit == pool.heads_per_page
+        assert g.num_kv_heads % pool.heads_per_page == 0
+    assert pool.pages_per_block == sum(len(g.lanes) for g in pool.groups)
+    assert pool.layer_slots() == {li: (g.index, t) for g in pool.groups for t, li in enumerate(g.layers)}
 
 
-def _drive(plan, split, n_req, ctx, batched):
-    """``n_req`` requests of ``ctx`` tokens run side by side the way FastDeploy allocates:
-    chunked prefill within ``batched`` tokens per step (computed = tokens scheduled before the
-    chunk), then decode with blocks allocated 2 at a time once 12 or fewer slots are left.
-    False when an allocation fails."""
-    bs = split.block_size
-    mgr = HeadwiseKVManager(plan, split.num_blocks, bs)
+@pytest.mark.parametrize("preset", SERVED)
+def test_served_presets_pay_exactly_fastdeploys_per_layer_price(preset):
+    plan = plan_from_config(preset)
+    pool = pool_layout(plan, 64)
+    assert pool.padding == 0.0
+    assert pool.block_bytes("bf16") == fd_price(plan)
+    assert budget_blocks(pool, 40 * GIB, "bf16") == 40 * GIB // fd_price(plan)
+
+
+def test_padding_of_unlike_head_dims():
+    # tiny: full layers q/k 16, v 16; sliding and head-wise layers q/k 16, v 8; slots are 16 / 16
+    plan = plan_from_config("tiny")
+    pool = pool_layout(plan, 16)
+    slot_elements = sum(la.num_kv_heads * (16 + 16) for la in plan)
+    used = sum(la.num_kv_heads * (la.qk_head_dim + la.v_head_dim) for la in plan)
+    assert (pool.qk_head_dim, pool.v_head_dim) == (16, 16)
+    assert pool.padding == pytest.approx(1 - used / slot_elements)
+    assert pool.block_bytes("fp32") == 16 * slot_elements * 4
+
+
+def test_gpt_oss_geometry_by_hand():
+    pool = pool_layout(plan_from_config("gpt-oss-20b"), 64)
+    # 12 sliding and 12 full layers: two groups of 12, one page = 8 kv heads x 64 tokens x 12 layers
+    assert (pool.slots, pool.heads_per_page, pool.pages_per_block) == (12, 8, 2)
+    assert pool.page_bytes("bf16") == 12 * 8 * 64 * (64 + 64) * 2
+    assert [g.kind for g in pool.groups] == ["sliding", "full"]
+
+
+def test_mimo_lanes_of_half_the_heads():
+    # full layers 4 kv heads, sliding ones 8: pages of 4 heads, a sliding layer's block is two lanes
+    pool = pool_layout(plan_from_config("mimo-v2-flash-like"), 64)
+    assert pool.heads_per_page == 4
+    kinds = {(g.kind, len(g.lanes)) for g in pool.groups}
+    assert kinds == {("full", 1), ("sliding", 2)}
+    assert pool.page_multiple == 2 and pool.alloc_pages(29 * 7) == 29 * 7 + 1
+
+
+@pytest.mark.parametrize("preset", SERVED)
+@pytest.mark.parametrize("ctx", [128, 256, 1024, 2048, 4096, 8192, 32768])
+def test_capacity_never_below_fastdeploy(preset, ctx):
+    plan = plan_from_config(preset)
+    pool = pool_layout(plan, 64)
+    blocks = 40 * GIB // fd_price(plan)
+    cap = capacity(pool, blocks, ctx, max_num_batched_tokens=8192)
+    assert cap.fastdeploy_requests == fd_requests(blocks, ctx)
+    assert cap.recycling_requests >= cap.fastdeploy_requests
+    capped = capacity(pool, blocks, ctx, max_num_batched_tokens=8192, max_num_seqs=7)
+    assert capped.recycling_requests == min(7, cap.recycling_requests)
+
+
+def _drive(pool, num_pages, n_req, ctx, batched):
+    """``n_req`` requests of ``ctx`` tokens side by side, allocated the way FastDeploy does: chunked
+    prefill within ``batched`` tokens per step (computed = tokens scheduled before the chunk), then
+    decode with 2 blocks allocated once 12 or fewer slots are left. False when a reserve fails."""
+    bs = pool.block_size
+    mgr = HeadwiseKVManager.shared(pool.groups, num_pages, bs, pool.mode)
     state = {}
     for r in range(n_req):
         mgr.admit(r)
@@ -69,50 +151,83 @@ def _drive(plan, split, n_req, ctx, batched):
 
 
 @pytest.mark.parametrize(
-    "preset", ["gpt-oss-20b", "mimo-v2-flash-like", "ernie-4.5-21b-a3b-headwise", "tiny"]
+    ("preset", "ctx", "chunk", "bs"),
+    [
+        ("gpt-oss-20b", 2048, 512, 64),
+        ("mimo-v2-flash-like", 2048, 512, 64),
+        ("gemma3-27b", 4096, 1024, 64),
+        ("ernie-4.5-21b-a3b-headwise", 16384, 1024, 64),
+        ("tiny", 256, 64, 16),
+        ("tiny-headwise", 256, 64, 16),
+    ],
 )
-def test_split_holds_max_requests(preset):
+def test_pool_holds_the_capacity_it_reports(preset, ctx, chunk, bs):
     plan = plan_from_config(preset)
-    # context beyond every window (ERNIE's is 4096), budget for a handful of requests
-    ctx, chunk, budget, bs = {
-        "tiny": (256, 64, 4 << 20, 16),
-        "ernie-4.5-21b-a3b-headwise": (16384, 1024, 4 << 30, 64),
-    }.get(preset, (2048, 512, 512 << 20, 64))
-    split = split_kv_pools(plan, budget, bs, ctx, max_num_batched_tokens=chunk)
-    assert split.max_requests >= 1
-    assert _drive(plan, split, split.max_requests, ctx, chunk)
-    # the split beats FastDeploy's one pool wherever a lane slides
-    assert split.max_requests > split.fastdeploy_max_requests
+    pool = pool_layout(plan, bs)
+    blocks = 12 * math.ceil((ctx + 2 * bs + 12) / bs)  # FastDeploy holds 12 such requests
+    cap = capacity(pool, blocks, ctx, max_num_batched_tokens=chunk)
+    assert cap.fastdeploy_requests == 12 and cap.recycling_requests > 12
+    assert _drive(pool, pool.num_pages(blocks), cap.recycling_requests, ctx, chunk)
 
 
-def test_concurrency_cap_moves_bytes_to_full_pools():
-    plan = plan_from_config("gpt-oss-20b")
-    free = split_kv_pools(plan, 40 * GIB, 64, 8192)
-    capped = split_kv_pools(plan, 40 * GIB, 64, 8192, concurrency=64)
-    kinds = {g.kind: g for g in capped.groups}
-    assert capped.max_requests == 64 < free.max_requests
-    assert kinds["full"].num_blocks > {g.kind: g for g in free.groups}["full"].num_blocks
-    assert capped.used_bytes <= 40 * GIB
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("mml", [512, 8192, 32768])
+def test_start_minimum_never_above_fastdeploys(preset, mml):
+    pool = pool_layout(plan_from_config(preset), 64)
+    for batched in (512, 2048, None):
+        need = min_gpu_blocks(pool, mml, batched)
+        assert 1 <= need <= mml // 64 + 2  # FastDeploy's own minimum: max_block_num_per_seq + enc_dec
+        assert _drive(pool, pool.num_pages(need), 1, mml, batched or mml)
+    assert min_gpu_blocks(pool, mml) == min_gpu_blocks(pool, mml, mml)
 
 
-def test_refuses_a_budget_below_one_request():
-    plan = plan_from_config("gpt-oss-20b")
-    with pytest.raises(ValueError, match=r"max_model_len=131072.*bytes"):
-        split_kv_pools(plan, 64 * 1024 * 1024, 64, 131072)
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "mimo-v2-flash-like", "tiny", "tiny-headwise"])
+def test_a_promised_allocation_always_succeeds(preset):
+    """Random pool states: whenever ``pages_needed(n) <= free``, any live request can grow by ``n``
+    FastDeploy blocks (``n`` up to a chunk's blocks plus a decode reserve)."""
+    rng = random.Random(5)
+    bs, batched = 16, 256
+    pool = pool_layout(plan_from_config(preset), bs)
+    caps = [[None if w is None else allocation_cap(w, bs, batched) for w in g.lanes] for g in pool.groups]
+    mgr = HeadwiseKVManager.shared(pool.groups, pool.num_pages(60), bs, pool.mode)
+    live = {}
+    for step in range(3000):
+        rid = rng.randrange(12)
+        if rid not in live:
+            mgr.admit(rid)
+            live[rid] = 0
+        c = live[rid]
+        n = rng.randint(0, batched // bs + 4)
+        promised = pages_needed(pool, n, caps) <= mgr.free_units
+        blocks = -(-mgr.num_tokens(rid) // bs)
+        ok = mgr.reserve(rid, (blocks + n) * bs, c)
+        if promised:
+            assert ok, (step, rid, n)
+        if ok:
+            # the computed bound moves by at most one step's tokens (FastDeploy's chunk or a decode)
+            live[rid] = min(mgr.num_tokens(rid), c + rng.randint(0, batched))
+        if rng.random() < 0.05 or mgr.num_tokens(rid) > 4000:
+            mgr.finish(rid)
+            del live[rid]
+    held = sum(u >= 0 for r in live for lanes in mgr.lane_ids(r) for ids in lanes for u in ids)
+    assert mgr.free_units + held == mgr.total_units
 
 
 @pytest.mark.parametrize(
-    ("kw", "match"),
+    ("call", "match"),
     [
-        (dict(budget_bytes=0), "budget_bytes=0"),
-        (dict(block_size=0), "block_size=0"),
-        (dict(max_model_len=True), "max_model_len=True"),
-        (dict(concurrency=0), "concurrency=0"),
-        (dict(max_num_batched_tokens=-1), "max_num_batched_tokens=-1"),
+        (lambda p: capacity(p, -1, 10), "num_gpu_blocks=-1"),
+        (lambda p: capacity(p, 10, 0), "context=0"),
+        (lambda p: capacity(p, 10, 10, max_num_batched_tokens=-1), "max_num_batched_tokens=-1"),
+        (lambda p: capacity(p, 10, 10, max_num_seqs=0), "max_num_seqs=0"),
+        (lambda p: min_gpu_blocks(p, True), "max_model_len=True"),
+        (lambda p: p.num_pages(2.5), "num_gpu_blocks=2.5"),
+        (lambda p: budget_blocks(p, -5, "bf16"), "budget_bytes=-5"),
+        (lambda p: pool_layout(plan_from_config("tiny"), 0), "block_size=0"),
+        (lambda p: pool_layout(plan_from_config("tiny"), 16, "every"), "mode='every'"),
+        (lambda p: pool_layout("tiny", 16), "AttentionPlan"),
     ],
 )
-def test_bad_arguments_named(kw, match):
-    args = dict(plan=plan_from_config("tiny"), budget_bytes=GIB, block_size=16, max_model_len=256)
-    args.update(kw)
-    with pytest.raises(ValueError, match=match):
-        split_kv_pools(**args)
+def test_bad_arguments_named(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(pool_layout(plan_from_config("tiny"), 16))

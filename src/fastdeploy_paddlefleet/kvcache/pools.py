@@ -301,16 +301,19 @@ def capacity(
     return Capacity(ctx, blocks, pages, fd_blocks, fd, per_req, full, transient, ours)
 
 
-def min_gpu_blocks(layout: PoolLayout, max_model_len: int) -> int:
-    """Fewest FastDeploy blocks whose pages hold one request of ``max_model_len`` tokens with
-    FastDeploy's own minimum (``max_model_len // block_size + enc_dec_block_num`` blocks of look-ahead
-    included): never more than FastDeploy's own minimum, so recycling refuses no engine start
-    FastDeploy accepts."""
+def min_gpu_blocks(layout: PoolLayout, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
+    """Fewest FastDeploy blocks whose pages carry one request of ``max_model_len`` tokens through
+    its life: its last prefill chunk (``max_num_batched_tokens`` tokens, the sliding lanes holding
+    the chunk on top of their windows; ``None``: the whole prompt in one chunk) and its decode with
+    FastDeploy's look-ahead (``max_model_len // block_size + enc_dec_block_num`` blocks). Never more
+    than FastDeploy's own minimum for that length, so recycling refuses no engine start FastDeploy
+    accepts."""
     ctx = _int("max_model_len", max_model_len, 1)
     bs = layout.block_size
-    tokens = (ctx // bs + FASTDEPLOY_LOOKAHEAD_BLOCKS) * bs
-    need = request_pages(layout, tokens, min(ctx, tokens))
-    return -(-need // layout.pages_per_block)
+    decode = request_pages(layout, (ctx // bs + FASTDEPLOY_LOOKAHEAD_BLOCKS) * bs, ctx)
+    chunk = ctx if max_num_batched_tokens is None else _int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    prefill = request_pages(layout, -(-ctx // bs) * bs, max(0, ctx - chunk))
+    return -(-max(decode, prefill) // layout.pages_per_block)
 
 
 def budget_blocks(layout: PoolLayout, budget_bytes: int, dtype: Any) -> int:

@@ -227,7 +227,7 @@ def pools_report(
     fd_price = layout.layer_elements * dtype_bytes(dtype)
     fd_blocks = memory // fd_price
     blocks = budget_blocks(layout, memory, dtype)
-    needed = min_gpu_blocks(layout, mml)
+    needed = min_gpu_blocks(layout, mml, batched or None)
     if blocks < needed:
         return cannot_hold(blocks, needed, mml, memory)
     rows = []

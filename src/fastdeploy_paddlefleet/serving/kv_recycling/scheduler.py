@@ -252,7 +252,7 @@ class KVRecycler:
         self.block_size = int(block_size)
         self.num_gpu_blocks = int(num_gpu_blocks)
         self.placeholder = placeholder
-        needed = min_gpu_blocks(pool, setup.max_model_len)
+        needed = min_gpu_blocks(pool, setup.max_model_len, setup.max_num_batched_tokens or None)
         if not placeholder and self.num_gpu_blocks < needed:
             raise ValueError(
                 fastdeploy_pool_refusal(self.num_gpu_blocks, needed)
