@@ -47,7 +47,7 @@ def _drive(seed: int):
     """A head-wise manager under random reserve/release; yields (manager, delta) per change set."""
     plan = plan_from_config("tiny")
     layout = layout_from_plans(plan, 4)
-    mgr = HeadwiseKVManager(plan, [64, 64, 64], 4)
+    mgr = HeadwiseKVManager.shared(layout.groups, 64 * layout.pool.pages_per_block, 4, layout.mode)
     rng = random.Random(seed)
     sent: dict[str, list] = {}
     seq: dict[str, int] = {}

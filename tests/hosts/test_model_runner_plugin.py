@@ -9,8 +9,9 @@
   task insertion, forward metadata;
 * for the plugin's model the block price is the per-layer sum computed here from the plan's fields
   (not FastDeploy's one inflated shape), FastDeploy's ``num_gpu_blocks = memory // price`` fits
-  the memory, every layer's cache has its own shape, with recycling each group its own pool (the
-  split both sides call), and the page tables keep their device addresses while real
+  the memory, every layer's cache has its own shape, with recycling ONE pool (slot tensors whose
+  pages any group takes, each layer a view of its slot: the layout both sides build, checked
+  against a hand-built layout), and the page tables keep their device addresses while real
   ``insert_tasks_v1`` calls apply pickled deltas, clear preempted slots and refuse a task without
   a delta or from another layout; a model whose layers are all alike keeps FastDeploy's sizing.
 
@@ -188,7 +189,18 @@ out["recycling"] = runner.fleet is not None and runner.fleet.tables is not None
 if out["recycling"]:
     fleet = runner.fleet
     out["layout"] = fleet.layout.to_dict()
-    out["split"] = fleet.split.to_dict()
+    out["pool"] = fleet.pool.to_dict()
+    out["num_pages"] = fleet.num_pages
+    # every layer's K / V is a view of its slot's tensor (same memory): a write through the view of
+    # layer 0 at page 3 lands in row 3 of slot 0's key tensor
+    slots = {name: t for name, t in runner.cache_kvs_map.items()}
+    out["slot_names"] = sorted(slots)
+    k0 = caches[0]
+    g0 = fleet.layout.pool.heads_per_page
+    before = float(slots[f"key_caches_slot0_rank0.device0"].sum())
+    k0[3 * g0 // k0.shape[1], (3 * g0) % k0.shape[1], 0, 0] = 1.0
+    out["view_write_lands"] = float(slots[f"key_caches_slot0_rank0.device0"][3].sum()) - before
+    k0[3 * g0 // k0.shape[1], (3 * g0) % k0.shape[1], 0, 0] = 0.0
     tables = fleet.tables
     ptrs = [t.data_ptr() for t in tables.tables]
     params = SamplingParams(
@@ -246,7 +258,7 @@ if out["recycling"]:
     # a dummy run after the pools exist (CUDA-graph capture): valid pages of every pool, never -1
     runner._dummy_prefill_inputs([5, 3], [2, 2], 2)
     out["dummy_rows"] = [tables.host_table(g.index)[: 2 * g.num_kv_heads, :3].tolist() for g in groups]
-    out["dummy_pools"] = [g.num_blocks for g in fleet.split.groups]
+    out["dummy_pages"] = fleet.num_pages
     for label, bad in (
         ("missing", task("c", 3, RequestType.PREFILL)),
         ("layout", task("c", 3, RequestType.PREFILL, KVDelta("c", 1, True, 1, (), "another"))),
@@ -314,62 +326,83 @@ def test_per_layer_caches_and_price_without_recycling(fleet_dirs, name):
 
 
 def _expected_rows(group: dict, slot_lanes: dict[int, list[list[int]]]) -> list[list[int]]:
-    """Kernel rows of slots 0..3 from lane entries (block ids for one lane, page ids per head)."""
-    h = group["num_kv_heads"]
+    """Kernel rows of slots 0..3 from lane entries: lane ``j`` holds kv heads ``[j * unit, (j + 1) *
+    unit)``, its page ``u`` is entry ``u * unit + h % unit`` on head ``h``'s row."""
+    h, unit = group["num_kv_heads"], group["unit"]
     rows = [[-1] * 4 for _ in range(4 * h)]
     for slot, lanes in slot_lanes.items():
         for head in range(h):
-            ids = lanes[0] if len(lanes) == 1 else lanes[head]
-            for b, u in enumerate(ids):
-                rows[slot * h + head][b] = (u * h + head if len(lanes) == 1 else u) if u >= 0 else -1
+            for b, u in enumerate(lanes[head // unit]):
+                rows[slot * h + head][b] = u * unit + head % unit if u >= 0 else -1
     return rows
 
 
+def _independent_pool(model_dir: str, block_size: int, nbytes: int) -> tuple[int, int, dict]:
+    """The one pool by hand: layers grouped by (kv heads, windows), groups cut to the gcd of their
+    sizes, pages of the gcd of the kv heads per lane (1 where a layer mixes full and sliding heads),
+    slots as wide as the widest head dims. Returns (price of a FastDeploy block, pages per block,
+    {layer: (kv heads, lanes)})."""
+    import math
+
+    from fastdeploy_paddlefleet.plan import plan_from_config
+
+    plan = plan_from_config(model_dir)
+    kinds: dict = {}
+    for la in plan:
+        windows = tuple(la.head_window(h) for h in range(la.num_kv_heads))
+        kinds.setdefault((la.num_kv_heads, windows), []).append(la.index)
+    slots = math.gcd(*[len(v) for v in kinds.values()])
+    per_lane = [1 if len(set(w)) > 1 else h for h, w in kinds]
+    heads = math.gcd(*per_lane)
+    lanes = {li: (h, h // heads if len(set(w)) == 1 else h) for (h, w), v in kinds.items() for li in v}
+    pages_per_block = sum(len(v) // slots * lanes[v[0]][1] for v in kinds.values())
+    dk, dv = max(la.qk_head_dim for la in plan), max(la.v_head_dim for la in plan)
+    page = slots * heads * block_size * (dk + dv) * nbytes
+    return pages_per_block * page, pages_per_block, lanes
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-mimo"])
-def test_recycling_pools_and_page_tables_at_fixed_addresses(fleet_dirs, name):
-    from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
+def test_recycling_one_pool_and_page_tables_at_fixed_addresses(fleet_dirs, name):
     from fastdeploy_paddlefleet.plan import plan_from_config
 
     d = _run_ours(fleet_dirs, name, "auto")
-    price, layers = _independent_price(fleet_dirs[name], 4, 4)
+    price, pages_per_block, lanes = _independent_pool(fleet_dirs[name], 4, 4)
     assert d["recycling"] and d["price"] == price
     n = d["num_gpu_blocks"]
     assert n == 300_000 // price
-    batched = d["max_num_batched_tokens"]
-    split = split_kv_pools(
-        plan_from_config(fleet_dirs[name]),
-        n * price,
-        4,
-        64,
-        4,
-        dtype="float32",
-        max_num_batched_tokens=batched,
+    pages = n * pages_per_block
+    assert d["num_pages"] == pages
+    pool = d["pool"]
+    rows = pool["rows"]
+    assert pages <= rows < pages + max(h // pool["key_shape"][1] for h, _ in lanes.values())
+    assert d["slot_names"] == sorted(
+        f"{role}_caches_slot{t}_rank0.device0" for role in ("key", "value") for t in range(pool["slots"])
     )
-    blocks = {li: g.num_blocks for g in split.groups for li in g.layers}
-    kinds = {li: g.kind for g in split.groups for li in g.layers}
-    assert d["split"]["groups"] == split.to_dict()["groups"]
+    # each layer: a view [rows * G / Hkv, Hkv, block, own dims] of its slot's [rows, G, block, widest dims]
+    g = pool["key_shape"][1]
     want = []
-    for index, h, qk, v in layers:
-        want += [[blocks[index], h, 4, qk], [blocks[index], h, 4, v]]
-    assert d["caches"] == want and d["cache_bytes"] <= n * price
-    full = {blocks[li] for li in blocks if kinds[li] == "full"}
-    sliding = {blocks[li] for li in blocks if kinds[li] == "sliding"}
-    assert max(sliding) < min(full)  # the sliding pool holds windows, not whole contexts
+    for la in plan_from_config(fleet_dirs[name]):
+        want += [[rows * g // la.num_kv_heads, la.num_kv_heads, 4, dim] for dim in (la.qk_head_dim, la.v_head_dim)]
+    assert d["caches"] == want
+    assert d["view_write_lands"] == 1.0
     # tables: a (slot 1) holds 3 blocks with block 0 released, b (slot 2) was preempted
-    for group, rows in zip(d["layout"]["groups"], d["tables"], strict=True):
-        lanes = len(group["lanes"])
-        a = [[-1] + [10 * lane + b for b in (1, 2)] for lane in range(lanes)]
-        assert rows == _expected_rows(group, {1: a}), (group, rows)
+    for group, rows_g in zip(d["layout"]["groups"], d["tables"], strict=True):
+        a = [[-1] + [10 * lane + b for b in (1, 2)] for lane in range(len(group["lanes"]))]
+        assert rows_g == _expected_rows(group, {1: a}), (group, rows_g)
     assert d["device_equals_host"] and d["kept_addresses"] and d["forward_shares_memory"]
-    assert d["forward_layers"] == [index for index, *_ in layers]
+    assert d["forward_layers"] == sorted(lanes)
     for group in d["layout"]["groups"]:
         for li in group["layers"]:
             assert d["forward_rows"][str(li)] == [4 * group["num_kv_heads"], 18]  # FastDeploy's width
-    for group, rows, blocks_g in zip(d["layout"]["groups"], d["dummy_rows"], d["dummy_pools"], strict=True):
-        pages = blocks_g * group["num_kv_heads"]
-        assert all(0 <= p < pages for row in rows for p in row[:2]) and all(row[2] == -1 for row in rows)
-    assert not d["profile_headwise"]  # profile run: FastDeploy's block_tables, pools not split yet
-    assert d["profile_caches"] == [[7, h, 4, dim] for _, h, qk, v in layers for dim in (qk, v)]
+    for group, rows_g in zip(d["layout"]["groups"], d["dummy_rows"], strict=True):
+        limit = d["dummy_pages"] * group["unit"]  # entries index the layer's view: pages * G heads
+        assert all(0 <= p < limit for row in rows_g for p in row[:2]) and all(row[2] == -1 for row in rows_g)
+    assert not d["profile_headwise"]  # profile run: FastDeploy's block_tables, the pool not built yet
+    assert d["profile_caches"] == [
+        [7, la.num_kv_heads, 4, dim]
+        for la in plan_from_config(fleet_dirs[name])
+        for dim in (la.qk_head_dim, la.v_head_dim)
+    ]
     assert "fdfleet_kv_delta" in d["refused_missing"]
     assert "layout_id='another'" in d["refused_layout"]
     assert "seq=4, expected 3" in d["refused_lost"]
