@@ -111,15 +111,14 @@ def fill_step_inputs(runner, this, enc, dec, ids):
     return ids_t
 
 
-def poison_unit(caches, group, unit):
-    """NaN into one released unit of ``group`` (a layout group) in every one of its layers' K and V
-    caches: a whole block (one lane per block) or one ``(block, kv head)`` page (head-wise lanes)."""
-    for li in group.layers:
-        for t in caches[2 * li : 2 * li + 2]:
-            if group.unit == group.num_kv_heads:
-                t[unit] = float("nan")
-            else:
-                t[unit // group.num_kv_heads, unit % group.num_kv_heads] = float("nan")
+def poison_unit(runner, group, unit):
+    """NaN into one released page of the one pool: row ``unit`` of the key and value tensors of every
+    slot ``group`` (a layout group) reads: all its kv heads and channels, in every one of its layers."""
+    rank = [name for name in runner.cache_kvs_map if name.startswith("key_caches_slot0_")][0]
+    suffix = rank[len("key_caches_slot0_") :]
+    for t in range(len(group.layers)):
+        for role in ("key", "value"):
+            runner.cache_kvs_map[f"{role}_caches_slot{t}_{suffix}"][unit] = float("nan")
 '''
 
 __all__ = ["RUNNER_PRELUDE"]
