@@ -1,16 +1,17 @@
-"""Window recycling under a CUDA graph: per-group page tables at fixed addresses, updated in place.
+"""Window recycling under a CUDA graph: the one KV pool, per-group page tables at fixed addresses.
 
-What the model runner does on the GPU (``serving/model_runner``): one int32 page table per layer
-group (``[bsz * Hkv_g, max_blocks]``, whole-block groups expanded to pages per head, head-wise groups
-one lane per head), allocated once; FastDeploy captures a decode step in a CUDA graph and, between
-replays, the runner writes the scheduler's table changes into those same tensors. Here three layers
-(full; sliding with its own kv head count and v 32; head-wise: one full and one sliding kv head)
-run one decode step of the Triton backend each, captured once with torch's ``CUDAGraph``. Then
-for 12 steps the head-wise manager (``kvcache/headwise.py``) grows every request by one token and
-releases the pages that left the windows (poisoned with NaN in the cache), new tables and
-metadata are copied into the captured buffers in place, and the replay must equal an eager run of
-the same step on a copy of the same caches BITWISE (outputs and the caches after the step). The
-tables never move (``data_ptr``).
+What the model runner does on the GPU (``serving/model_runner``): the one pool of
+``kvcache/pools.py`` (slot tensors whose pages any group takes, every layer a view of its slot) and
+one int32 page table per group (``[bsz * Hkv_g, max_blocks]``, a lane's page per head), allocated
+once; FastDeploy captures a decode step in a CUDA graph and, between replays, the runner writes the
+scheduler's table changes into those same tensors. Here three layers (full; sliding with its own kv
+head count and v 32, a view of the slot's leading channels; head-wise: one full and one sliding kv
+head) share ONE slot of the pool and run one decode step of the Triton backend each, captured once
+with torch's ``CUDAGraph``. Then for 12 steps the shared-pool manager (``kvcache/headwise.py``)
+grows every request by one token and releases the pages that left the windows (poisoned with NaN
+in the slot), new tables and metadata are copied into the captured buffers in place, and the replay
+must equal an eager run of the same step on a copy of the same pool BITWISE (outputs and the pool
+after the step). The tables never move (``data_ptr``).
 
 Needs a CUDA GPU (``gpu`` marker); skipped without one and under ``TRITON_INTERPRET``.
 """
@@ -35,6 +36,7 @@ pytestmark = [
 from fastdeploy_paddlefleet.backends.base import BatchMeta  # noqa: E402
 from fastdeploy_paddlefleet.backends.triton import TritonBackend  # noqa: E402
 from fastdeploy_paddlefleet.kvcache.headwise import HeadwiseKVManager  # noqa: E402
+from fastdeploy_paddlefleet.kvcache.pools import pool_layout  # noqa: E402
 from fastdeploy_paddlefleet.plan.layer import AttentionPlan, LayerAttention  # noqa: E402
 
 BSZ, BS, MAX_BLOCKS, WINDOW, GROUP = 4, 16, 32, 40, 4
@@ -100,22 +102,39 @@ def step_inputs(gen, context):
     return dict(q=cuda(q), k=cuda(k), v=cuda(v), cu=cu.cuda(), bid=bid.cuda(), dec=dec.cuda(), enc=enc.cuda())
 
 
+def layer_views(pool, slot_k, slot_v):
+    """Each layer's ``(key, value)``: its slot ``[rows, G, BS, D]`` reshaped to ``[rows * G / Hkv, Hkv, BS,
+    D]``, the leading channels of its own head dims (as the runner's ``sizing.pool_caches`` views)."""
+    where = pool.layer_slots()
+    out = []
+    for layer in PLAN:
+        t = where[layer.index][1]
+        k, v = slot_k[t], slot_v[t]
+        n = k.shape[0] * k.shape[1] // layer.num_kv_heads
+        kv = k.view(n, layer.num_kv_heads, BS, k.shape[-1])[..., : layer.qk_head_dim]
+        vv = v.view(n, layer.num_kv_heads, BS, v.shape[-1])[..., : layer.v_head_dim]
+        out.append((kv, vv))
+    return out
+
+
+def held_pages(mgr, rids):
+    """Pool pages the requests hold, any group, any lane."""
+    return {u for rid in rids if rid for lanes in mgr.lane_ids(rid) for ids in lanes for u in ids if u >= 0}
+
+
 def test_decode_steps_with_recycled_page_tables_replay_bitwise_as_eager():
     gen = torch.Generator().manual_seed(0)
-    mgr = HeadwiseKVManager(PLAN, [BSZ * MAX_BLOCKS + 4, BSZ * 5 + 4, BSZ * MAX_BLOCKS + 4], BS)
-    groups = {g.index: g for g in mgr.groups}
-    layer_group = {li: g.index for g in mgr.groups for li in g.layers}
-    assert {g.kind for g in mgr.groups} == {"full", "sliding", "headwise"}
-    caches = []
-    for layer in PLAN:
-        nb = mgr.num_blocks[layer_group[layer.index]]
-        shape = (nb, layer.num_kv_heads, BS)
-        caches.append(
-            (
-                torch.randn(*shape, layer.qk_head_dim, generator=gen).to(DTYPE).cuda(),
-                torch.randn(*shape, layer.v_head_dim, generator=gen).to(DTYPE).cuda(),
-            )
-        )
+    pool = pool_layout(PLAN, BS)
+    assert {g.kind for g in pool.groups} == {"full", "sliding", "headwise"} and pool.slots == 1
+    num_pages = pool.num_pages(BSZ * MAX_BLOCKS)
+    rows = pool.alloc_pages(num_pages)
+    mgr = HeadwiseKVManager.shared(pool.groups, num_pages, BS, pool.mode)
+    layer_group = pool.layer_group()
+    g = pool.heads_per_page
+    slot_k = [torch.randn(rows, g, BS, pool.qk_head_dim, generator=gen).to(DTYPE).cuda()]
+    slot_v = [torch.randn(rows, g, BS, pool.v_head_dim, generator=gen).to(DTYPE).cuda()]
+    caches = layer_views(pool, slot_k, slot_v)
+    assert not caches[1][1].is_contiguous()  # the sliding layer's v 32 of the slot's 64 channels
     # requests start with long contexts (beyond the window): one slot stays idle
     context = [150, 37, -1, 260]
     rids = [f"r{b}" if c >= 0 else None for b, c in enumerate(context)]
@@ -127,14 +146,15 @@ def test_decode_steps_with_recycled_page_tables_replay_bitwise_as_eager():
     static["sinks"] = {1: (torch.randn(PLAN[1].num_q_heads, generator=gen) * 2).cuda()}
     static["layer_group"] = layer_group
     static["unused_blocks"] = torch.full((BSZ, MAX_BLOCKS), -1, dtype=torch.int32).cuda()
-    tables = {g: t.cuda() for g, t in group_tables(mgr, rids).items()}  # allocated once
-    ptrs = {g: t.data_ptr() for g, t in tables.items()}
+    tables = {gi: t.cuda() for gi, t in group_tables(mgr, rids).items()}  # allocated once
+    ptrs = {gi: t.data_ptr() for gi, t in tables.items()}
     backend = TritonBackend(validate=True)  # host checks are skipped while capturing
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (compiles) on copies, off the capture
-        run(backend, static, [(k.clone(), v.clone()) for k, v in caches], tables)
+        warm = layer_views(pool, [t.clone() for t in slot_k], [t.clone() for t in slot_v])
+        run(backend, static, warm, tables)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -143,38 +163,37 @@ def test_decode_steps_with_recycled_page_tables_replay_bitwise_as_eager():
     released = 0
     for step in range(12):
         context = [c + 1 if c >= 0 else c for c in context]
-        before = {g: t.clone() for g, t in group_tables(mgr, rids).items()}
+        held = held_pages(mgr, rids)
         for rid, c in zip(rids, context, strict=True):
             if rid is not None:
                 assert mgr.reserve(rid, c + 1, c)  # releases what left every window of query c
+        for page in held - held_pages(mgr, rids):  # released: NaN in the slot, every group's view
+            slot_k[0][page] = float("nan")
+            slot_v[0][page] = float("nan")
+            released += 1
         new_tables = group_tables(mgr, rids)
-        for g, old in before.items():  # pages that left the tables: poison them in every layer
-            gone = set(old[old >= 0].tolist()) - set(new_tables[g][new_tables[g] >= 0].tolist())
-            released += len(gone)
-            h = groups[g].num_kv_heads
-            for li in groups[g].layers:
-                for cache in caches[li]:
-                    for p in gone:
-                        cache[p // h, p % h] = float("nan")
         new = step_inputs(gen, context)
         for name in ("cu", "bid", "dec"):
             static[name].copy_(new[name])
         for i in range(len(PLAN)):
             for name in ("q", "k", "v"):
                 static[name][i].copy_(new[name][i])
-        for g, t in new_tables.items():  # in place: the graph reads these addresses
-            tables[g].copy_(t.cuda())
-        copies = [(k.clone(), v.clone()) for k, v in caches]
+        for gi, t in new_tables.items():  # in place: the graph reads these addresses
+            tables[gi].copy_(t.cuda())
+        copy_k, copy_v = [t.clone() for t in slot_k], [t.clone() for t in slot_v]
         graph.replay()
         torch.cuda.synchronize()
         eager = run(
-            TritonBackend(validate=True), static, copies, {g: t.cuda() for g, t in new_tables.items()}
+            TritonBackend(validate=True),
+            static,
+            layer_views(pool, copy_k, copy_v),
+            {gi: t.cuda() for gi, t in new_tables.items()},
         )
         torch.cuda.synchronize()
         for i, (got, want) in enumerate(zip(outs, eager, strict=True)):
             assert torch.isfinite(got).all(), (step, i)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-            for a, b in zip(caches[i], copies[i], strict=True):  # the step's K/V writes too
-                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        for a, b in zip(slot_k + slot_v, copy_k + copy_v, strict=True):  # the step's K/V writes too
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert released > 0
-    assert {g: t.data_ptr() for g, t in tables.items()} == ptrs
+    assert {gi: t.data_ptr() for gi, t in tables.items()} == ptrs
