@@ -231,7 +231,9 @@ class SimWorker:
                         if u < 0:
                             continue
                         if owner.setdefault(u, (rid, g, lane)) != (rid, g, lane):
-                            raise SimError(f"step {step}: page {u} in the rows of {owner[u]} and {(rid, g, lane)}")
+                            raise SimError(
+                                f"step {step}: page {u} in the rows of {owner[u]} and {(rid, g, lane)}"
+                            )
 
     def _check_queries(self, step: int, rid: str, start: int, end: int) -> None:
         """Queries at positions [start, end) of ``rid``: every key block they see is mapped."""

@@ -150,7 +150,8 @@ for nb, seqs, tp, mixed in ((60, 16, 1, False), (40, 24, 1, False), (30, 32, 1, 
         t = time.time()
         st = sim.run(trace, 30000)
         runs.append(dict(
-            blocks=nb, tp=tp, lag=lag, mixed=mixed, requests=len(trace.arrivals), steps=st.steps, checks=st.checks, queries=sim.worker._checks,
+            blocks=nb, tp=tp, lag=lag, mixed=mixed, requests=len(trace.arrivals), steps=st.steps,
+            checks=st.checks, queries=sim.worker._checks,
             tokens=st.tokens, finished=st.finished, preempted=st.preempted, aborted=st.aborted,
             all_free=sim.all_free(), left=len(rm.requests), seconds=round(time.time() - t, 2),
             released=sim.worker.released,

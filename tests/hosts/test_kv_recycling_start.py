@@ -7,7 +7,8 @@ block count (``(max_num_batched_tokens / max_num_seqs + 2) * max_num_seqs`` bloc
 ``resource_manager.reset_cache_config``. Each config below goes through exactly that order on
 FastDeploy's real code (a fresh child process, ``FD_PLUGINS=paddlefleet``, recycling on by
 default): the placeholder phase refuses nothing, the profiled count (40 GiB of KV at every layer's
-own shape, or twice FastDeploy's own minimum where that is more) gives one pool of ``num_gpu_blocks * pages_per_block`` pages, a request is admitted and
+own shape, or twice FastDeploy's own minimum where that is more) gives one pool of
+``num_gpu_blocks * pages_per_block`` pages, a request is admitted and
 allocated, FastDeploy's own minimum for ``max_model_len`` is accepted, and a count below the pool's
 minimum (``reset_cache_config`` called past ``CacheConfig.reset``'s check) is refused in
 FastDeploy's own words. The four configs of the issue were refused at the placeholder before.
@@ -140,7 +141,9 @@ def test_engine_starts_in_fastdeploys_order(host, tmp_path, preset, mml, seqs, b
     assert d["fd_min_pages"] == d["fd_min"] * d["pages_per_block"]
     assert d["pool_min"] <= d["fd_min"]
     assert d["too_small"] is not None
-    assert f"current device block num: {d['pool_min'] - 1} should be larger than or equal to" in d["too_small"]
+    assert (
+        f"current device block num: {d['pool_min'] - 1} should be larger than or equal to" in d["too_small"]
+    )
     assert "please reduce the max_model_len" in d["too_small"]
 
 

@@ -382,7 +382,9 @@ def test_recycling_one_pool_and_page_tables_at_fixed_addresses(fleet_dirs, name)
     g = pool["key_shape"][1]
     want = []
     for la in plan_from_config(fleet_dirs[name]):
-        want += [[rows * g // la.num_kv_heads, la.num_kv_heads, 4, dim] for dim in (la.qk_head_dim, la.v_head_dim)]
+        want += [
+            [rows * g // la.num_kv_heads, la.num_kv_heads, 4, dim] for dim in (la.qk_head_dim, la.v_head_dim)
+        ]
     assert d["caches"] == want
     assert d["view_write_lands"] == 1.0
     # tables: a (slot 1) holds 3 blocks with block 0 released, b (slot 2) was preempted

@@ -295,11 +295,17 @@ class HeadwiseKVManager:
         ``num_blocks`` is ``None`` for such a manager; ``num_pages`` holds the pool size."""
         groups = tuple(groups)
         if not groups or not all(isinstance(g, LayerGroup) for g in groups):
-            raise TypeError(f"groups={groups!r}: expected a non-empty sequence of LayerGroup (PoolLayout.groups)")
+            raise TypeError(
+                f"groups={groups!r}: expected a non-empty sequence of LayerGroup (PoolLayout.groups)"
+            )
         if len({g.unit for g in groups}) != 1:
-            raise ValueError(f"groups have units {sorted({g.unit for g in groups})}: one shared pool needs one unit")
+            raise ValueError(
+                f"groups have units {sorted({g.unit for g in groups})}: one shared pool needs one unit"
+            )
         if [g.index for g in groups] != list(range(len(groups))):
-            raise ValueError(f"groups must be indexed 0..{len(groups) - 1} in order, got {[g.index for g in groups]}")
+            raise ValueError(
+                f"groups must be indexed 0..{len(groups) - 1} in order, got {[g.index for g in groups]}"
+            )
         if mode not in RECYCLE_MODES:
             raise ValueError(f"mode={mode!r}: expected one of {RECYCLE_MODES}")
         self = cls.__new__(cls)

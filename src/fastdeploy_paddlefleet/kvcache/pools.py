@@ -183,7 +183,9 @@ def pool_layout(plan: AttentionPlan, block_size: int, mode: RecycleMode = "headw
             lanes = k.lanes if k.unit == 1 else k.lanes * (k.num_kv_heads // heads)
             unit = 1 if k.unit == 1 else heads
             groups.append(
-                LayerGroup(len(groups), k.layers[start : start + slots], k.num_kv_heads, k.windows, unit, lanes)
+                LayerGroup(
+                    len(groups), k.layers[start : start + slots], k.num_kv_heads, k.windows, unit, lanes
+                )
             )
     return PoolLayout(
         block_size=bs,
@@ -311,7 +313,9 @@ def min_gpu_blocks(layout: PoolLayout, max_model_len: int, max_num_batched_token
     ctx = _int("max_model_len", max_model_len, 1)
     bs = layout.block_size
     decode = request_pages(layout, (ctx // bs + FASTDEPLOY_LOOKAHEAD_BLOCKS) * bs, ctx)
-    chunk = ctx if max_num_batched_tokens is None else _int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    chunk = (
+        ctx if max_num_batched_tokens is None else _int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    )
     prefill = request_pages(layout, -(-ctx // bs) * bs, max(0, ctx - chunk))
     return -(-max(decode, prefill) // layout.pages_per_block)
 

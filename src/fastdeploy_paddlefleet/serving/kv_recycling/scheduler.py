@@ -241,11 +241,14 @@ class KVRecycler:
     FastDeploy accepts: :func:`~...kvcache.pools.min_gpu_blocks`).
     """
 
-    def __init__(self, setup: RecyclingSetup, num_gpu_blocks: int, block_size: int, *, placeholder: bool) -> None:
+    def __init__(
+        self, setup: RecyclingSetup, num_gpu_blocks: int, block_size: int, *, placeholder: bool
+    ) -> None:
         pool = setup.layout.pool
         if int(block_size) != pool.block_size:
             raise ValueError(
-                f"block_size={block_size!r}: the recycling layout was planned for block_size={pool.block_size}"
+                f"block_size={block_size!r}: the recycling layout was planned for "
+                f"block_size={pool.block_size}"
             )
         self.setup = setup
         self.layout = setup.layout
@@ -504,7 +507,9 @@ def install() -> bool:
             setattr(
                 self,
                 RECYCLER_ATTR,
-                KVRecycler(rec.setup, int(self.cache_manager.num_gpu_blocks), rec.block_size, placeholder=False),
+                KVRecycler(
+                    rec.setup, int(self.cache_manager.num_gpu_blocks), rec.block_size, placeholder=False
+                ),
             )
             self.cache_manager.can_allocate_gpu_blocks = recycler_of(self).can_allocate
 
@@ -547,7 +552,8 @@ def _refuse_v0_scheduler(v1: type) -> None:
             raise ValueError(
                 "window recycling (FDFLEET_KV_RECYCLE=auto, the plan has sliding windows) runs inside "
                 "FastDeploy's V1 scheduler (ResourceManagerV1), but the V0 ResourceManager is being built; "
-                "set ENABLE_V1_KVCACHE_SCHEDULER=1, or FDFLEET_KV_RECYCLE=off to serve this model without recycling"
+                "set ENABLE_V1_KVCACHE_SCHEDULER=1, or FDFLEET_KV_RECYCLE=off to serve this model "
+                "without recycling"
             )
         init(self, max_num_seqs, config, *args, **kwargs)
 

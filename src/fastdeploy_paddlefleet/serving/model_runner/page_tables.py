@@ -66,7 +66,9 @@ class DevicePageTables:
                     if len(ids) > self.max_blocks:
                         raise ValueError(self._too_wide(slot, g, len(ids)))
                     lane = np.asarray(ids, dtype=np.int64)
-                    entries = np.where(lane[None, :] >= 0, lane[None, :] * unit + np.arange(unit)[:, None], -1)
+                    entries = np.where(
+                        lane[None, :] >= 0, lane[None, :] * unit + np.arange(unit)[:, None], -1
+                    )
                     block[j * unit : (j + 1) * unit, : len(ids)] = entries
             self.tables[g][slot * heads : (slot + 1) * heads] = paddle.to_tensor(block)
 
@@ -106,7 +108,10 @@ class DevicePageTables:
         n = min(int(num_blocks), self.max_blocks)
         pages = max(1, int(num_pages))
         rows = [
-            [[(slot * n * len(g.lanes) + j * len(g.lanes) + k) % pages for j in range(n)] for k in range(len(g.lanes))]
+            [
+                [(slot * n * len(g.lanes) + j * len(g.lanes) + k) % pages for j in range(n)]
+                for k in range(len(g.lanes))
+            ]
             for g in self.layout.groups
         ]
         self._write_slot(slot, rows)

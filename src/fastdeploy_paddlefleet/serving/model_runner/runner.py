@@ -228,12 +228,21 @@ def _make_runner_class() -> type:
             pool = fleet.layout.pool
             fleet.num_pages = pool.num_pages(int(self.num_gpu_blocks))
             caches = fleet.pool = pool_caches(pool, fleet.layers, fleet.num_pages, fleet.dtype)
-            keys = [self._new_cache(f"key_caches_slot{t}_{suffix}", caches.key_shape) for t in range(caches.slots)]
-            values = [self._new_cache(f"value_caches_slot{t}_{suffix}", caches.value_shape) for t in range(caches.slots)]
+            keys = [
+                self._new_cache(f"key_caches_slot{t}_{suffix}", caches.key_shape) for t in range(caches.slots)
+            ]
+            values = [
+                self._new_cache(f"value_caches_slot{t}_{suffix}", caches.value_shape)
+                for t in range(caches.slots)
+            ]
             out = []
             for v in caches.layers:  # each layer's view of its slot: a reshape, then its leading channels
-                k = keys[v.slot].reshape([v.key_shape[0], v.key_shape[1], v.key_shape[2], caches.key_shape[3]])
-                val = values[v.slot].reshape([v.value_shape[0], v.value_shape[1], v.value_shape[2], caches.value_shape[3]])
+                k = keys[v.slot].reshape(
+                    [v.key_shape[0], v.key_shape[1], v.key_shape[2], caches.key_shape[3]]
+                )
+                val = values[v.slot].reshape(
+                    [v.value_shape[0], v.value_shape[1], v.value_shape[2], caches.value_shape[3]]
+                )
                 out.append(k if v.key_shape[3] == caches.key_shape[3] else k[..., : v.key_shape[3]])
                 out.append(val if v.value_shape[3] == caches.value_shape[3] else val[..., : v.value_shape[3]])
             what = (

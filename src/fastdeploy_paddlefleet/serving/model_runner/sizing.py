@@ -118,7 +118,9 @@ class PoolCaches:
 
     @property
     def nbytes(self) -> int:
-        return self.slots * (math.prod(self.key_shape) + math.prod(self.value_shape)) * dtype_bytes(self.dtype)
+        return (
+            self.slots * (math.prod(self.key_shape) + math.prod(self.value_shape)) * dtype_bytes(self.dtype)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,7 +174,9 @@ def pool_caches(pool: Any, layers: Sequence[LayerAttention], num_pages: int, dty
                 (n, la.num_kv_heads, bs, la.v_head_dim),
             )
         )
-    return PoolCaches(bs, str(dtype), int(num_pages), rows, pool.slots, (rows, g, bs, dk), (rows, g, bs, dv), tuple(views))
+    return PoolCaches(
+        bs, str(dtype), int(num_pages), rows, pool.slots, (rows, g, bs, dk), (rows, g, bs, dv), tuple(views)
+    )
 
 
 def check_layout_matches(layers: Sequence[LayerAttention], layout: Any) -> None:
@@ -183,7 +187,8 @@ def check_layout_matches(layers: Sequence[LayerAttention], layout: Any) -> None:
         g = groups.get(layer.index)
         if g is None:
             raise ValueError(
-                f"layer {layer.index} is in no group of the recycling layout {getattr(layout, 'layout_id', '')}"
+                f"layer {layer.index} is in no group of the recycling layout "
+                f"{getattr(layout, 'layout_id', '')}"
             )
         if g.num_kv_heads != layer.num_kv_heads:
             raise ValueError(
