@@ -231,3 +231,47 @@ def test_a_promised_allocation_always_succeeds(preset):
 def test_bad_arguments_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call(pool_layout(plan_from_config("tiny"), 16))
+
+
+def test_a_released_page_serves_another_group_at_once():
+    """No budget per group: the page a sliding lane gives back is the next page a full lane takes."""
+    pool = pool_layout(plan_from_config("gpt-oss-20b"), 64)
+    sliding, full = (g.index for g in pool.groups)
+    assert (pool.groups[sliding].kind, pool.groups[full].kind) == ("sliding", "full")
+    mgr = HeadwiseKVManager.shared(pool.groups, 8, 64, pool.mode)
+    mgr.admit("a")
+    assert mgr.reserve("a", 4 * 64, 0)  # 4 blocks on both lanes: the whole pool
+    assert mgr.free_units == 0 and not mgr.can_reserve("a", 5 * 64, 0)
+    mgr.admit("b")
+    assert not mgr.reserve("b", 64, 0)
+    # a's queries from token 4 * 64 - 1 on see keys >= 128 only: its sliding lane gives blocks 0, 1 back
+    assert mgr.release("a", 4 * 64 - 1) == 2 * pool.heads_per_page
+    assert mgr.lane_ids("a")[sliding][0][:2] == [-1, -1]
+    given = set(range(8)) - {u for lanes in mgr.lane_ids("a") for ids in lanes for u in ids}
+    assert mgr.reserve("b", 64, 0)  # one block on both of b's lanes: the two pages a released
+    taken = {ids[0] for ids in (mgr.lane_ids("b")[sliding][0], mgr.lane_ids("b")[full][0])}
+    assert taken == given and mgr.free_units == 0
+
+
+@pytest.mark.parametrize(
+    ("groups", "pages", "exc", "match"),
+    [
+        ((), 4, TypeError, "non-empty sequence of LayerGroup"),
+        (("g",), 4, TypeError, "LayerGroup"),
+        ("mixed_units", 4, ValueError, "one unit"),
+        ("unordered", 4, ValueError, "indexed 0..1"),
+        ("ok", -1, ValueError, "num_pages=-1"),
+        ("ok", 2.0, TypeError, "num_pages=2.0"),
+    ],
+)
+def test_shared_manager_refuses_bad_groups(groups, pages, exc, match):
+    from dataclasses import replace
+
+    gs = pool_layout(plan_from_config("gpt-oss-20b"), 64).groups
+    groups = {
+        "ok": gs,
+        "mixed_units": (gs[0], replace(gs[1], unit=1)),
+        "unordered": (gs[1], gs[0]),
+    }.get(groups, groups)
+    with pytest.raises(exc, match=match):
+        HeadwiseKVManager.shared(groups, pages, 64)
