@@ -101,7 +101,7 @@ out["fd_min"] = fd_min
 out["fd_min_pages"] = recycler_of(rm).num_pages
 # ...and a count too small even for the pool is refused in FastDeploy's words (past FastDeploy's check)
 from fastdeploy_paddlefleet.kvcache.pools import min_gpu_blocks
-pool_min = min_gpu_blocks(recycler_of(rm).layout.pool, MML)
+pool_min = min_gpu_blocks(recycler_of(rm).layout.pool, MML, BATCHED)
 out["pool_min"] = pool_min
 cc.total_block_num = cc.prefill_kvcache_block_num = pool_min - 1
 try:
