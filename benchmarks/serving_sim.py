@@ -4,31 +4,46 @@ Both modes run FastDeploy's own ``ResourceManagerV1.schedule()`` (the host's rea
 ``FDFLEET_HOST_FASTDEPLOY`` or an installed ``fastdeploy``) over the same requests and the same KV
 bytes: ``fastdeploy`` is its one block pool (``FDFLEET_KV_RECYCLE=off``), ``recycling`` is the
 plugin's hook (installed by the plugin's own early hook with ``FD_PLUGINS=paddlefleet``) routing
-the block calls to per-group pools with window recycling. The worker is simulated
-(``tests/hosts/_scheduler_sim.py``: tasks pickled, deltas applied, one forward per step) and each
-forward is priced with the step-time model of ``headwise_sim.py`` (one roofline per phase: weights
-read once per step, attention bytes and FLOPs per visible key, H200 figures; see its docstring).
-The attention roofline is checked against the measured H200 decode bandwidth in
+the block calls to the one shared pool of ``kvcache/pools.py`` with window recycling. The worker is
+simulated (``tests/hosts/_scheduler_sim.py``: tasks pickled, deltas applied, one forward per step)
+and each forward is priced with the step-time model of ``headwise_sim.py`` (one roofline per
+phase: weights read once per step, attention bytes and FLOPs per visible key, H200 figures; see its
+docstring). The attention roofline is checked against the measured H200 decode bandwidth in
 ``results/attention-h200.jsonl`` (the model's ``BW`` must not exceed what the kernels reached).
 
-Workload per (model, context): every request arrives at time 0 (saturated), prompt
-``context - output`` tokens, ``output`` tokens generated; FastDeploy settings: block 64,
-``max_num_batched_tokens`` 8192. KV budget: 0.9 x an H200's memory minus bf16 weights minus 4 GB,
-the same for both modes (FastDeploy's ``num_gpu_blocks`` at per-layer block bytes). Reported: peak
-concurrent running requests, output tokens/s over the run, TTFT p50 / p99 (queueing included).
+Workloads (:data:`WORKLOADS`), every request arriving at time 0 (saturated), FastDeploy settings
+block 64, ``max_num_batched_tokens`` 8192:
+
+* ``prefill-heavy`` (4 models, contexts 8k and 32k): prompt ``context - 1024``, 1024 generated,
+  ``max_model_len`` = context + 512.
+* ``decode-heavy`` (gpt-oss-20b, MiMo-like): 1024-token prompts, 7168 generated (8k context),
+  ``max_model_len`` 8704.
+* ``short`` (4 models; chat traffic): 256-token prompts, 256 generated, ``max_model_len`` 8192.
+* ``mixed`` (4 models): 70% short requests (prompt 128-512, output 64-256) and 30% long ones
+  (prompt 4096-7168, output 256-1024), uniform draws, seed 11, ``max_model_len`` 8192 (the row's
+  ``context``).
+
+Requests: twice what the recycling pool holds at the workload's sizing length (``capacity(...)
+.recycling_requests``, capped at ``max_num_seqs``; prefill- and decode-heavy: ``max_model_len``,
+short: 512, mixed: the mix's mean final context), at least 16; that fills both modes (recycling
+never holds fewer than FastDeploy). KV budget: 0.9 x an H200's memory minus bf16 weights minus 4 GB,
+the same bytes for both modes: FastDeploy's ``num_gpu_blocks`` at its per-layer block bytes
+(``PoolLayout.layer_elements``), the pool's at ``PoolLayout.block_bytes`` (equal for the presets:
+no padding). Reported: peak concurrent running requests, output tokens/s over the run, TTFT p50 /
+p99 (queueing included), preemptions, the KV pool's peak and mean usage, the mean decode batch.
 
 ``max_num_seqs`` (a FastDeploy user setting), two settings, each row saying which (``seqs``) and
 the value (``max_num_seqs``, ``cap_reached`` = peak running hit it):
 
 * ``512``: the most FastDeploy accepts (``FDConfig.check`` refuses more: c1b7c083d
-  ``config.py:2306``), so what a user serving for throughput sets. In the decode-heavy workload
-  gpt-oss-20b reaches it in both modes: the cap, not KV memory, decides its concurrency there.
-* ``non-binding``: 1.25 x the most requests either mode's pools could hold at once at the
-  workload's prompt length (its shortest context, ``split_kv_pools(plan, budget, 64, prompt)``:
-  ``fastdeploy_max_requests`` and ``max_requests``). Running requests only grow from there, so KV
-  memory binds before the cap in both modes. Above 512 this is a what-if beyond what FastDeploy
-  accepts (``beyond_fastdeploy_limit``): the config is built at 512 and the value set after
-  FastDeploy's check, for the scheduler and the hook alike.
+  ``config.py:2306``), so what a user serving for throughput sets. In the decode-heavy and short
+  workloads gpt-oss-20b reaches it in both modes: the cap, not KV memory, decides its concurrency.
+* ``non-binding``: 1.25 x the most requests either mode holds at once at the workload's shortest
+  prompt (``capacity(layout, num_gpu_blocks, prompt)``: ``fastdeploy_requests`` and
+  ``recycling_requests``). Running requests only grow from there, so KV memory binds before the cap
+  in both modes. Above 512 this is a what-if beyond what FastDeploy accepts
+  (``beyond_fastdeploy_limit``): the config is built at 512 and the value set after FastDeploy's
+  check, for the scheduler and the hook alike.
 
 Model sizes (weights): gpt-oss-20b and ERNIE-4.5-21B-A3B as in ``headwise_sim.py``; Gemma-3-27B
 27.4B dense; MiMo-V2-Flash-like is one GPU's share of an 8-way expert-parallel deployment (each GPU
@@ -52,19 +67,20 @@ Recycling shrinks a request's cache, not its reads: a model whose full layers ma
 comparable to ``t_w`` (gpt-oss-20b: 12 of 24 layers full, 8 kv heads) cannot turn concurrency into
 throughput; one dominated by ``t_w`` (MiMo-like's experts, Gemma's dense 27B) can. ``B`` is
 FastDeploy's concurrency at the decode phase's mean context ``c = prompt + output / 2``
-(``num_gpu_blocks // blocks(c + look-ahead)``), ``r`` the plan's ratio at ``c``
-(``split_kv_pools(..., c).ratio``, a split sized for that length), both capped at the setting's
-``max_num_seqs``. ``gain_bound`` is the formula; ``gain_bound_exact`` prices both batches with
-``step_time`` itself (MiMo-like's expert reads still grow with ``B``; gpt-oss with MXFP4 weights
-turns compute-bound in its linear layers). ``gain_estimate_end_to_end`` adds each prompt's prefill
-(the same compute in both modes) per request, phases apart:
-``(t_pf + out * T(B)/B) / (t_pf + out * T(rB)/(rB))``; an estimate, not a bound (ramp, drain and
-recomputation after preemption are left out).
+(``capacity(...).fastdeploy_requests``: ``num_gpu_blocks // blocks(c + look-ahead)``), ``r`` the
+one pool's ratio at ``c`` (``capacity(...).ratio``: requests holding what their lanes hold at ``c``,
+less one step's prefill on the sliding lanes), both capped at the setting's ``max_num_seqs``. The
+mixed workload has no single length and no bound. ``gain_bound`` is the formula;
+``gain_bound_exact`` prices both batches with ``step_time`` itself (MiMo-like's expert reads still
+grow with ``B``; gpt-oss with MXFP4 weights turns compute-bound in its linear layers).
+``gain_estimate_end_to_end`` adds each prompt's prefill (the same compute in both modes) per
+request, phases apart: ``(t_pf + out * T(B)/B) / (t_pf + out * T(rB)/(rB))``; an estimate, not a
+bound (ramp, drain and recomputation after preemption are left out).
 
 Run ``python benchmarks/serving_sim.py --out benchmarks/results/serving_sim.json`` (tens of minutes
 on a shared 2-core machine; ``--models`` / ``--workload`` / ``--seqs`` with ``--merge`` redo only
-some rows) or ``--smoke`` (seconds, tiny workload, written to a temporary directory: never the
-committed results).
+some rows) or ``--smoke`` (seconds, tiny prefill-heavy, short and mixed workloads, written to a
+temporary directory: never the committed results).
 """
 
 from __future__ import annotations
@@ -74,8 +90,10 @@ import json
 import logging
 import math
 import os
+import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +113,23 @@ MODELS_EXTRA = {
     "mimo-v2-flash-like": {"total": 43.9e9, "active": 15.0e9, "experts": 256, "top_k": 8},
 }
 PRESETS = ["gpt-oss-20b", "mimo-v2-flash-like", "gemma3-27b", "ernie-4.5-21b-a3b-headwise"]
-# (context, output tokens, requests)
+# prefill-heavy: (context, output tokens, requests; 0 = saturated)
 CONTEXTS = [(8192, 1024, 0), (32768, 1024, 0)]
 # decode-heavy: 1024-token prompts, the rest of the context generated, for the two models with a
-# throughput target (saturated like the prefill-heavy workload: twice what the recycling pools hold)
+# throughput target
 DECODE_HEAVY = {"presets": ["gpt-oss-20b", "mimo-v2-flash-like"], "context": 8192, "prompt": 1024}
-SMOKE = {"presets": ["gpt-oss-20b"], "contexts": [(2048, 64, 24)], "budget": 1 << 30}
+# short: chat traffic, every model
+SHORT_WORKLOAD = {"prompt": 256, "output": 256, "max_model_len": 8192}
+# mixed: a seeded length mix, every model: (prompt range, output range) of each kind, share of long
+MIXED = {
+    "short": ((128, 512), (64, 256)),
+    "long": ((4096, 7168), (256, 1024)),
+    "p_long": 0.3,
+    "max_model_len": 8192,
+}
+WORKLOADS = ("prefill-heavy", "decode-heavy", "short", "mixed")
+SEED = 11
+DTYPE = "bfloat16"
 BLOCK, BATCHED, MAX_SEQS = 64, 8192, 512
 # max_num_seqs settings (module docstring): the fixed 512, and 1.25 x what the pools hold at the prompt
 SEQS = ("512", "non-binding")
@@ -109,6 +138,115 @@ SEQS_MARGIN = 1.25
 FD_MAX_SEQS_LIMIT = 512
 # gpt-oss-20b's checkpoint: MXFP4 experts, 4 bits + one 8-bit scale per 32 values (4.25 bits)
 MXFP4_BYTES = 4.25 / 8
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One workload's requests for one model: each request's prompt and output drawn uniformly from
+    ``prompt`` / ``output`` (``long``: with probability ``p_long`` from its (prompt, output) ranges
+    instead). ``context``: the row's context (prompt + output; mixed: ``max_model_len``);
+    ``size_at``: the length the request count is sized at; ``requests``: 0 = saturated (twice what
+    the recycling pool holds at ``size_at``)."""
+
+    workload: str
+    context: int
+    max_model_len: int
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    size_at: int
+    requests: int = 0
+    long: tuple[tuple[int, int], tuple[int, int]] | None = None
+    p_long: float = 0.0
+
+    @property
+    def fixed(self) -> bool:
+        return self.long is None and self.prompt[0] == self.prompt[1] and self.output[0] == self.output[1]
+
+    @property
+    def shortest_prompt(self) -> int:
+        return min(self.prompt[0], self.long[0][0]) if self.long else self.prompt[0]
+
+    def arrivals(self, n: int, seed: int = SEED) -> list[tuple[int, str, int, int]]:
+        """``n`` requests at step 0: ``(0, rid, prompt, max_tokens)``, seeded."""
+        rng = random.Random(seed)
+        out = []
+        for i in range(n):
+            prompt, output = self.prompt, self.output
+            if self.long is not None and rng.random() < self.p_long:
+                prompt, output = self.long
+            out.append((0, f"r{seed}-{i}", rng.randint(*prompt), rng.randint(*output)))
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "workload": self.workload,
+            "context": self.context,
+            "max_model_len": self.max_model_len,
+        }
+        if self.fixed:
+            d.update(prompt=self.prompt[0], output=self.output[0])
+        else:
+            d.update(
+                prompt=None, output=None, mix={"short": [self.prompt, self.output], "p_long": self.p_long}
+            )
+            if self.long is not None:
+                d["mix"]["long"] = list(self.long)
+        return d
+
+
+def _mixed_shape(mix: dict[str, Any], requests: int = 0) -> Shape:
+    (plo, phi), (olo, ohi) = mix["short"]
+    (llo, lhi), (lolo, lohi) = mix["long"]
+    p = mix["p_long"]
+    mean = (1 - p) * (plo + phi + olo + ohi) / 2 + p * (llo + lhi + lolo + lohi) / 2
+    return Shape(
+        "mixed",
+        mix["max_model_len"],
+        mix["max_model_len"],
+        mix["short"][0],
+        mix["short"][1],
+        size_at=round(mean),
+        requests=requests,
+        long=mix["long"],
+        p_long=p,
+    )
+
+
+def shapes(workload: str, name: str) -> list[Shape]:
+    """The full run's shapes of ``workload`` for preset ``name`` (empty where it does not run)."""
+    if workload == "prefill-heavy":
+        return [Shape(workload, c, c + 512, (c - o, c - o), (o, o), size_at=c + 512) for c, o, _ in CONTEXTS]
+    if workload == "decode-heavy":
+        if name not in DECODE_HEAVY["presets"]:
+            return []
+        c, pr = DECODE_HEAVY["context"], DECODE_HEAVY["prompt"]
+        return [Shape(workload, c, c + 512, (pr, pr), (c - pr, c - pr), size_at=c + 512)]
+    if workload == "short":
+        pr, o = SHORT_WORKLOAD["prompt"], SHORT_WORKLOAD["output"]
+        return [Shape(workload, pr + o, SHORT_WORKLOAD["max_model_len"], (pr, pr), (o, o), size_at=pr + o)]
+    if workload == "mixed":
+        return [_mixed_shape(MIXED)]
+    raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+
+
+# --smoke: a tiny run of three workloads (seconds), its own KV budget
+SMOKE = {
+    "presets": ["gpt-oss-20b"],
+    "budget": 1 << 30,
+    "shapes": [
+        Shape("prefill-heavy", 2048, 2560, (1984, 1984), (64, 64), size_at=2560, requests=24),
+        Shape("short", 288, 8192, (256, 256), (32, 32), size_at=288, requests=24),
+        _mixed_shape(
+            {
+                "short": ((64, 128), (8, 16)),
+                "long": ((1024, 1536), (16, 32)),
+                "p_long": 0.3,
+                "max_model_len": 2048,
+            },
+            requests=24,
+        ),
+    ],
+}
 
 
 def _host_path() -> None:
@@ -154,17 +292,42 @@ def _plan(name: str) -> Any:
     return plan_from_config(load_preset(name))
 
 
+def kv_blocks(plan: Any, kv_bytes: int) -> tuple[Any, int, int]:
+    """``(layout, FastDeploy's num_gpu_blocks, the pool's)`` for ``kv_bytes`` of KV memory:
+    FastDeploy prices a block at every layer's own shape (``layer_elements``), the pool at
+    ``block_bytes`` (the same for the presets: nothing padded)."""
+    from fastdeploy_paddlefleet.kvcache.layout import dtype_bytes
+    from fastdeploy_paddlefleet.kvcache.pools import budget_blocks, pool_layout
+
+    layout = pool_layout(plan, BLOCK)
+    return (
+        layout,
+        kv_bytes // (layout.layer_elements * dtype_bytes(DTYPE)),
+        budget_blocks(layout, kv_bytes, DTYPE),
+    )
+
+
+def capacities(plan: Any, kv_bytes: int, context: int, max_seqs: int | None = None) -> tuple[int, int]:
+    """``(FastDeploy's requests, the one pool's)`` held at once at ``context`` tokens in ``kv_bytes``
+    (``pools.capacity``, each mode at its own block count), capped at ``max_seqs``."""
+    from fastdeploy_paddlefleet.kvcache.pools import capacity
+
+    layout, fd_blocks, pool_blocks = kv_blocks(plan, kv_bytes)
+    kw = {"max_num_batched_tokens": BATCHED, "max_num_seqs": max_seqs}
+    return (
+        capacity(layout, fd_blocks, context, **kw).fastdeploy_requests,
+        capacity(layout, pool_blocks, context, **kw).recycling_requests,
+    )
+
+
 def max_num_seqs_for(setting: str, name: str, prompt: int, kv_bytes: int) -> int:
     """``max_num_seqs`` of a setting (module docstring): ``512``, or ``non-binding`` = 1.25 x the
-    most requests either mode's pools hold at once at ``prompt`` tokens."""
+    most requests either mode holds at once at ``prompt`` tokens."""
     if setting == "512":
         return MAX_SEQS
     if setting != "non-binding":
         raise ValueError(f"max_num_seqs setting must be one of {SEQS}, got {setting!r}")
-    from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
-
-    split = split_kv_pools(_plan(name), kv_bytes, BLOCK, prompt, None, max_num_batched_tokens=BATCHED)
-    return math.ceil(SEQS_MARGIN * max(split.max_requests, split.fastdeploy_max_requests))
+    return math.ceil(SEQS_MARGIN * max(capacities(_plan(name), kv_bytes, prompt)))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -176,8 +339,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def run_one(
     name: str,
-    ctx: int,
-    out: int,
+    shape: Shape,
     n_req: int,
     mode: str,
     budget: int | None,
@@ -185,9 +347,8 @@ def run_one(
     max_seqs: int = MAX_SEQS,
 ) -> dict[str, Any]:
     import headwise_sim as hs
-    from _scheduler_sim import Sim, make_config, make_manager, make_trace, recycler_of
+    from _scheduler_sim import Sim, Trace, make_config, make_manager, recycler_of
 
-    from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
     from fastdeploy_paddlefleet.plan import plan_from_config
     from fastdeploy_paddlefleet.presets import load_preset
     from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
@@ -199,33 +360,58 @@ def run_one(
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(load_preset(name)))
     plan = plan_from_config(str(d))
-    fd_block = split_kv_pools(plan, kv_bytes, BLOCK, ctx + 512).fastdeploy_block_bytes
-    num_blocks = kv_bytes // fd_block
+    layout, fd_blocks, pool_blocks = kv_blocks(plan, kv_bytes)
+    num_blocks = pool_blocks if mode == "recycling" else fd_blocks
     tiny = work / "tiny"
     if not (tiny / "config.json").exists():
         write_model_dir("tiny", tiny, dtype="float32", seed=5)
     os.environ["FDFLEET_KV_RECYCLE"] = "auto" if mode == "recycling" else "off"
     cfg = make_config(
         str(tiny),
-        max_model_len=ctx + 512,
+        max_model_len=shape.max_model_len,
         max_num_seqs=min(max_seqs, FD_MAX_SEQS_LIMIT),
         max_num_batched_tokens=BATCHED,
         block_size=BLOCK,
         num_blocks=int(num_blocks),
     )
     # beyond FastDeploy's limit (FDConfig.check refuses more than 512): a what-if, set after the
-    # check; the scheduler and the hook read it from here (slots, the pools' concurrency)
+    # check; the scheduler and the hook read it from here (slots, the pool's concurrency)
     cfg.scheduler_config.max_num_seqs = max_seqs
     rm = make_manager(cfg, str(d))
-    if (recycler_of(rm) is not None) != (mode == "recycling"):
-        raise RuntimeError(f"{name}: mode {mode} but recycler {recycler_of(rm)!r}")
-    sim = Sim(rm, 0, check=False, step_time=lambda dec, ch: hs.step_time(model, dec, ch))
+    rec = recycler_of(rm)
+    if (rec is not None) != (mode == "recycling"):
+        raise RuntimeError(f"{name}: mode {mode} but recycler {rec!r}")
+    if rec is not None and rec.num_pages != layout.num_pages(num_blocks):
+        raise RuntimeError(
+            f"{name}: the hook's pool has {rec.num_pages} pages, the layout {layout.num_pages(num_blocks)}"
+        )
+    usage = {"peak": 0.0, "sum": 0.0, "steps": 0, "decode": 0, "decode_steps": 0}
+
+    def step_time(dec: list[int], ch: list[tuple[int, int]]) -> float:
+        u = rm.get_gpu_cache_usage_perc()  # the pool's usage in recycling mode (the hook's)
+        usage["peak"] = max(usage["peak"], u)
+        usage["sum"] += u
+        usage["steps"] += 1
+        if dec:
+            usage["decode"] += len(dec)
+            usage["decode_steps"] += 1
+        return hs.step_time(model, dec, ch)
+
+    sim = Sim(rm, 0, check=False, step_time=step_time)
+    arrivals = shape.arrivals(n_req)
     t0 = time.time()
-    st = sim.run(make_trace(11, n_req, (ctx - out, ctx - out), (out, out), 0), 10**7)
+    st = sim.run(Trace(arrivals, {}), 10**7)
+    requested = sum(a[3] for a in arrivals)
+    if st.tokens != requested:
+        raise RuntimeError(f"{name} {shape.workload} {mode}: {st.tokens} output tokens of {requested}")
+    pools = (
+        {"pages": rec.num_pages, "pages_per_block": layout.pages_per_block, "groups": len(layout.groups)}
+        if rec is not None
+        else {"blocks": int(num_blocks)}
+    )
     return {
         "model": name,
-        "context": ctx,
-        "output": out,
+        **shape.describe(),
         "requests": n_req,
         "mode": mode,
         "max_num_seqs": max_seqs,
@@ -233,15 +419,21 @@ def run_one(
         "cap_reached": st.peak_running >= max_seqs,
         "kv_bytes": kv_bytes,
         "num_gpu_blocks": int(num_blocks),
-        "pools": recycler_of(rm).split.num_blocks if recycler_of(rm) else [int(num_blocks)],
+        "pools": pools,
         "peak_running": st.peak_running,
         "steps": st.steps,
         "output_tokens": st.tokens,
+        "requested_output_tokens": requested,
+        "prompt_tokens": sum(a[2] for a in arrivals),
+        "prefill_tokens_run": st.prefill_tokens,
         "seconds_simulated": sim.clock,
         "tokens_per_s": st.tokens / sim.clock if sim.clock else 0.0,
         "ttft_p50_s": _pct(st.ttft, 0.5),
         "ttft_p99_s": _pct(st.ttft, 0.99),
         "preempted": st.preempted,
+        "kv_usage_peak": usage["peak"],
+        "kv_usage_mean": usage["sum"] / max(1, usage["steps"]),
+        "mean_decode_batch": usage["decode"] / max(1, usage["decode_steps"]),
         "wall_s": round(time.time() - t0, 2),
     }
 
@@ -259,8 +451,6 @@ def decode_bound(
 
     import headwise_sim as hs
 
-    from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
-
     if weights not in ("bf16", "mxfp4"):
         raise ValueError(f"weights must be 'bf16' or 'mxfp4', got {weights!r}")
     _extend_models()
@@ -269,10 +459,7 @@ def decode_bound(
         model = dataclasses.replace(model, expert_bytes=model.expert_bytes / hs.WEIGHT_BYTES * MXFP4_BYTES)
     kv_bytes = hs.kv_budget_bytes(model)
     c = prompt + out // 2
-    split = split_kv_pools(model.plan, kv_bytes, BLOCK, c, None, max_num_batched_tokens=BATCHED)
-    cap = max_seqs if max_seqs is not None else 1 << 30
-    b_fd = min(split.fastdeploy_max_requests, cap)
-    b_rc = min(split.max_requests, cap)
+    b_fd, b_rc = capacities(model.plan, kv_bytes, c, max_seqs)
     # one request's attention bytes per decode step: full lanes read c keys, sliding ones W + 1,
     # plus the new token's K/V written
     kv_req = model.full_kv * c + sum(b * min(c, w + 1) for w, b in model.sliding_kv.items())
@@ -309,8 +496,8 @@ def decode_bound(
 
 
 def decode_bounds(presets: list[str]) -> list[dict[str, Any]]:
-    """:func:`decode_bound` for every workload and ``max_num_seqs`` setting of ``presets``, and
-    gpt-oss-20b with MXFP4 experts."""
+    """:func:`decode_bound` for every fixed-length workload and ``max_num_seqs`` setting of
+    ``presets`` (the mixed one has no single length), and gpt-oss-20b with MXFP4 experts."""
     kv = {}
     rows = []
     import headwise_sim as hs
@@ -318,19 +505,17 @@ def decode_bounds(presets: list[str]) -> list[dict[str, Any]]:
     _extend_models()
     for name in presets:
         kv[name] = hs.kv_budget_bytes(hs.build_model(name))
-        shapes = [("prefill-heavy", ctx, ctx - o, o) for ctx, o, _ in CONTEXTS]
-        if name in DECODE_HEAVY["presets"]:
-            c = DECODE_HEAVY["context"]
-            shapes.append(("decode-heavy", c, DECODE_HEAVY["prompt"], c - DECODE_HEAVY["prompt"]))
-        for workload, ctx, prompt, out in shapes:
+        fixed = [s for w in WORKLOADS for s in shapes(w, name) if s.fixed]
+        for s in fixed:
+            prompt, out = s.prompt[0], s.output[0]
             for seqs in SEQS:
                 cap = max_num_seqs_for(seqs, name, prompt, kv[name])
                 variants = ("bf16", "mxfp4") if name == "gpt-oss-20b" else ("bf16",)
                 for w in variants:
                     rows.append(
                         {
-                            "workload": workload,
-                            "context": ctx,
+                            "workload": s.workload,
+                            "context": s.context,
                             "seqs": seqs,
                             **decode_bound(name, prompt, out, cap, w),
                         }
@@ -346,35 +531,48 @@ SHORT = {
 }
 
 
+def _label(workload: str, model: str, context: int, seqs: int) -> str:
+    star = "*" if seqs > FD_MAX_SEQS_LIMIT else ""
+    what = {
+        "prefill-heavy": f"{context // 1024}k",
+        "decode-heavy": f"{context // 1024}k dec",
+        "short": f"short {context}",
+        "mixed": f"mixed {context // 1024}k",
+    }.get(workload, f"{workload} {context}")
+    return f"{SHORT.get(model, model)} {what} seqs {seqs}{star}"
+
+
 def plot(rows: list[dict[str, Any]], path: Path, bounds: list[dict[str, Any]] | None = None) -> None:
-    """Recycling / FastDeploy's accounting per (model, context, max_num_seqs): tokens/s (with the
-    step model's bounds, bf16), peak running, TTFT p50."""
+    """Recycling / FastDeploy's accounting per (workload, model, context, max_num_seqs): tokens/s
+    (with the step model's bounds, bf16), peak running, TTFT p50; one colour per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     order = {m: i for i, m in enumerate(PRESETS)}
+    worder = {w: i for i, w in enumerate(WORKLOADS)}
     keys = sorted(
         {_key(r)[:4] for r in rows},
-        key=lambda k: (k[0] != "prefill-heavy", order.get(k[1], 9), k[2], k[3] != "512"),
+        key=lambda k: (worder.get(k[0], 9), order.get(k[1], 9), k[2], k[3] != "512"),
     )
     by = {_key(r): r for r in rows}
-    labels = []
-    for w, m, c, q in keys:
-        seqs = by[(w, m, c, q, "fastdeploy")].get("max_num_seqs", MAX_SEQS)
-        star = "*" if seqs > FD_MAX_SEQS_LIMIT else ""
-        labels.append(
-            f"{SHORT.get(m, m)} {c // 1024}k"
-            + (" dec" if w == "decode-heavy" else "")
-            + f" seqs {seqs}{star}"
-        )
+    labels = [
+        _label(w, m, c, by[(w, m, c, q, "fastdeploy")].get("max_num_seqs", MAX_SEQS)) for w, m, c, q in keys
+    ]
+    colours = {
+        "prefill-heavy": "tab:orange",
+        "decode-heavy": "tab:purple",
+        "short": "tab:green",
+        "mixed": "tab:blue",
+    }
     bound = {
         (b["workload"], b["model"], b["context"], b["seqs"]): b
         for b in bounds or ()
         if b["weights"] == "bf16"
     }
-    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.62 * len(keys)), 13))
+    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.5 * len(keys)), 13))
     panels = (
         ("tokens_per_s", "output tokens/s, recycling / FastDeploy", 1.6),
         ("peak_running", "peak running requests, recycling / FastDeploy", None),
@@ -385,27 +583,34 @@ def plot(rows: list[dict[str, Any]], path: Path, bounds: list[dict[str, Any]] | 
             by[(w, m, c, q, "recycling")][metric] / max(1e-12, by[(w, m, c, q, "fastdeploy")][metric])
             for w, m, c, q in keys
         ]
-        bars = ax.bar(range(len(keys)), vals, color="tab:orange")
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        bars = ax.bar(range(len(keys)), vals, color=[colours.get(k[0], "grey") for k in keys])
+        # tokens/s: values inside the bars (the bound marks sit above them)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, label_type="center" if target else "edge")
         ax.axhline(1.0, color="grey", lw=0.8)
         if target:
-            ax.axhline(
-                target, color="tab:red", ls="--", lw=0.8, label=f"x{target} target (gpt-oss, MiMo at 8k)"
+            handles = [Patch(color=colours[w], label=w) for w in WORKLOADS if any(k[0] == w for k in keys)]
+            handles.append(
+                ax.axhline(
+                    target, color="tab:red", ls="--", lw=0.8, label=f"x{target} target (gpt-oss, MiMo at 8k)"
+                )
             )
             for field, marker, name in (
                 ("gain_bound_exact", "_", "decode-phase bound"),
                 ("gain_estimate_end_to_end", "x", "end-to-end estimate (prefill included)"),
             ):
                 xs = [i for i, k in enumerate(keys) if k in bound]
-                ax.scatter(
-                    xs, [bound[keys[i]][field] for i in xs], marker=marker, s=120, color="k", label=name
+                handles.append(
+                    ax.scatter(
+                        xs, [bound[keys[i]][field] for i in xs], marker=marker, s=120, color="k", label=name
+                    )
                 )
-            ax.legend(fontsize=7)
-        ax.set_xticks(range(len(keys)), labels, rotation=35, ha="right", fontsize=8)
+            ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper right")
+        ax.set_xticks(range(len(keys)), labels, rotation=40, ha="right", fontsize=8)
+        ax.set_xlim(-0.6, len(keys) - 0.4)
         ax.set_title(title, fontsize=9)
     fig.suptitle(
-        "FastDeploy's real scheduler, same KV bytes: window recycling vs FastDeploy's accounting "
-        "(H200 step model)\n* max_num_seqs beyond FastDeploy's limit of 512: a what-if",
+        "FastDeploy's real scheduler, same KV bytes: window recycling (one shared pool) vs FastDeploy's "
+        "accounting (H200 step model)\n* max_num_seqs beyond FastDeploy's limit of 512: a what-if",
         fontsize=10,
     )
     fig.tight_layout()
@@ -424,10 +629,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replot", metavar="JSON", help="only redraw the plot of an earlier run's JSON")
     p.add_argument(
         "--workload",
-        choices=("prefill-heavy", "decode-heavy", "all"),
-        default="all",
+        choices=(*WORKLOADS, "all"),
+        nargs="+",
+        default=["all"],
         help="prefill-heavy: prompt = context - 1024, 1024 generated (4 models, 8k and 32k); "
-        "decode-heavy: 1024-token prompts, the rest generated (gpt-oss, MiMo-like at 8k); default all",
+        "decode-heavy: 1024-token prompts, the rest generated (gpt-oss, MiMo-like at 8k); "
+        "short: 256 + 256 tokens (4 models); mixed: 70%% short, 30%% long requests (4 models); default all",
     )
     p.add_argument(
         "--seqs",
@@ -456,24 +663,19 @@ def main(argv: list[str] | None = None) -> int:
     if not install():
         raise SystemExit("FastDeploy's ResourceManagerV1 could not be imported (set FDFLEET_HOST_FASTDEPLOY)")
     presets = SMOKE["presets"] if args.smoke else (args.models or PRESETS)
-    contexts = SMOKE["contexts"] if args.smoke else CONTEXTS
     budget = SMOKE["budget"] if args.smoke else None
     import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="fdfleet-serving-sim-"))
     settings = SEQS if args.seqs == "all" else (args.seqs,)
+    workloads = WORKLOADS if "all" in args.workload else tuple(w for w in WORKLOADS if w in args.workload)
     if args.smoke:
         settings = ("512",)
-    jobs = []
-    if args.workload in ("prefill-heavy", "all"):
-        jobs += [("prefill-heavy", m, c, o, n, q) for m in presets for c, o, n in contexts for q in settings]
-    if args.workload in ("decode-heavy", "all") and not args.smoke:
-        c = DECODE_HEAVY["context"]
-        jobs += [
-            ("decode-heavy", m, c, c - DECODE_HEAVY["prompt"], 0, q)
-            for m in DECODE_HEAVY["presets"]
-            for q in settings
+        jobs = [
+            (s, m, q) for m in presets for s in SMOKE["shapes"] if s.workload in workloads for q in settings
         ]
+    else:
+        jobs = [(s, m, q) for w in workloads for m in presets for s in shapes(w, m) for q in settings]
     rows = json.loads(Path(args.merge).read_text())["rows"] if args.merge else []
     for r in rows:  # rows of runs before the settings existed: max_num_seqs 512
         r.setdefault("workload", "prefill-heavy")
@@ -482,20 +684,23 @@ def main(argv: list[str] | None = None) -> int:
         r.setdefault("cap_reached", r["peak_running"] >= r["max_num_seqs"])
     import headwise_sim as hs
 
-    from fastdeploy_paddlefleet.kvcache.pools import split_kv_pools
-
     _extend_models()
-    for workload, name, ctx, o, n, seqs in tqdm(jobs, desc="serving sim", disable=args.json):
+    t_start = time.time()
+    for shape, name, seqs in tqdm(jobs, desc="serving sim", disable=args.json):
         kv_bytes = hs.kv_budget_bytes(hs.build_model(name)) if budget is None else budget
-        cap = max_num_seqs_for(seqs, name, ctx - o, kv_bytes)
-        if n <= 0:  # 0: twice what the recycling pools hold at this context (saturated); -1: once
-            split = split_kv_pools(
-                _plan(name), kv_bytes, BLOCK, ctx + 512, cap, max_num_batched_tokens=BATCHED
-            )
-            n = max(16, min((2 if n == 0 else 1) * split.max_requests, 2 * cap))
+        cap = max_num_seqs_for(seqs, name, shape.shortest_prompt, kv_bytes)
+        n = shape.requests
+        if n <= 0:  # saturated: twice what the recycling pool holds at the sizing length
+            n = max(16, 2 * capacities(_plan(name), kv_bytes, shape.size_at, cap)[1])
         for mode in ("fastdeploy", "recycling"):
-            row = {"workload": workload, "seqs": seqs, **run_one(name, ctx, o, n, mode, budget, work, cap)}
+            row = {"seqs": seqs, **run_one(name, shape, n, mode, budget, work, cap)}
             rows = [r for r in rows if _key(r) != _key(row)] + [row]
+            if not args.json:
+                tqdm.write(
+                    f"{shape.workload} {name} {shape.context} seqs={seqs} {mode}: n {n}, "
+                    f"peak {row['peak_running']}, "
+                    f"{row['tokens_per_s']:.0f} tok/s, preempted {row['preempted']}, wall {row['wall_s']} s"
+                )
     gains = {}
     for workload, name, ctx, seqs in sorted({_key(r)[:4] for r in rows}):
         fd = next(r for r in rows if _key(r) == (workload, name, ctx, seqs, "fastdeploy"))
@@ -511,11 +716,28 @@ def main(argv: list[str] | None = None) -> int:
             "smoke": args.smoke,
             "block_size": BLOCK,
             "max_num_batched_tokens": BATCHED,
-            "max_num_seqs": {"512": MAX_SEQS, "non-binding": f"{SEQS_MARGIN} x max requests at the prompt"},
+            "max_num_seqs": {
+                "512": MAX_SEQS,
+                "non-binding": f"{SEQS_MARGIN} x max requests at the shortest prompt",
+            },
+            "workloads": {
+                "prefill-heavy": {
+                    "contexts": [c for c, _, _ in CONTEXTS],
+                    "output": 1024,
+                    "max_model_len": "context + 512",
+                },
+                "decode-heavy": DECODE_HEAVY,
+                "short": SHORT_WORKLOAD,
+                "mixed": MIXED,
+                "seed": SEED,
+                "arrivals": "all at time 0; twice what the recycling pool holds at the sizing length",
+            },
+            "kv_pool": "one shared pool (kvcache/pools.py); FastDeploy's blocks at per-layer bytes",
             "bw_model_gbps": hs.BW / 1e9,
             "attention_h200_decode_gbps_measured": measured_decode_gbps(),
             "models_extra": MODELS_EXTRA,
             "weights": "bf16 (gpt-oss-20b's MXFP4 checkpoint is refused by the plugin; bounds price it too)",
+            "wall_s_this_run": round(time.time() - t_start, 1),
         },
         "rows": rows,
         "gains": gains,

@@ -90,7 +90,10 @@ def _serving_sim():
 def test_serving_sim_decode_bound_matches_a_hand_count_for_gpt_oss():
     """The step-model bound of benchmarks/serving_sim.py against numbers counted from the
     gpt-oss-20b preset by hand: 24 layers (12 full, 12 sliding that read 128 keys, the current one included),
-    8 kv heads of 64 (K and V), bf16; 20.9B bf16 weights; an H200's budget; block 64."""
+    8 kv heads of 64 (K and V), bf16; 20.9B bf16 weights; an H200's budget; block 64. The one pool: a
+    FastDeploy block (every layer) is 2 pages (12 full layers of 8 heads, 12 sliding ones), a page of
+    the full lane per block of the context, of the sliding lane only the blocks its 127-token window
+    still sees."""
     ss = _serving_sim()
     bw, hbm = 4231.1e9, 143771 * 2**20
     weights = 20.9e9 * 2
@@ -99,16 +102,25 @@ def test_serving_sim_decode_bound_matches_a_hand_count_for_gpt_oss():
     block = 64 * 24 * per_token_layer  # FastDeploy's block: every layer
     prompt, out = 7168, 1024
     c = prompt + out // 2
-    b_fd = (kv_budget // block) // -(-(c + 2 * 64 + 12) // 64)  # FastDeploy's blocks per request
+    num_blocks = kv_budget // block
+    held = c + 2 * 64 + 12  # FastDeploy's decode look-ahead: 2 blocks + 12 slots
+    b_fd = num_blocks // -(-held // 64)  # FastDeploy's blocks per request
+    # recycling at c: the full lane holds every block of [0, held); the sliding lane (window_left 127)
+    # the blocks of [c - 127, held); one step's prefill (8192 tokens = 128 pages) on the sliding lane
+    full_pages = -(-held // 64)
+    sliding_pages = full_pages - (c - 127) // 64
+    assert (full_pages, sliding_pages) == (123, 5)
+    b_rc = (2 * num_blocks - 8192 // 64) // (full_pages + sliding_pages)
     t_kv = (12 * per_token_layer * c + 12 * per_token_layer * 128 + 24 * per_token_layer) / bw
     t_w = 1e-3 + weights / bw  # overhead + every weight once (every expert is hit at this batch)
 
     b = ss.decode_bound("gpt-oss-20b", prompt, out, None)
     assert b["kv_bytes"] == kv_budget and b["fastdeploy_requests"] == b_fd
+    assert b["recycling_requests"] == b_rc
     assert b["t_kv_us"] == pytest.approx(t_kv * 1e6, rel=1e-9)
     assert b["t_w_ms"] == pytest.approx(t_w * 1e3, rel=1e-6)
-    r = b["recycling_requests"] / b_fd
-    assert 1.85 < r < 2.0  # the plan's ratio at this length (G = 1.95 at 8k)
+    r = b_rc / b_fd
+    assert b["r"] == pytest.approx(r) and 1.85 < r < 2.0  # (G = 1.95 at 8k)
     expected = r * (t_w + b_fd * t_kv) / (t_w + r * b_fd * t_kv)
     assert b["gain_bound"] == pytest.approx(expected, rel=1e-6)
     assert b["gain_bound_exact"] == pytest.approx(expected, rel=1e-3)

@@ -262,13 +262,29 @@ def test_serving_benchmark_smoke(host, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["smoke"] is True and (tmp_path / "smoke.png").stat().st_size > 0
-    modes = {r["mode"]: r for r in data["rows"]}
-    assert set(modes) == {"fastdeploy", "recycling"}
-    for r in modes.values():
-        assert r["output_tokens"] == r["requests"] * r["output"] and r["tokens_per_s"] > 0
+    rows = {(r["workload"], r["mode"]): r for r in data["rows"]}
+    assert set(rows) == {
+        (w, m) for w in ("prefill-heavy", "short", "mixed") for m in ("fastdeploy", "recycling")
+    }
+    for r in rows.values():
+        assert r["output_tokens"] == r["requested_output_tokens"] and r["tokens_per_s"] > 0
+        if r["workload"] != "mixed":  # one length: every request generates `output` tokens
+            assert r["output_tokens"] == r["requests"] * r["output"]
         assert r["seqs"] == "512" and r["max_num_seqs"] == 512 and r["beyond_fastdeploy_limit"] is False
         assert r["cap_reached"] == (r["peak_running"] >= 512)
-    assert modes["recycling"]["peak_running"] > modes["fastdeploy"]["peak_running"]
+        assert r["kv_bytes"] == 1 << 30 and 0 < r["kv_usage_peak"] <= 1
+    for w in ("prefill-heavy", "short", "mixed"):  # the same requests in both modes, the same KV bytes
+        fd, rc = rows[(w, "fastdeploy")], rows[(w, "recycling")]
+        assert (
+            fd["prompt_tokens"] == rc["prompt_tokens"]
+            and fd["requested_output_tokens"] == rc["requested_output_tokens"]
+        )
+        assert rc["pools"]["pages"] == rc["pools"]["pages_per_block"] * fd["pools"]["blocks"]
+        assert rc["peak_running"] >= fd["peak_running"]
+    assert (
+        rows[("prefill-heavy", "recycling")]["peak_running"]
+        > rows[("prefill-heavy", "fastdeploy")]["peak_running"]
+    )
     with pytest.raises(subprocess.CalledProcessError):  # a smoke run never writes the committed results
         subprocess.run(
             [
