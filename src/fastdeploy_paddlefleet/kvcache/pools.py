@@ -222,6 +222,39 @@ def pages_needed(layout: PoolLayout, num_blocks: int, caps: list[list[int | None
     return sum(n if cap is None else min(n, cap) for lanes in caps for cap in lanes)
 
 
+def decode_cap(window_left: int, block_size: int) -> int:
+    """Most pages a DECODING request's sliding lane with ``window_left`` ever holds: the window,
+    the query's block and FastDeploy's look-ahead (``ceil((W + 2 bs + 13) / bs) + 1``). A decode
+    reserve asked for such a lane never needs more, however many output tokens are left."""
+    return -(-(window_left + fastdeploy_lookahead(block_size) + 1) // block_size) + 1
+
+
+def admission_pages(
+    layout: PoolLayout,
+    chunk_blocks: int,
+    reserves: list[int],
+    caps: list[list[int | None]],
+) -> int:
+    """Pages FastDeploy's prefill admission threshold stands for when its parts are known: the
+    chunk's ``chunk_blocks`` for the request being admitted (at most ``cap`` per sliding lane, as
+    :func:`pages_needed`) plus each running request's decode reserve ``reserves[i]`` (FastDeploy's
+    ``_get_running_request_reserve_blocks``), which a full lane holds in full and a sliding lane at
+    most up to :func:`decode_cap`. FastDeploy prices the same threshold at ``chunk + sum(reserves)``
+    blocks of every lane: this is never more, and equal where no lane slides."""
+    chunk = max(0, int(chunk_blocks))
+    reserve = [max(0, int(r)) for r in reserves]
+    total = sum(reserve)
+    need = 0
+    for g, lanes in zip(layout.groups, caps, strict=True):
+        for w, cap in zip(g.lanes, lanes, strict=True):
+            if cap is None:
+                need += chunk + total
+            else:
+                dcap = decode_cap(w, layout.block_size)
+                need += min(chunk, cap) + sum(min(r, dcap) for r in reserve)
+    return need
+
+
 def request_pages(layout: PoolLayout, num_tokens: int, computed: int | None = None) -> int:
     """Pages one request holds with ``num_tokens`` tokens allocated once every query before
     ``computed`` (default ``num_tokens``) has run (``headwise.held_units``)."""
@@ -331,9 +364,11 @@ __all__ = [
     "FASTDEPLOY_LOOKAHEAD_SLOTS",
     "Capacity",
     "PoolLayout",
+    "admission_pages",
     "allocation_cap",
     "budget_blocks",
     "capacity",
+    "decode_cap",
     "fastdeploy_lookahead",
     "min_gpu_blocks",
     "pages_needed",

@@ -29,13 +29,15 @@ heads:
 * FastDeploy's V0 scheduler (``ENABLE_V1_KVCACHE_SCHEDULER=0``, the base ``ResourceManager``) is
   refused by name when recycling would apply: its accounting cannot be reached.
 
-Admission is FastDeploy's own (its threshold of the chunk's blocks plus its decode reserve),
-asked of the pool: ``can_allocate_gpu_blocks(n)`` says yes when the pool holds ``n`` pages per
-full lane and ``min(n, cap)`` per sliding lane, where ``cap`` bounds what one allocation of a
-sliding lane can take (window + one step's tokens + look-ahead). So a request is admitted by
-what it will hold, never by ``max_model_len``, and FastDeploy allocates at most ``n`` blocks
-after asking about ``n``: an allocation it was promised always succeeds (checked:
-:class:`KVRecycler` raises rather than over-commit).
+Admission is FastDeploy's own threshold (the chunk's blocks plus a decode reserve for every
+running request, ``_get_can_schedule_prefill_threshold_block``, wrapped to record those parts),
+asked of the pool by what the requests will hold: the chunk at most ``cap`` per sliding lane
+(window + one step's tokens + look-ahead), each reserve in full on a full lane and at most a
+decoding window (``pools.decode_cap``) on a sliding one. Never on worse terms than FastDeploy's
+own pool, never by ``max_model_len``. Any other ``can_allocate_gpu_blocks(n)`` (one request's
+allocation) needs ``n`` pages per full lane and ``min(n, cap)`` per sliding lane; FastDeploy
+allocates at most ``n`` blocks after asking about ``n``, so an allocation it was promised always
+succeeds (checked: :class:`KVRecycler` raises rather than over-commit).
 
 Interactions (:func:`decide`): prefix caching is switched off for this model with one WARNING
 (matching cached blocks would need window-aware matching); recompute preemption, chunked
@@ -56,7 +58,7 @@ from typing import Any
 
 from ...envs import kv_recycle
 from ...kvcache.headwise import HeadwiseKVManager
-from ...kvcache.pools import allocation_cap, min_gpu_blocks, pages_needed
+from ...kvcache.pools import admission_pages, allocation_cap, min_gpu_blocks, pages_needed
 from ...plan.layer import AttentionPlan
 from .._fields import field
 from .protocol import TASK_ATTR, KVDelta, RecyclingLayout, layout_from_plans, merge_tp_plans
@@ -78,6 +80,7 @@ _HOOKED = (
     "get_gpu_cache_usage_perc",
     "_is_decoding",
     "_prepare_decode_task",
+    "_get_can_schedule_prefill_threshold_block",
 )
 
 
@@ -267,6 +270,8 @@ class KVRecycler:
         self._sent: dict[str, list[list[list[int]]]] = {}
         self._pending: dict[str, tuple[bool, list[tuple[int, int, int, int]]]] = {}
         self._due: dict[str, float] = {}  # rid -> computed bound of its next release
+        #: the admission threshold FastDeploy computed last and its parts (``expect_threshold``)
+        self._threshold: tuple[int, tuple[int, list[int]] | None] | None = None
         # the most pages one allocation can take on a sliding lane: window + one step + look-ahead
         self._caps = [
             [
@@ -287,8 +292,34 @@ class KVRecycler:
 
     # ---- what FastDeploy asks ------------------------------------------------------------
     def can_allocate(self, num_blocks: int, *args: Any, **kwargs: Any) -> bool:
-        """Could ANY request get ``num_blocks`` more blocks now (no release credit)?"""
-        return pages_needed(self.layout.pool, num_blocks, self._caps) <= self.manager.free_units
+        """FastDeploy's ``can_allocate_gpu_blocks(n)`` (no release credit). A prefill admission
+        threshold whose parts :meth:`expect_threshold` recorded is priced by them
+        (``pools.admission_pages``: the chunk, and each running request's decode reserve, which a
+        sliding lane never holds beyond its window); one whose parts do not add up at FastDeploy's
+        own price (``n`` pages per lane); any other ``n`` (one request's allocation) as ``n`` pages
+        per full lane and at most ``cap`` per sliding lane (``pools.pages_needed``)."""
+        pool = self.layout.pool
+        expected, self._threshold = self._threshold, None
+        n = max(0, int(num_blocks))
+        if expected is not None and expected[0] == n:
+            parts = expected[1]
+            if parts is None:
+                need = n * pool.pages_per_block
+            else:
+                need = admission_pages(pool, parts[0], parts[1], self._caps)
+        else:
+            need = pages_needed(pool, n, self._caps)
+        return need <= self.manager.free_units
+
+    def expect_threshold(self, threshold: int, chunk_blocks: int, reserves: list[int] | None) -> None:
+        """FastDeploy computed a prefill admission threshold (``_get_can_schedule_prefill_threshold_
+        block``): ``chunk_blocks`` for the request plus ``reserves`` (one per running request). The
+        next ``can_allocate(threshold)`` is priced by these parts if they add up, else at
+        FastDeploy's own price."""
+        parts = None
+        if reserves is not None and int(chunk_blocks) + sum(int(r) for r in reserves) == int(threshold):
+            parts = (int(chunk_blocks), [int(r) for r in reserves])
+        self._threshold = (int(threshold), parts)
 
     def free_blocks(self) -> int:
         """FastDeploy's free count: the free pages in FastDeploy blocks of every layer (``free //
@@ -421,6 +452,21 @@ class KVRecycler:
             batch_request.add_request(task)
 
 
+def running_reserves(rm: Any) -> list[int] | None:
+    """Each running request's decode reserve in FastDeploy's admission threshold (c1b7c083d
+    ``_get_can_schedule_prefill_threshold_block``): its own per-request estimate under
+    ``FD_USE_NEW_TOKEN_RATIO_RESERVE``, else ``current_reserve_output_block_num`` each unless the
+    relaxed strategy adds none. ``None`` when this FastDeploy keeps other state (priced as a whole)."""
+    try:
+        if rm.use_new_token_ratio_reserve:
+            return [int(rm._get_running_request_reserve_blocks(r)) for r in rm.running]
+        if rm.can_relax_prefill_strategy:
+            return []
+        return [int(rm.current_reserve_output_block_num)] * len(rm.running)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def recycler_of(rm: Any) -> KVRecycler | None:
     """The recycler of a ``ResourceManagerV1`` (None: FastDeploy's own accounting)."""
     return getattr(rm, RECYCLER_ATTR, None)
@@ -463,6 +509,7 @@ def install() -> bool:
         cls.schedule,
     )
     reset, available, usage = cls.reset_cache_config, cls.available_block_num, cls.get_gpu_cache_usage_perc
+    threshold = cls._get_can_schedule_prefill_threshold_block
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -513,6 +560,14 @@ def install() -> bool:
             )
             self.cache_manager.can_allocate_gpu_blocks = recycler_of(self).can_allocate
 
+    @functools.wraps(threshold)
+    def _get_can_schedule_prefill_threshold_block(self: Any, num_chunk_new_block: int) -> int:
+        n = threshold(self, num_chunk_new_block)
+        rec = recycler_of(self)
+        if rec is not None:  # the next can_allocate_gpu_blocks(n) is priced by n's parts
+            rec.expect_threshold(n, num_chunk_new_block, running_reserves(self))
+        return n
+
     @functools.wraps(available)
     def available_block_num(self: Any) -> int:
         rec = recycler_of(self)
@@ -529,6 +584,7 @@ def install() -> bool:
     cls._free_blocks = _free_blocks
     cls.schedule = schedule_
     cls.reset_cache_config = reset_cache_config
+    cls._get_can_schedule_prefill_threshold_block = _get_can_schedule_prefill_threshold_block
     cls.available_block_num = available_block_num
     cls.get_gpu_cache_usage_perc = get_gpu_cache_usage_perc
     setattr(cls, _PATCHED, True)
