@@ -557,6 +557,13 @@ class HeadwiseKVManager:
             for g, lanes in zip(self.groups, r.lanes, strict=True)
         }
 
+    def releasing_windows(self, req_id: Any) -> frozenset[int]:
+        """The windows whose lanes have given pages back for ``req_id``: from then on they release
+        a block for every block they take (lanes of one window release together)."""
+        return frozenset(
+            lane.window for lanes in self._req(req_id).lanes for lane in lanes if lane.released > 0
+        )
+
     def lane_ids(self, req_id: Any) -> list[list[list[int]]]:
         """Copies of ``req_id``'s unit ids ``[group][lane][logical block]`` (``-1``: released);
         a unit is a block of the group's cache (whole-block groups) or a page (head-wise)."""

@@ -222,36 +222,37 @@ def pages_needed(layout: PoolLayout, num_blocks: int, caps: list[list[int | None
     return sum(n if cap is None else min(n, cap) for lanes in caps for cap in lanes)
 
 
-def decode_cap(window_left: int, block_size: int) -> int:
-    """Most pages a DECODING request's sliding lane with ``window_left`` ever holds: the window,
-    the query's block and FastDeploy's look-ahead (``ceil((W + 2 bs + 13) / bs) + 1``). A decode
-    reserve asked for such a lane never needs more, however many output tokens are left."""
-    return -(-(window_left + fastdeploy_lookahead(block_size) + 1) // block_size) + 1
-
-
 def admission_pages(
     layout: PoolLayout,
     chunk_blocks: int,
-    reserves: list[int],
+    reserves: list[tuple[int, frozenset[int]]],
     caps: list[list[int | None]],
 ) -> int:
     """Pages FastDeploy's prefill admission threshold stands for when its parts are known: the
     chunk's ``chunk_blocks`` for the request being admitted (at most ``cap`` per sliding lane, as
-    :func:`pages_needed`) plus each running request's decode reserve ``reserves[i]`` (FastDeploy's
-    ``_get_running_request_reserve_blocks``), which a full lane holds in full and a sliding lane at
-    most up to :func:`decode_cap`. FastDeploy prices the same threshold at ``chunk + sum(reserves)``
-    blocks of every lane: this is never more, and equal where no lane slides."""
+    :func:`pages_needed`) plus each running request's decode reserve. ``reserves``: per running
+    request ``(blocks, releasing)``, ``blocks`` FastDeploy's reserve for it
+    (``_get_running_request_reserve_blocks``, its estimate of the growth still to come),
+    ``releasing`` the windows whose lanes have begun to give pages back
+    (``HeadwiseKVManager.releasing_windows``). A full lane is charged the reserve, and so is a
+    sliding lane that has not outgrown its window yet (a request shorter than the window grows like
+    a full one); a lane that releases gives a page back for every page it takes from then on and
+    is charged nothing (FastDeploy's look-ahead, which comes and goes every two blocks, is not in
+    FastDeploy's reserve for any lane). FastDeploy prices the same threshold at ``chunk +
+    sum(blocks)`` blocks of every lane: this is never more, and equal where no lane releases."""
     chunk = max(0, int(chunk_blocks))
-    reserve = [max(0, int(r)) for r in reserves]
-    total = sum(reserve)
+    parts = [(max(0, int(r)), releasing) for r, releasing in reserves]
+    total = sum(r for r, _ in parts)
+    growth: dict[int, int] = {}  # window -> the reserves of the requests whose lanes of it still grow
     need = 0
     for g, lanes in zip(layout.groups, caps, strict=True):
         for w, cap in zip(g.lanes, lanes, strict=True):
             if cap is None:
                 need += chunk + total
-            else:
-                dcap = decode_cap(w, layout.block_size)
-                need += min(chunk, cap) + sum(min(r, dcap) for r in reserve)
+                continue
+            if w not in growth:
+                growth[w] = sum(r for r, releasing in parts if w not in releasing)
+            need += min(chunk, cap) + growth[w]
     return need
 
 
@@ -368,7 +369,6 @@ __all__ = [
     "allocation_cap",
     "budget_blocks",
     "capacity",
-    "decode_cap",
     "fastdeploy_lookahead",
     "min_gpu_blocks",
     "pages_needed",

@@ -32,12 +32,13 @@ heads:
 Admission is FastDeploy's own threshold (the chunk's blocks plus a decode reserve for every
 running request, ``_get_can_schedule_prefill_threshold_block``, wrapped to record those parts),
 asked of the pool by what the requests will hold: the chunk at most ``cap`` per sliding lane
-(window + one step's tokens + look-ahead), each reserve in full on a full lane and at most a
-decoding window (``pools.decode_cap``) on a sliding one. Never on worse terms than FastDeploy's
-own pool, never by ``max_model_len``. Any other ``can_allocate_gpu_blocks(n)`` (one request's
-allocation) needs ``n`` pages per full lane and ``min(n, cap)`` per sliding lane; FastDeploy
-allocates at most ``n`` blocks after asking about ``n``, so an allocation it was promised always
-succeeds (checked: :class:`KVRecycler` raises rather than over-commit).
+(window + one step's tokens + look-ahead), each reserve on every full lane and on every sliding
+lane that has not begun to release (a lane that releases gives a page back for each it takes).
+Never on worse terms than FastDeploy's own pool, never by ``max_model_len``. Any other
+``can_allocate_gpu_blocks(n)`` (one request's allocation) needs ``n`` pages per full lane and
+``min(n, cap)`` per sliding lane; FastDeploy allocates at most ``n`` blocks after asking about
+``n``, so an allocation it was promised always succeeds (checked: :class:`KVRecycler` raises
+rather than over-commit).
 
 Interactions (:func:`decide`): prefix caching is switched off for this model with one WARNING
 (matching cached blocks would need window-aware matching); recompute preemption, chunked
@@ -295,7 +296,7 @@ class KVRecycler:
         """FastDeploy's ``can_allocate_gpu_blocks(n)`` (no release credit). A prefill admission
         threshold whose parts :meth:`expect_threshold` recorded is priced by them
         (``pools.admission_pages``: the chunk, and each running request's decode reserve, which a
-        sliding lane never holds beyond its window); one whose parts do not add up at FastDeploy's
+        sliding lane that already releases does not need); one whose parts do not add up at FastDeploy's
         own price (``n`` pages per lane); any other ``n`` (one request's allocation) as ``n`` pages
         per full lane and at most ``cap`` per sliding lane (``pools.pages_needed``)."""
         pool = self.layout.pool
@@ -311,14 +312,19 @@ class KVRecycler:
             need = pages_needed(pool, n, self._caps)
         return need <= self.manager.free_units
 
-    def expect_threshold(self, threshold: int, chunk_blocks: int, reserves: list[int] | None) -> None:
+    def expect_threshold(
+        self, threshold: int, chunk_blocks: int, reserves: list[tuple[str, int]] | None
+    ) -> None:
         """FastDeploy computed a prefill admission threshold (``_get_can_schedule_prefill_threshold_
-        block``): ``chunk_blocks`` for the request plus ``reserves`` (one per running request). The
-        next ``can_allocate(threshold)`` is priced by these parts if they add up, else at
-        FastDeploy's own price."""
+        block``): ``chunk_blocks`` for the request plus ``reserves`` (``(request id, blocks)`` per
+        running request). The next ``can_allocate(threshold)`` is priced by these parts if they add
+        up, else at FastDeploy's own price."""
         parts = None
-        if reserves is not None and int(chunk_blocks) + sum(int(r) for r in reserves) == int(threshold):
-            parts = (int(chunk_blocks), [int(r) for r in reserves])
+        if reserves is not None and int(chunk_blocks) + sum(int(r) for _, r in reserves) == int(threshold):
+            mgr = self.manager
+            none: frozenset[int] = frozenset()
+            state = [(int(r), mgr.releasing_windows(rid) if rid in mgr else none) for rid, r in reserves]
+            parts = (int(chunk_blocks), state)
         self._threshold = (int(threshold), parts)
 
     def free_blocks(self) -> int:
@@ -452,17 +458,17 @@ class KVRecycler:
             batch_request.add_request(task)
 
 
-def running_reserves(rm: Any) -> list[int] | None:
-    """Each running request's decode reserve in FastDeploy's admission threshold (c1b7c083d
+def running_reserves(rm: Any) -> list[tuple[str, int]] | None:
+    """Each running request's id and decode reserve in FastDeploy's admission threshold (c1b7c083d
     ``_get_can_schedule_prefill_threshold_block``): its own per-request estimate under
     ``FD_USE_NEW_TOKEN_RATIO_RESERVE``, else ``current_reserve_output_block_num`` each unless the
     relaxed strategy adds none. ``None`` when this FastDeploy keeps other state (priced as a whole)."""
     try:
         if rm.use_new_token_ratio_reserve:
-            return [int(rm._get_running_request_reserve_blocks(r)) for r in rm.running]
+            return [(r.request_id, int(rm._get_running_request_reserve_blocks(r))) for r in rm.running]
         if rm.can_relax_prefill_strategy:
             return []
-        return [int(rm.current_reserve_output_block_num)] * len(rm.running)
+        return [(r.request_id, int(rm.current_reserve_output_block_num)) for r in rm.running]
     except (AttributeError, TypeError, ValueError):
         return None
 
