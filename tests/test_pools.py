@@ -275,3 +275,27 @@ def test_shared_manager_refuses_bad_groups(groups, pages, exc, match):
     }.get(groups, groups)
     with pytest.raises(exc, match=match):
         HeadwiseKVManager.shared(groups, pages, 64)
+
+
+def test_admission_pages_by_hand():
+    """gpt-oss-20b: one sliding lane (window 127) and one full lane per FastDeploy block. A prefill
+    admission threshold of a 30-block chunk plus the reserves of three running requests (4, 2, 5
+    blocks; the first two already release on their sliding lane): the full lane needs all of it, the
+    sliding lane the chunk (below its cap) and the reserve of the request that does not release yet."""
+    from fastdeploy_paddlefleet.kvcache.pools import admission_pages
+
+    pool = pool_layout(plan_from_config("gpt-oss-20b"), 64)
+    caps = [[None if w is None else allocation_cap(w, 64, 8192) for w in g.lanes] for g in pool.groups]
+    releasing = frozenset({127})
+    reserves = [(4, releasing), (2, releasing), (5, frozenset())]
+    full = 30 + 4 + 2 + 5
+    sliding = 30 + 5
+    assert admission_pages(pool, 30, reserves, caps) == full + sliding
+    # FastDeploy prices the same threshold at 41 blocks of every lane: never less than the pool's
+    assert admission_pages(pool, 30, reserves, caps) <= 41 * pool.pages_per_block
+    # nobody releases yet (requests shorter than the window): exactly FastDeploy's price
+    young = [(r, frozenset()) for r, _ in reserves]
+    assert admission_pages(pool, 30, young, caps) == 41 * pool.pages_per_block
+    # a chunk larger than one allocation of the sliding lane is capped there
+    cap = caps[0][0]
+    assert admission_pages(pool, cap + 50, [], caps) == (cap + 50) + cap
