@@ -92,9 +92,7 @@ class RecyclingSetup:
     plan: AttentionPlan
     layout: RecyclingLayout
     max_model_len: int
-    max_num_seqs: int
     max_num_batched_tokens: int
-    dtype: str
 
 
 def _int(obj: Any, name: str, default: int) -> int:
@@ -219,9 +217,7 @@ def decide(
         plan=plan,
         layout=layout,
         max_model_len=_int(mc, "max_model_len", 2048),
-        max_num_seqs=_int(sched, "max_num_seqs", 1) or 1,
         max_num_batched_tokens=_int(sched, "max_num_batched_tokens", 0),
-        dtype=str(field(mc, "dtype") or "bf16"),
     )
 
 
