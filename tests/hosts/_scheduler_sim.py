@@ -147,6 +147,7 @@ class SimWorker:
         self.check = check
         self.windows = [list(g.lanes) for g in layout.groups] if layout is not None else []
         self.released = 0  # table entries the deltas released
+        self.emptied = 0  # tasks whose request was preempted later in the same batch (reset to nothing)
         self._checks = 0  # queries whose windows were checked
         self.decode_ctx: list[int] = []
         self.chunks: list[tuple[int, int]] = []
@@ -165,9 +166,13 @@ class SimWorker:
                 (preempted if ttype == "PREEMPTED" else aborted).append(rid)
                 continue
             delta = getattr(task, TASK_ATTR, None)
-            if self.tables is not None and delta is not None:
+            if self.tables is not None:
+                if delta is None:  # the plugin's runner refuses such a task (no tables to run it with)
+                    raise SimError(f"step {step}: {ttype} task of {rid} carries no {TASK_ATTR}")
                 if self.tables.apply(delta):
                     self.released += sum(1 for c in delta.changes if c[3] < 0)
+                    if delta.reset and delta.num_blocks == 0:  # freed later in the same schedule()
+                        self.emptied += 1
             if ttype == "PREFILL":
                 slot = self.slots.get(idx)
                 if slot is None or slot.rid != rid or task.prefill_start_index == 0:

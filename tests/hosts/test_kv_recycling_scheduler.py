@@ -179,6 +179,55 @@ def test_real_scheduler_traces_with_a_lagging_worker(host, tiny_dir):
     assert [r["groups"] for r in runs if r["tp"] == 2][0] == ["full", "full", "sliding", "sliding", "sliding"]
 
 
+PREEMPT_IN_BATCH = """
+import json, os
+from fastdeploy_paddlefleet.presets import load_preset
+
+runs = []
+for preset in ("tiny", "tiny-mimo"):
+    d = os.path.join(WORK, preset)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(load_preset(preset), f)
+    for lag in (1, 7):
+        for nb in (22, 30):
+            for seed in (0, 1, 2):
+                cfg = make_config(TINY, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=128,
+                                  block_size=16, num_blocks=nb)
+                rm = make_manager(cfg, d)
+                sim = Sim(rm, lag)
+                trace = make_trace(seed * 31 + nb, 60, (4, 60), (20, 200), 1)
+                st = sim.run(trace, 4000)
+                runs.append(dict(preset=preset, lag=lag, blocks=nb, steps=st.steps, checks=st.checks,
+                                 preempted=st.preempted, emptied=sim.worker.emptied, finished=st.finished,
+                                 all_free=sim.all_free(), requests=len(trace.arrivals)))
+report(runs=runs)
+"""
+
+
+def test_preempted_in_the_batch_that_decodes_it(host, tiny_dir, tmp_path):
+    """FastDeploy with no decode reserve (``FD_USE_NEW_TOKEN_RATIO_RESERVE=0``, reserve blocks 0), small
+    pools and a worker 1 or 7 steps behind preempts every few steps; a request whose status still reads
+    prefill (its first token not back yet) can take the blocks of one that already got its decode task
+    in the same ``schedule()``, so one batch holds that request's DECODE task and then its PREEMPTED task.
+    The DECODE task must carry a delta (a reset to nothing): the worker never runs a task without one.
+    Every step checked as in the suite above."""
+    env = dict(
+        PLUGIN_ENV,
+        FD_USE_NEW_TOKEN_RATIO_RESERVE="0",
+        FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL="0",
+    )
+    script = f"WORK = {str(tmp_path)!r}\n" + PREEMPT_IN_BATCH
+    result = run_scenario(_prelude(tiny_dir) + script, host=host, env=env, timeout=600).check()
+    runs = result.data["runs"]
+    print(json.dumps(runs, indent=1))
+    assert {r["lag"] for r in runs} == {1, 7}
+    for r in runs:
+        assert r["checks"] == r["steps"] and r["all_free"] and r["finished"] == r["requests"], r
+        assert r["preempted"] > 0, r
+    assert sum(r["emptied"] for r in runs) > 0  # the case happened, and every such task carried its reset
+
+
 CAPACITY = """
 import json, os
 from fastdeploy_paddlefleet.presets import load_preset

@@ -435,16 +435,34 @@ class KVRecycler:
             layout_id=self.layout.layout_id,
         )
 
+    def _freed_delta(self, rid: str) -> KVDelta:
+        """A reset to nothing for a request freed after its task was made (:meth:`attach`)."""
+        seq = self._seq.get(rid, 0) + 1
+        self._seq[rid] = seq
+        return KVDelta(
+            request_id=rid, seq=seq, reset=True, num_blocks=0, changes=(), layout_id=self.layout.layout_id
+        )
+
     def attach(self, rm: Any, batch_request: Any) -> None:
         """Give each prefill / decode task its request's delta; a request with changes but no task
         in this batch (pages released by :meth:`release_computed`) gets a decode task carrying
-        them (the worker only updates that slot's tables from it)."""
+        them (the worker only updates that slot's tables from it).
+
+        A task whose request was freed later in the same ``schedule()`` (FastDeploy gave it a decode
+        task, then preempted it for another request's blocks: its status still read prefill while
+        the worker lagged) gets a reset delta holding nothing: the worker empties the slot's rows
+        before the batch's preemption task clears the slot, and never runs a request whose tables
+        it was not told about."""
         sent = set()
         for task in list(getattr(batch_request, "requests", []) or []):
             if not hasattr(task, "block_tables"):  # preempt / abort tasks carry no tables
                 continue
-            setattr(task, TASK_ATTR, self.take_delta(task.request_id))
-            sent.add(task.request_id)
+            rid = task.request_id
+            delta = self.take_delta(rid)
+            if delta is None and rid not in self.manager:
+                delta = self._freed_delta(rid)
+            setattr(task, TASK_ATTR, delta)
+            sent.add(rid)
         for request in list(rm.running):
             rid = request.request_id
             if rid in sent or rid not in self._pending:
