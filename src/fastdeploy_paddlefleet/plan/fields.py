@@ -51,12 +51,40 @@ LIMITS: dict[str, int] = {
 }
 
 
+def regular_file_size(path: str | Path, what: str) -> int:
+    """The size of ``path`` after checking it is a regular file (symbolic links followed):
+    ``ValueError`` naming ``what`` and the path for a FIFO, socket, device, directory or a missing
+    file. Opening a FIFO blocks until a writer comes, a device can be endless: model files are
+    regular files or nothing."""
+    import stat as stat_mod
+
+    try:
+        st = Path(path).stat()
+    except OSError as e:
+        raise ValueError(f"{what} {str(path)!r}: cannot read: {e.strerror or e}") from None
+    if not stat_mod.S_ISREG(st.st_mode):
+        kind = (
+            "a FIFO (named pipe)"
+            if stat_mod.S_ISFIFO(st.st_mode)
+            else "a socket"
+            if stat_mod.S_ISSOCK(st.st_mode)
+            else "a device"
+            if stat_mod.S_ISCHR(st.st_mode) or stat_mod.S_ISBLK(st.st_mode)
+            else "a directory"
+            if stat_mod.S_ISDIR(st.st_mode)
+            else "not a regular file"
+        )
+        raise ValueError(f"{what} {str(path)!r} is {kind}: only regular files are read")
+    return st.st_size
+
+
 def read_json_file(path: str | Path) -> dict[str, Any]:
-    """The JSON object in ``path``, refused by file name when larger than ``MAX_CONFIG_BYTES``
-    (checked before a byte is read), not UTF-8, not JSON, nested too deeply or not an object."""
+    """The JSON object in ``path``, refused by file name when not a regular file, larger than
+    ``MAX_CONFIG_BYTES`` (both checked before a byte is read), not UTF-8, not JSON, nested too deeply
+    or not an object."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        size = regular_file_size(path, "config file")
         if size > MAX_CONFIG_BYTES:
             raise ValueError(
                 f"{path}: {size} bytes, more than a config.json may hold ({MAX_CONFIG_BYTES} bytes, "
@@ -255,4 +283,5 @@ __all__ = [
     "check_count",
     "check_numeric_fields",
     "read_json_file",
+    "regular_file_size",
 ]

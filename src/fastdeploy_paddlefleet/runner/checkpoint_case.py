@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.base import AttentionBackend
+from ..plan.fields import regular_file_size
 from .verify import VerifyCase
 
 MINIFLEET = "minifleet"
@@ -54,7 +55,33 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
             f"model directory {str(model_dir)!r}: no *.safetensors weights in it "
             "(write one with save_pretrained or python -m fastdeploy_paddlefleet.serving.modeldir)"
         )
+    for path in files:
+        check_safetensors_size(path)
     return files
+
+
+#: safetensors' own cap on a file's JSON header (its ``MAX_HEADER_SIZE``)
+MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+def check_safetensors_size(path: Path) -> None:
+    """Before a tensor is read: ``path`` is a regular file (no FIFO, socket or device) whose 8-byte
+    header length fits safetensors' cap and the file; ``ValueError`` naming the file otherwise."""
+    import struct
+
+    size = regular_file_size(path, "weights file")
+    if size < 8:
+        raise ValueError(
+            f"weights file {str(path)!r}: not a readable safetensors file: {size} bytes, "
+            "shorter than its header"
+        )
+    with open(path, "rb") as f:
+        (header,) = struct.unpack("<Q", f.read(8))
+    if header > MAX_SAFETENSORS_HEADER or 8 + header > size:
+        raise ValueError(
+            f"weights file {str(path)!r}: not a readable safetensors file: its header claims {header} "
+            f"bytes in a file of {size} (truncated or damaged)"
+        )
 
 
 def tensor_names(files: list[Path]) -> set[str]:
@@ -200,4 +227,4 @@ def build_checkpoint_case(
     )
 
 
-__all__ = ["build_checkpoint_case", "checkpoint_files", "tensor_names"]
+__all__ = ["build_checkpoint_case", "check_safetensors_size", "checkpoint_files", "tensor_names"]
