@@ -203,9 +203,13 @@ def strict_umask():
 
 def test_force_replaces_only_once_complete_and_files_are_0644(occupied, capsys, strict_umask):
     around = siblings(occupied)
+    others = {p.name: p.read_bytes() for p in occupied.iterdir() if p.name not in modeldir.OURS}
     assert modeldir.main(["tiny", str(occupied), "--force", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["files"] == ["config.json", "model.safetensors"]  # the old notes.txt went with the old dir
+    assert report["files"] == ["config.json", "model.safetensors"]
+    # the user's other files stay, byte for byte (issue 30: --force replaces only the writer's own files)
+    assert report["kept"] == sorted(others) and others
+    assert {n: (occupied / n).read_bytes() for n in others} == others
     assert json.loads((occupied / "config.json").read_text())["model_type"] == "minifleet"
     for name in report["files"]:
         assert stat.S_IMODE((occupied / name).stat().st_mode) == 0o644, name
@@ -292,3 +296,78 @@ def test_a_failed_plot_leaves_both_previous_files(sim, monkeypatch, tmp_path, ca
     err = capsys.readouterr().err
     assert str(out) in err and "No space left on device" in err and "left as they were" in err
     assert snapshot_tree(tmp_path) == before  # no temporary sibling either
+
+
+# ---- writes that never delete what they did not make (issue 30, item 3) -----------------------
+
+
+def test_a_target_that_fills_up_during_the_write_is_refused_and_kept(tmp_path, monkeypatch):
+    """``modeldir`` checked the target only at the start: a file saved into it during the write was
+    deleted when the finished directory was swapped in (exit 0). Now the swap refuses and touches
+    nothing of the user's."""
+    target = tmp_path / "tiny"
+    target.mkdir()
+    real = modeldir._write_files
+
+    def write_then_user_saves(tmp, config, tensors):
+        real(tmp, config, tensors)
+        (target / "draft.txt").write_text("the user's file\n")  # saved while the weights were written
+
+    monkeypatch.setattr(modeldir, "_write_files", write_then_user_saves)
+    with pytest.raises(ValueError, match=r"filled up during the write; nothing was written"):
+        modeldir.write_model_dir("tiny", target)
+    assert sorted(p.name for p in target.iterdir()) == ["draft.txt"]
+    assert (target / "draft.txt").read_text() == "the user's file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no temporary sibling left
+
+
+def test_a_name_taken_mid_move_takes_back_only_what_was_moved(tmp_path, monkeypatch):
+    target = tmp_path / "tiny"
+    target.mkdir()
+    real = modeldir._place_new
+    calls = []
+
+    def place(src, dst):
+        if calls:  # the user's model.safetensors appears between the two moves
+            (target / "model.safetensors").write_bytes(b"mine")
+        calls.append(dst.name)
+        real(src, dst)
+
+    monkeypatch.setattr(modeldir, "_place_new", place)
+    with pytest.raises(ValueError, match="filled up during the write"):
+        modeldir.write_model_dir("tiny", target)
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
+    assert (target / "model.safetensors").read_bytes() == b"mine"
+
+
+def test_force_refuses_the_working_directory_home_and_root(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("x")
+    monkeypatch.chdir(work)
+    before = snapshot_tree(work)
+    with pytest.raises(ValueError, match="the current directory: --force refuses it"):
+        modeldir.write_model_dir("tiny", ".", force=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(work))  # Path.home() reads HOME
+    with pytest.raises(ValueError, match="the home directory: --force refuses it"):
+        modeldir.write_model_dir("tiny", str(work), force=True)
+    with pytest.raises(ValueError, match="filesystem root: --force refuses it"):
+        modeldir.write_model_dir("tiny", "/", force=True)
+    assert snapshot_tree(work) == before
+
+
+def test_a_symlink_target_is_written_through(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    out = modeldir.write_model_dir("tiny", link)
+    assert link.is_symlink() and os.readlink(link) == str(real)  # the link stays a link
+    assert out == real.resolve()
+    assert sorted(p.name for p in real.iterdir()) == ["config.json", "model.safetensors"]
+    # --force through the link: the files are replaced in the real directory, the link kept
+    (real / "notes.txt").write_text("keep")
+    modeldir.write_model_dir("tiny", link, force=True, seed=3)
+    assert link.is_symlink() and (real / "notes.txt").read_text() == "keep"
+    assert json.loads((real / "config.json").read_text())["seed"] == 3

@@ -13,17 +13,21 @@ FastDeploy's ``max_model_len``-related ``max_position_embeddings`` kept) and
 as ``PaddleFleetForCausalLM.set_state_dict`` takes them). Only minifleet presets
 (``tiny``, ``tiny-mla``) can be written: the others describe real models without weights.
 
-All or nothing: a target that exists and is not empty is refused unless ``--force``; the files are
-written into a temporary sibling directory (``.<name>.tmp-*``) and renamed into place only when
-complete (an existing empty directory gets the files moved in and stays; with ``--force`` the old
-directory is swapped out only then, and removed after), files
-``0644``. A failure (a full disk, Ctrl-C) leaves the target as it was, removes the temporary
-directory and names the path; Ctrl-C exits 130 with one line.
+All or nothing, and nothing deleted that this did not write: the files are written into a temporary
+sibling directory (``.<name>.tmp-*``) and moved into place only when complete, each under a name
+that must still be free (a hard link, which fails on an existing name): a target that exists and is
+not empty is refused, also when it became non-empty during the write, and then left as it was.
+``--force`` (``force=True``) replaces only this writer's own files (``config.json``,
+``model.safetensors``) in a non-empty directory and keeps every other file there; it refuses the
+current directory, the home directory and a filesystem root. A symbolic link to a directory is
+written through (the link stays). Files ``0644``. A failure (a full disk, Ctrl-C) leaves the target
+as it was, removes the temporary directory and names the path; Ctrl-C exits 130 with one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -37,24 +41,42 @@ FILE_MODE = 0o644
 DIR_MODE = 0o755
 
 
+#: the files this writer makes (all ``--force`` replaces)
+OURS = ("config.json", "model.safetensors")
+
+
 def _target(path: str | os.PathLike, force: bool) -> Path:
     """The checked target: a non-empty path that is no file and, unless ``force``, no non-empty
-    directory. ``ValueError`` naming it."""
+    directory; with ``force`` not the current directory, the home directory or a filesystem root. A
+    symbolic link is followed (written through). ``ValueError`` naming it."""
     if path is None or not str(os.fspath(path)).strip():
         raise ValueError(f"the model directory path must name a directory, got {path!r}")
     try:
         out = Path(os.path.abspath(path))  # "." and "x/.." get a real name and parent
+        if out.is_symlink():
+            out = Path(os.path.realpath(out))  # write through the link, never replace it
     except OSError as e:  # a relative path in a working directory that was removed
         raise ValueError(f"cannot resolve the model directory {str(path)!r}: {e}") from e
     if out.exists() and not out.is_dir():
         raise ValueError(f"{str(out)!r} exists and is not a directory; refusing to replace it")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        names = sorted(p.name for p in out.iterdir())
-        raise ValueError(
-            f"{str(out)!r} is not empty ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); "
-            "nothing was written: pass --force (force=True) to replace it"
-        )
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ValueError(
+                f"{_not_empty(out)}; nothing was written: pass --force (force=True) to replace "
+                f"{' and '.join(OURS)} there (other files are kept)"
+            )
+        real = out.resolve()
+        for what, place in (("the current directory", Path.cwd()), ("the home directory", Path.home())):
+            if real == place.resolve():
+                raise ValueError(f"{str(out)!r} is {what}: --force refuses it; name a directory of its own")
+        if real.parent == real:
+            raise ValueError(f"{str(out)!r} is a filesystem root: --force refuses it")
     return out
+
+
+def _not_empty(out: Path) -> str:
+    names = sorted(p.name for p in out.iterdir())
+    return f"{str(out)!r} is not empty ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
 
 
 def _write_files(tmp: Path, config: dict[str, Any], tensors: dict[str, Any]) -> None:
@@ -66,39 +88,74 @@ def _write_files(tmp: Path, config: dict[str, Any], tensors: dict[str, Any]) -> 
         f.chmod(FILE_MODE)
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Put the complete ``tmp`` in place of ``out``.
-
-    * ``out`` absent: one rename;
-    * ``out`` an empty directory: its files are moved in (the directory itself, a shell's working
-      directory perhaps, stays); a failed move takes the moved ones out again;
-    * ``out`` not empty (``force``): moved aside, ``tmp`` renamed in, the old one removed after; a
-      failed rename moves it back.
-    """
-    if not out.exists():
-        tmp.rename(out)
+def _place_new(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst`` only if ``dst`` is free: a hard link fails on an existing name (a rename
+    would replace it); where links are not supported, a rename after an existence check."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError:
+        if dst.exists() or dst.is_symlink():
+            raise FileExistsError(errno.EEXIST, "exists", str(dst)) from None
+        src.rename(dst)
         return
-    if not any(out.iterdir()):
+    src.unlink()
+
+
+def _swap_in(tmp: Path, out: Path, force: bool) -> None:
+    """Move the complete ``tmp``'s files into ``out`` (created if absent; an empty directory stays).
+
+    * without ``force``: every file under a name that must still be free; a name taken meanwhile
+      (``out`` became non-empty during the write) takes the moved ones out again and refuses, naming
+      ``out``: nothing there is touched;
+    * with ``force``: this writer's files replace their namesakes (moved aside first, put back if a
+      move fails); every other file of ``out`` stays.
+    """
+    created = not out.exists()
+    out.mkdir(exist_ok=True)
+    names = sorted(f.name for f in tmp.iterdir())
+    if not force:
+        if any(out.iterdir()):
+            raise ValueError(f"{_not_empty(out)}: it filled up during the write; nothing was written there")
         moved: list[Path] = []
         try:
-            for f in sorted(tmp.iterdir()):
-                f.rename(out / f.name)
-                moved.append(out / f.name)
+            for name in names:
+                _place_new(tmp / name, out / name)
+                moved.append(out / name)
+        except FileExistsError:
+            for f in moved:
+                f.unlink(missing_ok=True)  # only what this write put there
+            raise ValueError(
+                f"{_not_empty(out)}: it filled up during the write; nothing was written there"
+            ) from None
         except BaseException:
             for f in moved:
                 f.unlink(missing_ok=True)
+            if created:
+                _remove_empty([out])
             raise
         tmp.rmdir()
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    old.rmdir()
-    out.rename(old)
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    set_aside: list[str] = []
+    placed: list[str] = []
     try:
-        tmp.rename(out)
+        for name in names:
+            if (out / name).exists() or (out / name).is_symlink():
+                (out / name).rename(aside / name)
+                set_aside.append(name)
+            (tmp / name).rename(out / name)
+            placed.append(name)
     except BaseException:
-        old.rename(out)
+        for name in placed:
+            (out / name).unlink(missing_ok=True)
+        for name in set_aside:
+            (aside / name).rename(out / name)
+        shutil.rmtree(aside, ignore_errors=True)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
+    tmp.rmdir()
 
 
 def write_model_dir(
@@ -111,8 +168,10 @@ def write_model_dir(
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` of a minifleet preset (name or dict) to ``path``.
 
-    ``path`` may not exist or be empty; a non-empty directory is replaced only with ``force`` and only
-    once the new one is complete. Any failure leaves ``path`` as it was (``OSError`` naming it).
+    ``path`` may not exist or be empty (also when the write ends: a directory that filled up meanwhile
+    is refused and left as it is); with ``force`` this writer's two files replace theirs in a
+    non-empty directory, once complete, and every other file stays (module docstring). Any failure
+    leaves ``path`` as it was (``OSError`` or ``ValueError`` naming it).
     """
     import numpy as np
 
@@ -148,7 +207,7 @@ def write_model_dir(
     try:
         tmp.chmod(DIR_MODE)
         _write_files(tmp, config, tensors)
-        _swap_in(tmp, out)
+        _swap_in(tmp, out, force)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(made)
@@ -183,10 +242,18 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a minifleet preset as a FastDeploy model directory (config.json + weights).",
     )
     parser.add_argument("preset", help="minifleet preset name (tiny, tiny-mla)")
-    parser.add_argument("path", help="directory to write (must not exist or be empty, unless --force)")
+    parser.add_argument(
+        "path",
+        help="directory to write (must not exist or be empty, unless --force; a link is written through)",
+    )
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--force", action="store_true", help="replace a non-empty directory (once complete)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"in a non-empty directory, replace {' and '.join(OURS)} (once complete) and keep every other "
+        "file; refused for the current directory, the home directory and a filesystem root",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     try:
@@ -197,11 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"interrupted: {args.path!r} was left as it was", file=sys.stderr)
         return 130
-    files = sorted(p.name for p in out.iterdir())
+    kept = sorted(p.name for p in out.iterdir() if p.name not in OURS)
     if args.json:
-        print(json.dumps({"path": str(out), "files": files, "dtype": args.dtype, "seed": args.seed}))
+        print(
+            json.dumps(
+                {"path": str(out), "files": list(OURS), "kept": kept, "dtype": args.dtype, "seed": args.seed}
+            )
+        )
     else:
-        print(f"wrote {out} ({', '.join(files)})")
+        print(f"wrote {out} ({', '.join(OURS)})" + (f"; kept {', '.join(kept)}" if kept else ""))
     return 0
 
 
