@@ -22,6 +22,8 @@ from fastdeploy_paddlefleet.kernels import hopper_prefill as hp  # noqa: E402
 CUDA = torch.cuda.is_available()
 HOPPER = CUDA and hp.is_hopper(torch.device("cuda")) and hp.gluon_available()
 hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and triton.experimental.gluon")
+#: the first variant of each parametrized test stays in ``-m gpu``, the rest are ``gpu_long`` (conftest.py)
+GPU_LONG_VARIANTS = True
 
 # chunked prefills with context, a short tail tile, two-token requests, decode rows in the same batch
 MIXED = [(1000, 700), (0, 513), (37, 1), (2000, 1), (64, 64), (5, 2), (130, 77)]
