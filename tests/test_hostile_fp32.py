@@ -26,6 +26,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+#: the first variant of each parametrized GPU test stays in ``-m gpu``, the rest are ``gpu_long``
+#: (conftest.py: each compiles its own kernels)
+GPU_LONG_VARIANTS = True
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 

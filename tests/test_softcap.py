@@ -25,6 +25,9 @@ from _dense_attention import dense_attention as np_dense  # noqa: E402
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
 from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
 
+#: the first variant of each parametrized GPU test stays in ``-m gpu``, the rest are ``gpu_long``
+#: (conftest.py: each compiles its own kernels)
+GPU_LONG_VARIANTS = True
 CAP = 5.0  # small enough that random scores (|s| up to ~4 with the boosted q below) are bent
 
 

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 import pytest
 
 torch = pytest.importorskip("torch")
+#: the first variant of each parametrized GPU test stays in ``-m gpu``, the rest are ``gpu_long``
+#: (conftest.py: each compiles its own kernels)
+GPU_LONG_VARIANTS = True
 CUDA = torch.cuda.is_available()
 if not CUDA:  # before the kernels are defined: @triton.jit reads it at decoration time
     os.environ.setdefault("TRITON_INTERPRET", "1")
