@@ -85,10 +85,18 @@ def _tile(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
     USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, ROWS_ALIKE: tl.constexpr = False,
 ):  # fmt: skip
     """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
     in one page) or one page per key; ``ok`` marks keys whose page exists.
+
+    Masked keys contribute exactly nothing (docs/semantics.md): a NaN / Inf in K at a key a row may
+    not see only meets the ``-inf`` of the mask; in V it would meet that row's ``P = 0`` inside the
+    ``P @ V`` dot (``0 * NaN = NaN``). Keys outside ``[lo_key, kv_len)`` and absent pages are loaded
+    as zeros. ``ROWS_ALIKE`` (decode: every row is the same position) means every other key is seen
+    by all rows or none, so nothing more is needed; otherwise (prefill's masked tiles: the causal
+    diagonal, the window's edge) non-finite V entries are zeroed for the dot and the rows that do see
+    such a key get a NaN score for it, so their output is NaN as the dense computation's would be.
 
     ``EXP_BF16``: exponentials as packed bf16 (``ex2.approx.ftz.bf16x2``, half the special-function
     issue of fp32 ``ex2``; P feeds the bf16 P @ V dot anyway). ``PROFILE`` (timing ablations only,
@@ -128,7 +136,14 @@ def _tile(
         vis = ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             vis = vis & (pos[:, None] - keys[None, :] <= window)
-        qk = tl.where(vis, qk * qk_scale, float("-inf"))
+        if ROWS_ALIKE:
+            qk = tl.where(vis, qk * qk_scale, float("-inf"))
+        else:  # rows see different keys here: non-finite V entries out of the dot, NaN where seen
+            finite = tl.abs(v) < float("inf")  # False for NaN too
+            v = tl.where(finite, v, 0.0)
+            key_bad = tl.max(tl.where(finite, 0, 1), 1)
+            qk = tl.where(key_bad[None, :] == 0, qk * qk_scale, float("nan"))
+            qk = tl.where(vis, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         x = qk - m_new[:, None]
     else:
@@ -165,8 +180,10 @@ def _attend(
     MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_TMA: tl.constexpr, CHUNK: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, KERNEL: tl.constexpr = 0,
+    ROWS_ALIKE: tl.constexpr = False,
 ):  # fmt: skip
-    """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions.
+    """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions (all the
+    same with ``ROWS_ALIKE``: a decode query's group heads, see ``_tile``).
 
     Table entries of keys in ``[lo_key, kv_len)`` must exist; entries outside the cache are never
     dereferenced (``_pages`` masks them). ``HAS_ERR``: ``bad`` carries the smallest logical block whose
@@ -197,7 +214,7 @@ def _attend(
                     acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, pos, lo_key,
                     kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                     BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
-                    SOFTCAP,
+                    SOFTCAP, ROWS_ALIKE,
                 )  # fmt: skip
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
@@ -213,7 +230,7 @@ def _attend(
                 acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                 BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
-                SOFTCAP,
+                SOFTCAP, ROWS_ALIKE,
             )  # fmt: skip
     return acc, l_i, m_i, bad
 
@@ -464,21 +481,21 @@ def _decode_kernel(
         start, ul, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         ul, uh, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         uh, stop, posv, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
     )  # fmt: skip
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:
