@@ -112,6 +112,21 @@ def test_numpy_inputs_are_named(name):
         get_backend("reference").forward(**a)
 
 
+def test_fp32_inputs_into_bf16_caches_are_refused_not_rounded():
+    """The reference backend cast fp32 q/k/v into bf16 caches where the Triton backend refuses:
+    both refuse now, by name, before anything is written."""
+    a = step()
+    a["kv_cache"] = tuple(c.astype("bfloat16") for c in a["kv_cache"])
+    before = [c.astype("float32").numpy().copy() for c in a["kv_cache"]]
+    a["k"] = paddle.ones_like(a["k"])
+    with pytest.raises(
+        TypeError, match=r"kv_cache dtype must match q \(paddle.float32\), got paddle.bfloat16"
+    ):
+        get_backend("reference").forward(**a)
+    for cache, old in zip(a["kv_cache"], before, strict=True):
+        assert np.array_equal(cache.astype("float32").numpy(), old)
+
+
 def test_numpy_cache_is_named():
     a = step()
     a["kv_cache"] = (a["kv_cache"][0].numpy(), a["kv_cache"][1])

@@ -369,3 +369,49 @@ def test_fully_masked_row_gives_zeros():
     value = paddle.ones([1, 4, 8])
     out = _attend_run(q, key, value, None, 0, 10, None, 0.5)
     assert np.array_equal(out.numpy(), np.zeros([1, 2, 3, 8]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_masked_keys_contribute_exactly_nothing(bad):
+    """docs/semantics.md, "Masked keys": a non-finite K/V a query may not see (a later token of its
+    own chunk, a key outside its window in a page still held) leaves its output as if the slot held
+    zeros, bit for bit; a query that sees it gets a non-finite output, as dense attention gives."""
+    layer = make_layer(2, 2, 16, 16, kind="sliding", window=5, sink="learnable")
+    backend = get_backend("reference")
+    sinks = paddle.to_tensor(np.linspace(-1, 1, 4).astype("float32"))
+    rng = np.random.default_rng(3)
+
+    def run(fill):
+        state = PagedKVState(8, 4, 8, shuffle_seed=1)
+        kc, vc = allocate_kv_caches([layer], 8, 4, fill=float("nan"))[0]
+        outs = []
+        for n, plant in (
+            (12, None),
+            (9, (4, 12 + 6)),
+        ):  # step 2 plants key 4 (cache) and token 6 of the chunk
+            meta = state.schedule([(0, n)])
+            q, k, v = (
+                paddle.to_tensor(rng.standard_normal(s).astype("float32"))
+                for s in ([n, 4, 16], [n, 2, 16], [n, 2, 16])
+            )
+            if plant is not None:
+                old, new = plant
+                k[new - 12, 0] = fill  # this step's token: written with the rest
+                v[new - 12, 0] = fill
+                blk = int(meta.block_tables[0, old // 4])
+                kc[blk, 0, old % 4] = fill
+                vc[blk, 0, old % 4] = fill
+            outs.append(backend.forward(q, k, v, layer, meta, (kc, vc), sinks).numpy().reshape(n, 4, 16))
+        return outs[1]
+
+    rng_state = rng.bit_generator.state
+    zero = run(0.0)
+    rng.bit_generator.state = rng_state
+    got = run(bad)
+    # kv head 0 (q heads 0, 1): chunk rows at positions 12.. see keys [pos - 5, pos]; key 4 is outside
+    # every row's window; token 18 is seen by rows 18..20 only
+    seen = np.zeros((9, 4), dtype=bool)
+    seen[6:, :2] = True
+    assert np.array_equal(got[~seen], zero[~seen])
+    assert np.isfinite(zero).all()
+    assert (~np.isfinite(got[seen])).any(axis=-1).all()

@@ -396,6 +396,8 @@ def _check_operands(q: Any, k: Any, v: Any, layer: LayerAttention, meta: BatchMe
         raise TypeError(
             f"key and value caches must share one dtype, got {kv_cache[0].dtype} and {kv_cache[1].dtype}"
         )
+    if dtype_name(kv_cache[0].dtype) != dtype_name(q.dtype):  # no silent rounding into the cache
+        raise TypeError(f"kv_cache dtype must match q ({q.dtype}), got {kv_cache[0].dtype}")
     check_distinct_caches(kv_cache[0], kv_cache[1])
     check_cache_strides("kv_cache[0] (key cache)", kv_cache[0])
     check_cache_strides("kv_cache[1] (value cache)", kv_cache[1])

@@ -194,10 +194,17 @@ def _attend_run(
     denom = probs.sum(axis=-1, keepdim=True)
     if sink is not None:
         denom = denom + paddle.exp(sink - row_max)
+    # masked keys contribute exactly nothing (docs/semantics.md): a non-finite V entry would meet the
+    # zero probability of a row that may not see it in the matmul (0 * NaN = NaN); it leaves the
+    # matmul, and a row that does see it is NaN, as the dense computation gives
+    finite = paddle.isfinite(value)
+    value = paddle.where(finite, value, paddle.zeros_like(value))
+    key_bad = paddle.logical_not(finite).any(axis=-1)  # [H, L]
+    seen_bad = paddle.logical_and(visible, key_bad.reshape([h, 1, 1, length])).any(axis=-1, keepdim=True)
     out = paddle.matmul(probs.reshape([h, g * n, length]), value).reshape([h, g, n, value.shape[-1]])
     # a fully masked row without a sink has denom 0 and out 0: give 0, not NaN
     safe = paddle.where(denom > 0, denom, paddle.ones_like(denom))
-    return out / safe
+    return paddle.where(seen_bad, paddle.full_like(out, float("nan")), out / safe)
 
 
 class ReferenceBackend(AttentionBackend):
