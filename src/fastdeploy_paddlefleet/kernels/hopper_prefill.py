@@ -22,7 +22,11 @@ Three warpgroups per CTA:
   pipeline refill between items, and no producer stall on Q's round trips: the plain loads it used
   before cost 2-6 % on the H200, ``q_async=False``). A tile whose keys run
   past the sequence end or into an absent page (``-1``) gets its V rows by plain loads instead, the
-  invalid rows zero-filled (stale slots may hold NaN and ``0 * NaN`` would poison ``P @ V``);
+  invalid rows zero-filled (stale slots may hold NaN and ``0 * NaN`` would poison ``P @ V``). A tile
+  that some rows of the item see and others do not (causal diagonal, window edge) gets its
+  non-finite V entries zeroed and their keys flagged (by TMA onto the producer's own barrier, then
+  checked in shared memory: ``_clean_v``); the consumers score a flagged key NaN in the rows that see
+  it, so masked keys contribute exactly nothing and a seen NaN is not hidden;
 * two **consumers** own 64-row halves of the query rows (tokens x padded group heads) and run
   the online softmax against their own wgmma's: ``S(j) = Q K(j)^T`` (for 192-wide heads three
   chained wgmma's over 64-column parts: shared-memory shapes are powers of two) is issued before
@@ -94,7 +98,8 @@ def _next_pow2(x: int) -> int:
 
 
 BLOCK_M = 64  # query rows (tokens x padded group heads) per consumer warpgroup
-# sm_90's shared memory per block (227 KB) less room for the mbarriers and layout-conversion scratch
+# sm_90's shared memory per block (227 KB) less room for the mbarriers, the V tiles' key flags
+# (num_stages * block_n bytes, _clean_v) and layout-conversion scratch
 SMEM_LIMIT = 232448 - 2048
 # head dims (qk, v) this kernel is built and tested for (tile_for fits each in shared memory; others
 # run on the portable kernel)
@@ -270,7 +275,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _producer(
         Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-        CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+        flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
         stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
         G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
@@ -293,6 +298,7 @@ if GLUON_IMPORT_ERROR is None:
         offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
         it = 0
         qi = 0
+        own = 0  # V tiles copied on v_own (its phase)
         for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
             item = _scheduled(step, n_items, SNAKE)
             valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row, b = _work_item(
@@ -302,6 +308,8 @@ if GLUON_IMPORT_ERROR is None:
             if valid:
                 kv_len = ctx + q_len
                 lo_key = gl.maximum(ctx + tok0 - w, 0)  # keys below it may be released (-1)
+                p_first = ctx + tok0
+                p_last = ctx + gl.minimum(tok0 + TILE_Q, q_len) - 1
                 if not Q_LATE:
                     _load_q(Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt, stride_qh,
                             offs_r, offs_q, G, GP, BLOCK_M, DQK, QKC, Q_BUFS, Q_ASYNC)  # fmt: skip
@@ -336,6 +344,13 @@ if GLUON_IMPORT_ERROR is None:
                                     Q_ASYNC)  # fmt: skip
                     mbarrier.wait(v_empty.index(s), phase)
                     vb = v_bufs.index(s)
+                    # a tile whose keys some rows of the item see and others do not (the causal
+                    # diagonal, the window's edge: a superset of what either consumer masks) has its
+                    # non-finite V entries zeroed and flagged per key (_clean_v): in P @ V they would
+                    # meet the zero P of the rows that may not see them (0 * NaN = NaN)
+                    mixed = key0 + BLOCK_N - 1 > p_first
+                    if HAS_WINDOW:
+                        mixed = mixed | (key0 < p_last - w)
                     if absent | (key0 + BLOCK_N > kv_len):
                         # plain loads with the invalid rows zeroed (stale slots may hold NaN and
                         # 0 * NaN = NaN in P @ V), then published to the async proxy
@@ -349,7 +364,26 @@ if GLUON_IMPORT_ERROR is None:
                             v_rows = (gl.maximum(pg, 0) * BS + keys % BS) * stride_vr
                             v_ptrs = V + gl.expand_dims(v_rows, 1) + gl.expand_dims(offs_v, 0)
                             vals = gl.load(v_ptrs, mask=gl.expand_dims(v_ok, 1), other=0.0)
-                            vb.slice(r0, ROWS, dim=0).store(vals)
+                            _clean_v(vals, vb, flags.index(s), r0, ROWS)
+                        gh.fence_async_shared()
+                        mbarrier.arrive(v_ready.index(s), count=1)
+                    elif mixed:  # by TMA onto the producer's own barrier, cleaned in shared memory
+                        mbarrier.expect(v_own.index(0), V_BYTES)
+                        for i in gl.static_range(NBOX):
+                            blk = (key0 + i * BOX) // BS
+                            page = gl.load(tbl_row + blk, mask=blk < n_blk, other=0).to(gl.int64)
+                            if not HEADWISE:
+                                page = page * HKV + kvh
+                            row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
+                            for c in gl.static_range(DV // CHUNK_C):
+                                tma.async_copy_global_to_shared(
+                                    v_desc, [row, c * CHUNK_C], v_own.index(0),
+                                    vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
+                                )  # fmt: skip
+                        mbarrier.wait(v_own.index(0), own & 1)
+                        own += 1
+                        for r0 in gl.static_range(0, BLOCK_N, ROWS):
+                            _clean_v(vb.slice(r0, ROWS, dim=0).load(ld), vb, flags.index(s), r0, ROWS)
                         gh.fence_async_shared()
                         mbarrier.arrive(v_ready.index(s), count=1)
                     else:
@@ -367,6 +401,16 @@ if GLUON_IMPORT_ERROR is None:
                                 )  # fmt: skip
                     it += 1
                 qi += 1
+
+    @gluon.jit
+    def _clean_v(vals, vb, flags_st, r0, ROWS: gl.constexpr):
+        """Rows ``[r0, r0 + ROWS)`` of a V tile (``vals``, registers) into ``vb`` with their non-finite
+        entries zeroed, and ``flags_st[r0:r0 + ROWS]`` set to 1 for the keys that had one: the
+        consumers give those keys a NaN score in the rows that see them (:func:`_softmax_tile`)."""
+        finite = gl.abs(vals.to(gl.float32)) < float("inf")  # False for NaN too
+        vb.slice(r0, ROWS, dim=0).store(gl.where(finite, vals, 0.0))
+        bad = gl.max(gl.where(finite, 0, 1), 1).to(gl.int8)
+        flags_st.slice(r0, ROWS, dim=0).store(bad)
 
     @gluon.jit
     def _load_q(
@@ -421,12 +465,15 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _softmax_tile(
-        s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+        s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, flags_st, v_bar, v_phase,
         BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr,
     ):  # fmt: skip
         """Online softmax of one tile's scores ``s [BLOCK_M, BLOCK_N]`` (keys from ``key0``): ``(p, m_i,
         l_i, alpha)``, ``alpha`` the factor for the accumulator. The mask only on tiles touching the
-        causal diagonal or the window's edge of these rows."""
+        causal diagonal or the window's edge of these rows; there the producer has zeroed the tile's
+        non-finite V entries and flagged their keys (``flags_st``, published with ``v_bar``'s phase
+        ``v_phase``): a flagged key a row sees scores NaN, so that row is NaN as dense attention's would
+        be, and a row that may not see it is untouched (masked keys contribute exactly nothing)."""
         if PROFILE == 1:  # timing ablation (benchmarks only): no softmax, P = S
             p = s
             alpha = m_i
@@ -441,7 +488,10 @@ if GLUON_IMPORT_ERROR is None:
                 vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
                 if HAS_WINDOW:
                     vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
-                s = gl.where(vis, s * sc, float("-inf"))
+                mbarrier.wait(v_bar, v_phase)  # the flags come with the cleaned V tile
+                bad = flags_st.load(offs_n.type.layout)
+                s = gl.where(gl.expand_dims(bad, 0) == 0, s * sc, float("nan"))
+                s = gl.where(vis, s, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, 1))
                 p = gl.exp2(s - gl.expand_dims(m_new, 1))
             else:
@@ -477,7 +527,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _item_peeled(
-        q_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, q_empty, qs, it, n_tiles, a,
+        q_bufs, k_bufs, v_bufs, flags, k_ready, v_ready, k_empty, v_empty, q_empty, qs, it, n_tiles, a,
         acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, tok,
         HALF: gl.constexpr, NQC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr,
@@ -513,8 +563,8 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.arrive(k_empty.index(st), count=1)
             # acc is still zero: nothing to rescale
             p, m_i, l_i, alpha = _softmax_tile(
-                s, m_i, l_i, a, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
-                BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
+                s, m_i, l_i, a, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, flags.index(st),
+                v_ready.index(st), (it // NUM_STAGES) & 1, BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
             )  # fmt: skip
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_tiles):
@@ -532,8 +582,8 @@ if GLUON_IMPORT_ERROR is None:
                 s, acc = gh.warpgroup_mma_wait(1, deps=[s_tok, acc])
                 mbarrier.arrive(k_empty.index(st), count=1)
                 p, m_i, l_i, alpha = _softmax_tile(
-                    s, m_i, l_i, a + j * BLOCK_N, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
-                    BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
+                    s, m_i, l_i, a + j * BLOCK_N, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, flags.index(st),
+                    v_ready.index(st), ((it + j) // NUM_STAGES) & 1, BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
                 )  # fmt: skip
                 acc = gh.warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(v_empty.index(pst), count=1)
@@ -568,7 +618,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(
-        O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
         CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
         stride_ot, stride_oh, n_tok,
         HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
@@ -642,9 +692,9 @@ if GLUON_IMPORT_ERROR is None:
                 p_prev = gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout)
                 if PEEL:
                     acc, l_i, tok = _item_peeled(
-                        q_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, q_empty, qs, it, n_tiles,
-                        a, acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, tok,
-                        HALF, NQC, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_WINDOW, SOFTCAP, PROFILE, PINGPONG,
+                        q_bufs, k_bufs, v_bufs, flags, k_ready, v_ready, k_empty, v_empty, q_empty, qs, it,
+                        n_tiles, a, acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+                        tok, HALF, NQC, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_WINDOW, SOFTCAP, PROFILE, PINGPONG,
                     )  # fmt: skip
                 else:
                     for j in range(n_tiles):
@@ -661,7 +711,8 @@ if GLUON_IMPORT_ERROR is None:
                             s = gh.warpgroup_mma_wait(0, deps=[s_tok])
                         mbarrier.arrive(k_empty.index(st), count=1)
                         p, m_i, l_i, alpha = _softmax_tile(
-                            s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+                            s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, flags.index(st),
+                            v_ready.index(st), ((it + j) // NUM_STAGES) & 1,
                             BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
                         )  # fmt: skip
                         if j > 0:
@@ -715,6 +766,12 @@ if GLUON_IMPORT_ERROR is None:
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
+        v_own = gl.allocate_shared_memory(gl.int64, [1, 1], bl)  # the producer's V copies it cleans
+        # per key of each stage's V tile: 1 if the producer zeroed a non-finite entry (_clean_v); in
+        # the 2 KB that SMEM_LIMIT keeps free
+        flags_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        flags = gl.allocate_shared_memory(gl.int8, [NUM_STAGES, BLOCK_N], flags_layout)
+        mbarrier.init(v_own.index(0), count=1)
         for i in gl.static_range(Q_BUFS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)  # both consumers release a Q buffer
@@ -729,23 +786,23 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize(
             [
                 (_consumer, (
-                    O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
-                    stride_ot, stride_oh, n_tok,
+                    O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
+                    v_empty, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+                    qk_scale, stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
                     SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
                 )),
                 (_consumer, (
-                    O, Sinks, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
-                    stride_ot, stride_oh, n_tok,
+                    O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
+                    v_empty, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+                    qk_scale, stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
                     SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                    k_empty, v_empty, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window,
-                    win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
+                    k_empty, v_empty, flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len,
+                    window, win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
                     G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
                     HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE, Q_ASYNC,
                 )),
