@@ -53,6 +53,24 @@ RECORDS: list[dict] = []
 FLEX = True
 
 
+#: the launch modules by their names since ``kernels/launch/`` (issue 30) and before (an older tree
+#: benchmarked with ``--src``: ``kernels/_launch.py``, ``kernels/_cuda_launch.py``)
+LAUNCH_MODULES = {"direct": "_launch", "own_launcher": "_cuda_launch", "c_entry": "_fast_launch"}
+
+
+def launch_module(name: str):
+    """``fastdeploy_paddlefleet.kernels.launch.<name>``, or its older flat name in the tree on ``sys.path``
+    (``--src``); ``ImportError`` if the tree has neither."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"fastdeploy_paddlefleet.kernels.launch.{name}")
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("fastdeploy_paddlefleet.kernels.launch"):
+            raise
+        return importlib.import_module(f"fastdeploy_paddlefleet.kernels.{LAUNCH_MODULES[name]}")
+
+
 def emit(rec: dict, fh=None) -> None:
     RECORDS.append(rec)
     line = json.dumps(rec)
@@ -806,7 +824,7 @@ def _host_us_queued(fn, repeats: int) -> dict:
 def trivial_kernels() -> tuple:
     """Two Triton kernels that do nothing worth timing, with 20 and 40 runtime arguments (a pointer
     ``X``, then ints; ``N`` constexpr): the yardsticks of a launch's host cost (also
-    ``launch_parts.py``)."""
+    ``probes/launch_parts.py``)."""
     import triton
     import triton.language as tl
 
@@ -857,7 +875,7 @@ def host_batches() -> dict:
 def one_shot_cases(b: dict | None = None) -> list:
     """``(name, call)`` of each one-shot wrapper on :func:`host_batches`' inputs (``b``, else new ones):
     ``write_kv_cache``, ``paged_attention`` decode, portable and default (``auto``) prefill, ``out``
-    and the error flag given (also ``launch_parts.py --wrappers``)."""
+    and the error flag given (also ``probes/launch_parts.py --wrappers``)."""
     import torch
 
     from fastdeploy_paddlefleet.kernels import cache_write as cw
@@ -889,7 +907,7 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
     """Host (CPU) time per eager launch of each kernel wrapper at tiny shapes (the GPU idles between
     calls), beside what bounds it: a trivial Triton kernel with 20 / 40 arguments through Triton's
     launcher, the same kernel's compiled launcher called directly (the pointer as a tensor, and as an
-    address), our own launcher on it (``kernels/_cuda_launch.py``), and a torch elementwise op."""
+    address), our own launcher on it (``kernels/launch/own_launcher.py``), and a torch elementwise op."""
     import torch
 
     calls = calls if SH["dev"] == "cuda" else 3
@@ -925,10 +943,8 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
             k40.run(1, 1, 1, stream, k40.function, k40.packed_metadata, None, None, None, *addr40)
 
         cases.append(("triton-40-args-direct-addr", direct40_addr))
-        try:  # our launcher (kernels/_cuda_launch.py) on the same compiled kernel; older trees: none
-            from fastdeploy_paddlefleet.kernels._cuda_launch import own_launcher
-
-            own40 = own_launcher(k40, len(addr40) - 1, (16,))
+        try:  # our launcher (kernels/launch/own_launcher.py) on the same compiled kernel; older trees: none
+            own40 = launch_module("own_launcher").own_launcher(k40, len(addr40) - 1, (16,))
         except ImportError:
             own40 = None
         if own40 is not None:
@@ -998,8 +1014,7 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
         )
     except Exception as e:  # noqa: BLE001 - an older tree: the kernels' figures still count
         emit({"case": "host-backend-layer-served", "impl": "triton", "error": repr(e)[:200]}, fh)
-    from fastdeploy_paddlefleet.kernels import _launch
-
+    _launch = launch_module("direct")
     direct = getattr(_launch, "direct_wanted", lambda: bool(_launch.DIRECT_LAUNCH))()  # older trees: the flag
     launch_kw = {"direct_launch": direct, "address_args": getattr(_launch, "ADDRESS_ARGS", False)}
     if hasattr(_launch, "own_wanted"):  # FDFLEET_OWN_LAUNCHER=off: the A/B against Triton's compiled launcher
@@ -1201,7 +1216,7 @@ def main(argv=None) -> int:
         dest="direct_launch",
         action="store_true",
         default=None,
-        help="launch compiled kernels directly (kernels/_launch.py DIRECT_LAUNCH; default: "
+        help="launch compiled kernels directly (kernels/launch/direct.py DIRECT_LAUNCH; default: "
         "FDFLEET_DIRECT_LAUNCH, on unless set off)",
     )
     launch.add_argument(
@@ -1213,8 +1228,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--tensor-args",
         action="store_true",
-        help="direct launches pass tensors, not addresses (kernels/_launch.py ADDRESS_ARGS; an A/B of the "
-        "launcher's per-pointer cost)",
+        help="direct launches pass tensors, not addresses (kernels/launch/direct.py ADDRESS_ARGS; "
+        "an A/B of the launcher's per-pointer cost)",
     )
     ap.add_argument(
         "--src",
@@ -1255,8 +1270,7 @@ def main(argv=None) -> int:
     import triton
 
     if args.direct_launch is not None or args.tensor_args:  # an older tree (--src): the same attributes
-        from fastdeploy_paddlefleet.kernels import _launch
-
+        _launch = launch_module("direct")
         if args.direct_launch is not None:
             _launch.DIRECT_LAUNCH = args.direct_launch
         if args.tensor_args:

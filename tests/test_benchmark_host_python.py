@@ -1,4 +1,4 @@
-"""benchmarks/host_python.py keeps running on the CPU: every case on the direct path (the kept kernel
+"""benchmarks/probes/host_python.py keeps running on the CPU: every case on the direct path (the kept kernel
 called with addresses, as on a GPU), each launch counted, and the lane each launch came from."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "host_python.py"
+SCRIPT = ROOT / "benchmarks" / "probes" / "host_python.py"
 LAUNCHES = {  # kept kernels per call: a one-shot wrapper one launch, a served layer write + attention
     "write_kv_cache": 1,
     "paged_attention-decode": 1,
@@ -83,11 +83,11 @@ def test_host_python_benchmark_refuses_bad_arguments(tmp_path):
 
 def test_gpu_like_tensors_is_undone_on_exit():
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
     try:
         import host_python
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "probes"))
     x = torch.zeros(2)
     with pytest.raises(KeyError), host_python.gpu_like_tensors(True):
         assert x.is_cuda is True

@@ -18,7 +18,7 @@ error).
 
 Usage::
 
-    python benchmarks/launch_parts.py [--out FILE.jsonl] [--wrappers]
+    python benchmarks/probes/launch_parts.py [--out FILE.jsonl] [--wrappers]
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ import struct
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: attention.py, _outputs.py
+ROOT = os.path.dirname(BENCH)
+for _dir in (BENCH, HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path; the trivial kernels)
 import host_python as HP  # noqa: E402  (lanes: which path each call took)
 
@@ -155,7 +158,7 @@ def main() -> None:
     import torch
     from triton.runtime import driver
 
-    from fastdeploy_paddlefleet.kernels._cuda_launch import own_launcher
+    from fastdeploy_paddlefleet.kernels.launch.own_launcher import own_launcher
 
     _, trivial40 = A.trivial_kernels()
     x = torch.zeros(1024, device="cuda")

@@ -17,7 +17,7 @@ launch's time goes instead of guessing:
 
 Usage::
 
-    python benchmarks/decode_probe.py [--out FILE.json] [--parts stamps,shapes] [--ncu]
+    python benchmarks/probes/decode_probe.py [--out FILE.json] [--parts stamps,shapes] [--ncu]
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: attention.py, _outputs.py
+ROOT = os.path.dirname(BENCH)
+for _dir in (BENCH, HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
 
-SRC = os.path.join(os.path.dirname(HERE), "src", "fastdeploy_paddlefleet", "kernels", "attention_kernels.py")
+SRC = os.path.join(ROOT, "src", "fastdeploy_paddlefleet", "kernels", "attention_kernels.py")
 SHAPES = ((16, 16384), (32, 8192), (64, 4096), (128, 2048), (256, 1024))
 
 _GTIME = '''
@@ -145,8 +148,8 @@ def _recorded_launch(batch, ctx: int, num_splits: int | None = None, every: bool
     """``(args, grid, consts)`` of the decode launch ``paged_attention`` makes for ``batch`` (Triton's
     path, recorded by a stand-in ``KernelCache.launch``); ``every``: the list of ``(kernel, grid, args,
     consts)`` of every launch (decode, then the split-KV reduce)."""
-    from fastdeploy_paddlefleet.kernels import _launch
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     seen = []
     real = _launch.KernelCache.launch

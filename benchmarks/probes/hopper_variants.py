@@ -10,7 +10,8 @@ that hangs (a deadlock on the GPU), crashes or fails to compile is recorded and 
 
 Usage::
 
-    python benchmarks/hopper_variants.py [--out FILE.jsonl] [--variants default,peel,...] [--timeout 90]
+    python benchmarks/probes/hopper_variants.py [--out FILE.jsonl] [--variants default,peel,...]
+        [--timeout 90]
         [--tag session=2026-12-01c --tag kernel_rev=abc1234]
 """
 
@@ -24,9 +25,12 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: attention.py, _outputs.py
+ROOT = os.path.dirname(BENCH)
+for _dir in (BENCH, HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
 from _outputs import choose, parse_tags  # noqa: E402
 

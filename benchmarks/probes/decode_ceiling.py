@@ -20,7 +20,8 @@ against cuDNN is the kernel alone.
 
 Usage::
 
-    python benchmarks/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tiles] [--tag KEY=VALUE] [--json]
+    python benchmarks/probes/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tiles] [--tag KEY=VALUE]
+        [--json]
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ import math
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: attention.py, _outputs.py
+ROOT = os.path.dirname(BENCH)
+for _dir in (BENCH, HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
 from _outputs import parse_tags  # noqa: E402
 

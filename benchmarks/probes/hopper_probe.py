@@ -14,7 +14,7 @@ for), ``p_rest`` (the other tiles), ``p_tail``.
 
 Usage::
 
-    python benchmarks/hopper_probe.py [--out FILE.json] [--cases swa1024-sinks,causal,...]
+    python benchmarks/probes/hopper_probe.py [--out FILE.json] [--cases swa1024-sinks,causal,...]
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src", "fastdeploy_paddlefleet", "kernels", "hopper_prefill.py")
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: _outputs.py
+ROOT = os.path.dirname(BENCH)
+SRC = os.path.join(ROOT, "src", "fastdeploy_paddlefleet", "kernels", "hopper_prefill.py")
 MAX_ITEMS = 64  # work items per CTA the trace holds
 SLOTS = 16  # stamps per item: consumer 0 at 0-3, consumer 1 at 4-7, producer at 8-12
 
@@ -291,8 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the summary here (JSON)")
     ap.add_argument("--json", action="store_true", help="the summary as one JSON object on stdout")
     args = ap.parse_args(argv)
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
     from _outputs import choose
 
     try:

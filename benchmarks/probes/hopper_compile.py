@@ -6,7 +6,7 @@ Triton's own ptxas and cuobjdump assemble and read the cubin. A stub driver stan
 
 Usage::
 
-    PYTHONPATH=DIR:src python benchmarks/hopper_compile.py [--case '{"dqk": 192, "dv": 128}' ...]
+    PYTHONPATH=DIR:src python benchmarks/probes/hopper_compile.py [--case '{"dqk": 192, "dv": 128}' ...]
         [--sass-dir DIR] [--json]
 
 Each case: ``dqk``, ``dv`` and optionally ``hq``, ``hkv``, ``bs``, ``sink_mode``, ``has_window``,
@@ -28,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+ROOT = os.path.dirname(os.path.dirname(HERE))
 DEFAULT_CASES = [
     dict(dqk=128, dv=128, hq=32, hkv=8),
     dict(dqk=192, dv=128, hq=16, hkv=16),
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
     except json.JSONDecodeError as e:
         print(f"error: --case is not JSON: {e}", file=sys.stderr)
         return 2
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+    sys.path.insert(0, os.path.join(ROOT, "src"))
     stub_driver()
     from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
 
