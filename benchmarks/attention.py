@@ -41,7 +41,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 if HERE not in sys.path:  # also when loaded by file path (the tests)
     sys.path.insert(0, HERE)
-from _outputs import output_path, plot_path, replacing  # noqa: E402
+from _outputs import (  # noqa: E402
+    Claim,
+    RecordFile,
+    Refused,
+    claim,
+    fail,
+    force_help,
+    output_path,
+    plot_path,
+    read_jsonl,
+    replacing,
+)
+
+SCRIPT = "attention"  # the mark on what this script writes (benchmarks/_outputs.py)
 
 BS, HQ, HKV, D = 64, 32, 8, 128
 # shapes of issue 4; ``--smoke`` shrinks them to check the script on CPU (interpreter) or a small GPU
@@ -71,13 +84,12 @@ def launch_module(name: str):
         return importlib.import_module(f"fastdeploy_paddlefleet.kernels.{LAUNCH_MODULES[name]}")
 
 
-def emit(rec: dict, fh=None) -> None:
+def emit(rec: dict, fh: RecordFile | None = None) -> None:
+    """Keep ``rec``, print it, and write it (with its script's mark) into ``fh``."""
     RECORDS.append(rec)
-    line = json.dumps(rec)
-    print(line, flush=True)
+    print(json.dumps(rec), flush=True)
     if fh is not None:
-        fh.write(line + "\n")
-        fh.flush()
+        fh.record(rec)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -1155,15 +1167,10 @@ def plot(records: list[dict], path: str) -> bool:
     return True
 
 
-def print_comparison(records: list[dict], path: str) -> None:
-    """Each (case, impl) of ``records`` beside the same one in the JSON lines file ``path``: the case's
-    figure (GB/s, TFLOP/s or ms), both timings where recorded, and the ratio now / then."""
-    with open(path) as f:
-        old = {
-            (r.get("case"), r.get("impl")): r
-            for r in (json.loads(line) for line in f if line.strip())
-            if "case" in r and "error" not in r
-        }
+def print_comparison(records: list[dict], then: list[dict]) -> None:
+    """Each (case, impl) of ``records`` beside the same one in ``then`` (the records of ``--compare``):
+    the case's figure (GB/s, TFLOP/s or ms), both timings where recorded, and the ratio now / then."""
+    old = {(r.get("case"), r.get("impl")): r for r in then if "case" in r and "error" not in r}
     head = f"{'case':28} {'impl':22} {'metric':7} {'now':>9} {'then':>9} {'ratio':>6}"
     print(head + "  ms now/then (bench | graph)")
     for r in records:
@@ -1195,6 +1202,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--plot", default=None, help="plot path, .png/.svg/.pdf (default: --out with .png)")
     ap.add_argument("--plot-only", metavar="FILE", help="draw the PNG from saved JSON lines and exit")
+    ap.add_argument("--force", action="store_true", help=force_help("the --out and --plot files"))
     ap.add_argument(
         "--cases",
         default="copy,decode,prefill,mixed,mla,gptoss,host",
@@ -1237,21 +1245,33 @@ def main(argv=None) -> int:
         help="import fastdeploy_paddlefleet from this source tree instead (A/B against an older commit)",
     )
     args = ap.parse_args(argv)
-    try:  # where this run writes: refused by name before any work (benchmarks/_outputs.py)
+    then = None
+    try:  # where this run writes, and what it reads: refused by name before any work (_outputs.py)
         if args.plot_only:
             out = Path(args.plot_only)
+            recs = read_jsonl(out, "--plot-only")
+            if not any("impl" in r and "case" in r for r in recs):
+                raise Refused(f"--plot-only {str(out)!r} holds no benchmark record (none with case and impl)")
             png = plot_path(args.plot, out, smoke=False)
+            png_claim = claim(png, script=SCRIPT, force=args.force, flag="--plot", beside=out)
         else:
             out = output_path(args.out, name="attention.jsonl", suffixes=(".jsonl",), what="JSON lines",
                               smoke=args.smoke)  # fmt: skip
             png = plot_path(args.plot, out, smoke=args.smoke)
+            out_claim = claim(out, script=SCRIPT, force=args.force)
+            png_claim = claim(png, script=SCRIPT, force=args.force, flag="--plot", beside=out)
+            if args.compare:
+                then = read_jsonl(args.compare, "--compare")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if args.plot_only:
-        with open(out) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
-        if not write_plot(recs, png):
+        try:
+            drawn = write_plot(recs, png_claim)
+        except Refused as e:
+            return fail(e)
+        except (KeyError, TypeError, ValueError) as e:  # records of another shape than this script's
+            return fail(Refused(f"--plot-only {str(out)!r}: a record is not what this script writes ({e!r})"))
+        if not drawn:
             print("matplotlib is not installed", file=sys.stderr)
             return 1
         print(png)
@@ -1280,7 +1300,9 @@ def main(argv=None) -> int:
 
         pa_mod.ERR_LOOP_PREFILL = pa_mod.ERR_LOOP_DECODE = False
     t0 = time.time()
-    with replacing(out) as tmp, open(tmp, "w") as fh:  # the previous file stays until the run completes
+    # the previous file stays until the run completes (and only if it is this script's, or --force)
+    with replacing(out_claim) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        fh = RecordFile(f, SCRIPT)
         on_gpu = SH["dev"] == "cuda"
         props = torch.cuda.get_device_properties(0) if on_gpu else None
         emit(
@@ -1335,23 +1357,27 @@ def main(argv=None) -> int:
             for s in summary(RECORDS):
                 emit({"summary": True, **s}, fh)
         emit({"meta": True, "wall_s": round(time.time() - t0, 1)}, fh)
-    if args.compare:
-        print_comparison(RECORDS, args.compare)
+    if then is not None:
+        print_comparison(RECORDS, then)
     print(out, file=sys.stderr)
-    if not args.sweep and write_plot(RECORDS, png):
-        print(png, file=sys.stderr)
+    try:
+        if not args.sweep and write_plot(RECORDS, png_claim):
+            print(png, file=sys.stderr)
+    except Refused as e:
+        return fail(e)
     return 0
 
 
-def write_plot(records: list[dict], png: Path) -> bool:
-    """Draw ``records`` into ``png`` all or nothing; ``False`` (``png`` untouched) without matplotlib."""
+def write_plot(records: list[dict], png: Claim) -> bool:
+    """Draw ``records`` into ``png`` (a :func:`claim`) all or nothing; ``False`` (``png`` untouched)
+    without matplotlib."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return False
     with replacing(png) as tmp:
         if not plot(records, str(tmp)):
-            raise RuntimeError(f"could not draw {png}")
+            raise RuntimeError(f"could not draw {png.path}")
     return True
 
 

@@ -49,7 +49,8 @@ def test_host_python_benchmark_runs_every_case_on_the_direct_path(tmp_path):
     proc = _run(*args, tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [json.loads(line) for line in out.read_text().splitlines()] == printed
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert written == [{"fdfleet-benchmark": "host_python", **r} for r in printed]  # each with its mark
     rows = {r["case"]: r for r in printed}
     assert set(rows) == {"torch-add_", "torch-empty", "new_empty", *LAUNCHES}
     for case, row in rows.items():
