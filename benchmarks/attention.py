@@ -41,7 +41,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 if HERE not in sys.path:  # also when loaded by file path (the tests)
     sys.path.insert(0, HERE)
-from _outputs import output_path, plot_path, replacing  # noqa: E402
+from _outputs import (  # noqa: E402
+    Claim,
+    RecordFile,
+    Refused,
+    claim,
+    fail,
+    force_help,
+    output_path,
+    plot_path,
+    read_jsonl,
+    replacing,
+)
+
+SCRIPT = "attention"  # the mark on what this script writes (benchmarks/_outputs.py)
 
 BS, HQ, HKV, D = 64, 32, 8, 128
 # shapes of issue 4; ``--smoke`` shrinks them to check the script on CPU (interpreter) or a small GPU
@@ -53,13 +66,30 @@ RECORDS: list[dict] = []
 FLEX = True
 
 
-def emit(rec: dict, fh=None) -> None:
+#: the launch modules by their names since ``kernels/launch/`` (issue 30) and before (an older tree
+#: benchmarked with ``--src``: ``kernels/_launch.py``, ``kernels/_cuda_launch.py``)
+LAUNCH_MODULES = {"direct": "_launch", "own_launcher": "_cuda_launch", "c_entry": "_fast_launch"}
+
+
+def launch_module(name: str):
+    """``fastdeploy_paddlefleet.kernels.launch.<name>``, or its older flat name in the tree on ``sys.path``
+    (``--src``); ``ImportError`` if the tree has neither."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"fastdeploy_paddlefleet.kernels.launch.{name}")
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("fastdeploy_paddlefleet.kernels.launch"):
+            raise
+        return importlib.import_module(f"fastdeploy_paddlefleet.kernels.{LAUNCH_MODULES[name]}")
+
+
+def emit(rec: dict, fh: RecordFile | None = None) -> None:
+    """Keep ``rec``, print it, and write it (with its script's mark) into ``fh``."""
     RECORDS.append(rec)
-    line = json.dumps(rec)
-    print(line, flush=True)
+    print(json.dumps(rec), flush=True)
     if fh is not None:
-        fh.write(line + "\n")
-        fh.flush()
+        fh.record(rec)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -806,7 +836,7 @@ def _host_us_queued(fn, repeats: int) -> dict:
 def trivial_kernels() -> tuple:
     """Two Triton kernels that do nothing worth timing, with 20 and 40 runtime arguments (a pointer
     ``X``, then ints; ``N`` constexpr): the yardsticks of a launch's host cost (also
-    ``launch_parts.py``)."""
+    ``probes/launch_parts.py``)."""
     import triton
     import triton.language as tl
 
@@ -857,7 +887,7 @@ def host_batches() -> dict:
 def one_shot_cases(b: dict | None = None) -> list:
     """``(name, call)`` of each one-shot wrapper on :func:`host_batches`' inputs (``b``, else new ones):
     ``write_kv_cache``, ``paged_attention`` decode, portable and default (``auto``) prefill, ``out``
-    and the error flag given (also ``launch_parts.py --wrappers``)."""
+    and the error flag given (also ``probes/launch_parts.py --wrappers``)."""
     import torch
 
     from fastdeploy_paddlefleet.kernels import cache_write as cw
@@ -889,7 +919,7 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
     """Host (CPU) time per eager launch of each kernel wrapper at tiny shapes (the GPU idles between
     calls), beside what bounds it: a trivial Triton kernel with 20 / 40 arguments through Triton's
     launcher, the same kernel's compiled launcher called directly (the pointer as a tensor, and as an
-    address), our own launcher on it (``kernels/_cuda_launch.py``), and a torch elementwise op."""
+    address), our own launcher on it (``kernels/launch/own_launcher.py``), and a torch elementwise op."""
     import torch
 
     calls = calls if SH["dev"] == "cuda" else 3
@@ -925,10 +955,8 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
             k40.run(1, 1, 1, stream, k40.function, k40.packed_metadata, None, None, None, *addr40)
 
         cases.append(("triton-40-args-direct-addr", direct40_addr))
-        try:  # our launcher (kernels/_cuda_launch.py) on the same compiled kernel; older trees: none
-            from fastdeploy_paddlefleet.kernels._cuda_launch import own_launcher
-
-            own40 = own_launcher(k40, len(addr40) - 1, (16,))
+        try:  # our launcher (kernels/launch/own_launcher.py) on the same compiled kernel; older trees: none
+            own40 = launch_module("own_launcher").own_launcher(k40, len(addr40) - 1, (16,))
         except ImportError:
             own40 = None
         if own40 is not None:
@@ -998,8 +1026,7 @@ def host_cost_cases(fh, calls: int = 2000) -> None:
         )
     except Exception as e:  # noqa: BLE001 - an older tree: the kernels' figures still count
         emit({"case": "host-backend-layer-served", "impl": "triton", "error": repr(e)[:200]}, fh)
-    from fastdeploy_paddlefleet.kernels import _launch
-
+    _launch = launch_module("direct")
     direct = getattr(_launch, "direct_wanted", lambda: bool(_launch.DIRECT_LAUNCH))()  # older trees: the flag
     launch_kw = {"direct_launch": direct, "address_args": getattr(_launch, "ADDRESS_ARGS", False)}
     if hasattr(_launch, "own_wanted"):  # FDFLEET_OWN_LAUNCHER=off: the A/B against Triton's compiled launcher
@@ -1140,15 +1167,10 @@ def plot(records: list[dict], path: str) -> bool:
     return True
 
 
-def print_comparison(records: list[dict], path: str) -> None:
-    """Each (case, impl) of ``records`` beside the same one in the JSON lines file ``path``: the case's
-    figure (GB/s, TFLOP/s or ms), both timings where recorded, and the ratio now / then."""
-    with open(path) as f:
-        old = {
-            (r.get("case"), r.get("impl")): r
-            for r in (json.loads(line) for line in f if line.strip())
-            if "case" in r and "error" not in r
-        }
+def print_comparison(records: list[dict], then: list[dict]) -> None:
+    """Each (case, impl) of ``records`` beside the same one in ``then`` (the records of ``--compare``):
+    the case's figure (GB/s, TFLOP/s or ms), both timings where recorded, and the ratio now / then."""
+    old = {(r.get("case"), r.get("impl")): r for r in then if "case" in r and "error" not in r}
     head = f"{'case':28} {'impl':22} {'metric':7} {'now':>9} {'then':>9} {'ratio':>6}"
     print(head + "  ms now/then (bench | graph)")
     for r in records:
@@ -1180,6 +1202,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--plot", default=None, help="plot path, .png/.svg/.pdf (default: --out with .png)")
     ap.add_argument("--plot-only", metavar="FILE", help="draw the PNG from saved JSON lines and exit")
+    ap.add_argument("--force", action="store_true", help=force_help("the --out and --plot files"))
     ap.add_argument(
         "--cases",
         default="copy,decode,prefill,mixed,mla,gptoss,host",
@@ -1201,7 +1224,7 @@ def main(argv=None) -> int:
         dest="direct_launch",
         action="store_true",
         default=None,
-        help="launch compiled kernels directly (kernels/_launch.py DIRECT_LAUNCH; default: "
+        help="launch compiled kernels directly (kernels/launch/direct.py DIRECT_LAUNCH; default: "
         "FDFLEET_DIRECT_LAUNCH, on unless set off)",
     )
     launch.add_argument(
@@ -1213,8 +1236,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--tensor-args",
         action="store_true",
-        help="direct launches pass tensors, not addresses (kernels/_launch.py ADDRESS_ARGS; an A/B of the "
-        "launcher's per-pointer cost)",
+        help="direct launches pass tensors, not addresses (kernels/launch/direct.py ADDRESS_ARGS; "
+        "an A/B of the launcher's per-pointer cost)",
     )
     ap.add_argument(
         "--src",
@@ -1222,21 +1245,33 @@ def main(argv=None) -> int:
         help="import fastdeploy_paddlefleet from this source tree instead (A/B against an older commit)",
     )
     args = ap.parse_args(argv)
-    try:  # where this run writes: refused by name before any work (benchmarks/_outputs.py)
+    then = None
+    try:  # where this run writes, and what it reads: refused by name before any work (_outputs.py)
         if args.plot_only:
             out = Path(args.plot_only)
+            recs = read_jsonl(out, "--plot-only")
+            if not any("impl" in r and "case" in r for r in recs):
+                raise Refused(f"--plot-only {str(out)!r} holds no benchmark record (none with case and impl)")
             png = plot_path(args.plot, out, smoke=False)
+            png_claim = claim(png, script=SCRIPT, force=args.force, flag="--plot", beside=out)
         else:
             out = output_path(args.out, name="attention.jsonl", suffixes=(".jsonl",), what="JSON lines",
                               smoke=args.smoke)  # fmt: skip
             png = plot_path(args.plot, out, smoke=args.smoke)
+            out_claim = claim(out, script=SCRIPT, force=args.force)
+            png_claim = claim(png, script=SCRIPT, force=args.force, flag="--plot", beside=out)
+            if args.compare:
+                then = read_jsonl(args.compare, "--compare")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if args.plot_only:
-        with open(out) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
-        if not write_plot(recs, png):
+        try:
+            drawn = write_plot(recs, png_claim)
+        except Refused as e:
+            return fail(e)
+        except (KeyError, TypeError, ValueError) as e:  # records of another shape than this script's
+            return fail(Refused(f"--plot-only {str(out)!r}: a record is not what this script writes ({e!r})"))
+        if not drawn:
             print("matplotlib is not installed", file=sys.stderr)
             return 1
         print(png)
@@ -1255,8 +1290,7 @@ def main(argv=None) -> int:
     import triton
 
     if args.direct_launch is not None or args.tensor_args:  # an older tree (--src): the same attributes
-        from fastdeploy_paddlefleet.kernels import _launch
-
+        _launch = launch_module("direct")
         if args.direct_launch is not None:
             _launch.DIRECT_LAUNCH = args.direct_launch
         if args.tensor_args:
@@ -1266,7 +1300,9 @@ def main(argv=None) -> int:
 
         pa_mod.ERR_LOOP_PREFILL = pa_mod.ERR_LOOP_DECODE = False
     t0 = time.time()
-    with replacing(out) as tmp, open(tmp, "w") as fh:  # the previous file stays until the run completes
+    # the previous file stays until the run completes (and only if it is this script's, or --force)
+    with replacing(out_claim) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        fh = RecordFile(f, SCRIPT)
         on_gpu = SH["dev"] == "cuda"
         props = torch.cuda.get_device_properties(0) if on_gpu else None
         emit(
@@ -1321,23 +1357,27 @@ def main(argv=None) -> int:
             for s in summary(RECORDS):
                 emit({"summary": True, **s}, fh)
         emit({"meta": True, "wall_s": round(time.time() - t0, 1)}, fh)
-    if args.compare:
-        print_comparison(RECORDS, args.compare)
+    if then is not None:
+        print_comparison(RECORDS, then)
     print(out, file=sys.stderr)
-    if not args.sweep and write_plot(RECORDS, png):
-        print(png, file=sys.stderr)
+    try:
+        if not args.sweep and write_plot(RECORDS, png_claim):
+            print(png, file=sys.stderr)
+    except Refused as e:
+        return fail(e)
     return 0
 
 
-def write_plot(records: list[dict], png: Path) -> bool:
-    """Draw ``records`` into ``png`` all or nothing; ``False`` (``png`` untouched) without matplotlib."""
+def write_plot(records: list[dict], png: Claim) -> bool:
+    """Draw ``records`` into ``png`` (a :func:`claim`) all or nothing; ``False`` (``png`` untouched)
+    without matplotlib."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return False
     with replacing(png) as tmp:
         if not plot(records, str(tmp)):
-            raise RuntimeError(f"could not draw {png}")
+            raise RuntimeError(f"could not draw {png.path}")
     return True
 
 

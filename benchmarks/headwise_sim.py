@@ -67,7 +67,9 @@ from fastdeploy_paddlefleet.presets import load_preset
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # also when loaded by file path (the tests)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _outputs import output_path, plot_path, replacing  # noqa: E402
+from _outputs import Refused, claim, fail, force_help, mark, output_path, plot_path, replacing  # noqa: E402
+
+SCRIPT = "headwise_sim"  # the mark on what this script writes (benchmarks/_outputs.py)
 
 logger = logging.getLogger("headwise_sim")
 
@@ -659,21 +661,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--plot", type=Path, default=None, help="PNG / SVG / PDF path (default: --out with .png)")
     p.add_argument("--json", action="store_true", help="print the summary (target, sweep) as JSON")
+    p.add_argument("--force", action="store_true", help=force_help("the --out and --plot files"))
     args = p.parse_args(argv)
     try:
         out = output_path(
             args.out, name="headwise_sim.json", suffixes=(".json",), what="JSON", smoke=args.quick
         )
         png = plot_path(args.plot, out, smoke=args.quick)
+        out_claim = claim(out, script=SCRIPT, force=args.force)
+        png_claim = claim(png, script=SCRIPT, force=args.force, flag="--plot", beside=out)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     results = run(args)
     try:
-        with replacing(out) as tmp_json, replacing(png) as tmp_png:  # both files or neither
-            tmp_json.write_text(json.dumps(results, indent=1) + "\n")
+        with replacing(out_claim) as tmp_json, replacing(png_claim) as tmp_png:  # both files or neither
+            tmp_json.write_text(json.dumps(mark(results, SCRIPT), indent=1) + "\n")
             plot(results, tmp_png)
+    except Refused as e:
+        return fail(e)
     except OSError as e:
         print(f"error: writing {out} and {png} failed ({e}); both were left as they were", file=sys.stderr)
         return 1

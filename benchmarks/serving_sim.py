@@ -103,7 +103,25 @@ for extra in (HERE, REPO / "tests" / "hosts"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from _outputs import output_path, plot_path, replacing  # noqa: E402
+from _outputs import (  # noqa: E402
+    Claim,
+    Refused,
+    claim,
+    fail,
+    force_help,
+    mark,
+    output_path,
+    plot_path,
+    read_json,
+    replacing,
+)
+
+SCRIPT = "serving_sim"  # the mark on what this script writes (benchmarks/_outputs.py)
+HOST_VAR = "FDFLEET_HOST_FASTDEPLOY"
+#: where ``.ci/run`` and README.md ("Conformance tests against the hosts' real code") keep FastDeploy
+HOST_DEFAULT = "~/.cache/fdfleet-hosts/fastdeploy"
+#: what a row of an earlier run's JSON needs for ``--merge`` / ``--replot``
+ROW_KEYS = ("model", "context", "mode", "peak_running", "tokens_per_s")
 
 logger = logging.getLogger("serving_sim")
 
@@ -249,12 +267,39 @@ SMOKE = {
 }
 
 
-def _host_path() -> None:
-    """Put FastDeploy (``FDFLEET_HOST_FASTDEPLOY``) first on ``sys.path``; plugins on."""
-    host = os.environ.get("FDFLEET_HOST_FASTDEPLOY", "").strip()
-    if host:
-        sys.path.insert(0, str(Path(host).expanduser()))
+def _host_path() -> str | None:
+    """Put FastDeploy (``FDFLEET_HOST_FASTDEPLOY``, else :data:`HOST_DEFAULT` where it exists) first on
+    ``sys.path``; plugins on. What is missing, in one line with how to provide it, or ``None`` when
+    ``fastdeploy`` can be imported."""
+    import importlib.util
+
+    host = os.environ.get(HOST_VAR, "").strip()
+    where = Path(host or HOST_DEFAULT).expanduser()
+    if where.is_dir():
+        sys.path.insert(0, str(where))
     os.environ.setdefault("FD_PLUGINS", "paddlefleet")
+    if importlib.util.find_spec("fastdeploy") is not None:
+        return None
+    told = f"{HOST_VAR}={host!r}" if host else f"{HOST_VAR} is unset and {HOST_DEFAULT}"
+    return (
+        f"FastDeploy is not importable: {told} holds no fastdeploy/ package and none is installed; "
+        f"set {HOST_VAR} to a folder holding FastDeploy's fastdeploy/ sources (README.md, "
+        "'Conformance tests against the hosts' real code', says where to get them)"
+    )
+
+
+def _rows_problem(data: dict[str, Any]) -> str | None:
+    """What keeps ``data`` (an earlier run's JSON) from being merged or replotted, or ``None``."""
+    rows = data["rows"]
+    if not isinstance(rows, list) or not rows:
+        return "'rows' is not a non-empty list"
+    for i, r in enumerate(rows):
+        missing = [k for k in ROW_KEYS if k not in r] if isinstance(r, dict) else list(ROW_KEYS)
+        if missing:
+            return f"row {i} lacks {', '.join(missing)}"
+    if not isinstance(data.get("bounds") or [], list):
+        return "'bounds' is not a list"
+    return None
 
 
 def measured_decode_gbps(path: Path = HERE / "results" / "attention-h200.jsonl") -> float:
@@ -542,7 +587,7 @@ def _label(workload: str, model: str, context: int, seqs: int) -> str:
     return f"{SHORT.get(model, model)} {what} seqs {seqs}{star}"
 
 
-def plot(rows: list[dict[str, Any]], path: Path, bounds: list[dict[str, Any]] | None = None) -> None:
+def plot(rows: list[dict[str, Any]], path: Claim, bounds: list[dict[str, Any]] | None = None) -> None:
     """Recycling / FastDeploy's accounting per (workload, model, context, max_num_seqs): tokens/s
     (with the step model's bounds, bf16), peak running, TTFT p50; one colour per workload."""
     import matplotlib
@@ -614,7 +659,7 @@ def plot(rows: list[dict[str, Any]], path: Path, bounds: list[dict[str, Any]] | 
         fontsize=10,
     )
     fig.tight_layout()
-    with replacing(path) as tmp:
+    with replacing(path) as tmp:  # a claim (benchmarks/_outputs.py)
         fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
@@ -644,18 +689,38 @@ def main(argv: list[str] | None = None) -> int:
         "default all",
     )
     p.add_argument("--merge", metavar="JSON", help="keep an earlier run's rows that this run does not redo")
+    p.add_argument("--force", action="store_true", help=force_help("the --out and --plot files"))
     args = p.parse_args(argv)
     if args.replot:
-        data = json.loads(Path(args.replot).read_text())
-        png = plot_path(args.plot, Path(args.replot), smoke=False)
-        plot(data["rows"], png, data.get("bounds"))
+        try:
+            data = read_json(args.replot, "--replot", keys=("rows",), check=_rows_problem)
+            png = plot_path(args.plot, Path(args.replot), smoke=False)
+            plot(data["rows"], claim(png, script=SCRIPT, force=args.force, flag="--plot", beside=args.replot),
+                 data.get("bounds"))  # fmt: skip
+        except ValueError as e:
+            return fail(e)
+        except (KeyError, TypeError) as e:  # rows of another shape than this script's
+            return fail(Refused(f"--replot {args.replot!r}: a row is not what this script writes ({e!r})"))
         print(json.dumps({"plot": str(png)}) if args.json else f"wrote {png}")
         return 0
     logging.basicConfig(level=logging.WARNING)
-    out = output_path(args.out, name="serving_sim.json", suffixes=(".json",), what="JSON", smoke=args.smoke)
-    png = plot_path(args.plot, out, smoke=args.smoke)
-    _host_path()
-    import fastdeploy  # noqa: F401  (loads the plugin's early hook, which patches the scheduler)
+    try:  # what this run writes, reads and needs: refused by name before any work
+        out = output_path(
+            args.out, name="serving_sim.json", suffixes=(".json",), what="JSON", smoke=args.smoke
+        )
+        png = plot_path(args.plot, out, smoke=args.smoke)
+        out_claim = claim(out, script=SCRIPT, force=args.force)
+        png_claim = claim(png, script=SCRIPT, force=args.force, flag="--plot", beside=out)
+        merged = read_json(args.merge, "--merge", keys=("rows",), check=_rows_problem) if args.merge else None
+        missing = _host_path()
+        if missing:
+            raise Refused(missing)
+        try:
+            import fastdeploy  # noqa: F401  (loads the plugin's early hook, which patches the scheduler)
+        except ImportError as e:
+            raise Refused(f"FastDeploy is there but does not import ({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        return fail(e)
     from tqdm import tqdm
 
     from fastdeploy_paddlefleet.serving.kv_recycling.scheduler import install
@@ -676,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     else:
         jobs = [(s, m, q) for w in workloads for m in presets for s in shapes(w, m) for q in settings]
-    rows = json.loads(Path(args.merge).read_text())["rows"] if args.merge else []
+    rows = merged["rows"] if merged else []
     for r in rows:  # rows of runs before the settings existed: max_num_seqs 512
         r.setdefault("workload", "prefill-heavy")
         r.setdefault("seqs", "512")
@@ -743,9 +808,12 @@ def main(argv: list[str] | None = None) -> int:
         "gains": gains,
         "bounds": [] if args.smoke else decode_bounds(sorted({r["model"] for r in rows}, key=PRESETS.index)),
     }
-    with replacing(out) as tmp:
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, png, result["bounds"])
+    try:
+        with replacing(out_claim) as tmp:
+            tmp.write_text(json.dumps(mark(result, SCRIPT), indent=1) + "\n")
+        plot(rows, png_claim, result["bounds"])
+    except Refused as e:
+        return fail(e)
     if args.json:
         print(json.dumps(result))
     else:

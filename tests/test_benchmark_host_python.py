@@ -1,4 +1,4 @@
-"""benchmarks/host_python.py keeps running on the CPU: every case on the direct path (the kept kernel
+"""benchmarks/probes/host_python.py keeps running on the CPU: every case on the direct path (the kept kernel
 called with addresses, as on a GPU), each launch counted, and the lane each launch came from."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "host_python.py"
+SCRIPT = ROOT / "benchmarks" / "probes" / "host_python.py"
 LAUNCHES = {  # kept kernels per call: a one-shot wrapper one launch, a served layer write + attention
     "write_kv_cache": 1,
     "paged_attention-decode": 1,
@@ -49,7 +49,8 @@ def test_host_python_benchmark_runs_every_case_on_the_direct_path(tmp_path):
     proc = _run(*args, tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [json.loads(line) for line in out.read_text().splitlines()] == printed
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert written == [{"fdfleet-benchmark": "host_python", **r} for r in printed]  # each with its mark
     rows = {r["case"]: r for r in printed}
     assert set(rows) == {"torch-add_", "torch-empty", "new_empty", *LAUNCHES}
     for case, row in rows.items():
@@ -83,11 +84,11 @@ def test_host_python_benchmark_refuses_bad_arguments(tmp_path):
 
 def test_gpu_like_tensors_is_undone_on_exit():
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
     try:
         import host_python
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "probes"))
     x = torch.zeros(2)
     with pytest.raises(KeyError), host_python.gpu_like_tensors(True):
         assert x.is_cuda is True

@@ -132,13 +132,13 @@ def test_serving_sim_decode_bound_matches_a_hand_count_for_gpt_oss():
 
 @pytest.mark.slow
 def test_decode_ceiling_smoke(tmp_path):
-    """benchmarks/decode_ceiling.py at --smoke shapes: the plain reader's sums over each layout equal
+    """benchmarks/probes/decode_ceiling.py at --smoke shapes: the plain reader's sums over each layout equal
     torch's (checked inside the script: it raises otherwise) and our kernel matches the dense reference."""
     pytest.importorskip("triton")
     pytest.importorskip("torch")
     out = tmp_path / "ceiling.jsonl"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
-    script = ROOT / "benchmarks" / "decode_ceiling.py"
+    script = ROOT / "benchmarks" / "probes" / "decode_ceiling.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--smoke", "--json", "--out", str(out), "--tag", "run=smoke"],
         env=env,
@@ -157,16 +157,18 @@ def test_decode_ceiling_smoke(tmp_path):
 
 
 def _bench_module(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    """A research probe of ``benchmarks/probes/`` imported by name (it finds ``benchmarks/`` itself)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
     try:
         return __import__(name)
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "probes"))
 
 
 def test_decode_probe_stamps_the_current_kernel():
-    """benchmarks/decode_probe.py's stamp points still match the decode kernel's source (each anchor found
-    exactly once), every variant's copy is valid Python, and a changed kernel names the moved anchor."""
+    """benchmarks/probes/decode_probe.py's stamp points still match the decode kernel's source (each
+    anchor found exactly once), every variant's copy is valid Python, and a changed kernel names the moved
+    anchor."""
     probe = _bench_module("decode_probe")
     for variant in probe.VARIANTS:
         text = probe.patched_source(variant=variant)
@@ -195,13 +197,10 @@ def test_decode_probe_timeline_counts_running_programs():
 
 
 def test_hopper_probe_stamps_the_current_kernel():
-    """benchmarks/hopper_probe.py's stamp points still match the Hopper kernel's source (each anchor found
-    exactly as often as expected), and the stamped copy is valid Python with every stamp in it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import hopper_probe
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    """benchmarks/probes/hopper_probe.py's stamp points still match the Hopper kernel's source (each
+    anchor found exactly as often as expected), and the stamped copy is valid Python with every stamp in
+    it."""
+    hopper_probe = _bench_module("hopper_probe")
     text = hopper_probe.patched_source()
     compile(text, "hopper_probe_kernel.py", "exec")
     assert text.count("_stamp(Trace, tb, ") == 9  # 4 in the consumers' loop, 5 in the producer's

@@ -1,4 +1,4 @@
-"""Our own launcher of compiled Triton kernels (``kernels/_cuda_launch.py``, issue 20).
+"""Our own launcher of compiled Triton kernels (``kernels/launch/own_launcher.py``, issue 20).
 
 CPU: (1) the parameter list it derives for the real kernels (portable decode with and without TMA
 descriptors, portable prefill, cache write, split-KV reduce, Hopper prefill with its two descriptors),
@@ -81,14 +81,14 @@ def _worker() -> None:
     import torch
     import triton
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
     from hopper_compile import stub_driver  # compile for sm_90 (device 0, stream 0) without a GPU
 
     stub_driver()
-    from fastdeploy_paddlefleet.kernels import _cuda_launch as cl
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
     from fastdeploy_paddlefleet.kernels import split_kv_reduce as sr
+    from fastdeploy_paddlefleet.kernels.launch import own_launcher as cl
 
     calls = []
 
@@ -172,7 +172,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 
 import pytest  # noqa: E402
 
-from fastdeploy_paddlefleet.kernels import _cuda_launch as cl  # noqa: E402
+from fastdeploy_paddlefleet.kernels.launch import own_launcher as cl  # noqa: E402
 
 
 def _compile_records(site: str | None) -> dict:
@@ -432,7 +432,7 @@ def test_refuses_without_libcuda(monkeypatch, caplog):
 def test_kernel_cache_keeps_tritons_launcher_where_ours_refuses(monkeypatch):
     """With launch hooks set when the plan is built, or our launcher switched off, no plan uses it;
     a refused kernel keeps the compiled launcher's tuple (tests/test_launch_cost.py drives that path)."""
-    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     monkeypatch.setattr(_launch, "OWN_LAUNCHER", False)
     cache = _launch.KernelCache(0)
@@ -459,7 +459,7 @@ DECODE_TMA = dict(block_m=16, block_n=64, num_warps=4, num_stages=3, use_tma=Tru
 
 
 def _own_on(monkeypatch):
-    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
     monkeypatch.setattr(_launch, "OWN_LAUNCHER", True)
@@ -487,10 +487,10 @@ def test_gpu_own_launcher_equals_tritons_launch(kind, monkeypatch):
     sys.path.insert(0, HERE)
     from test_triton_kernels import REAL, make_step
 
-    from fastdeploy_paddlefleet.kernels import _launch
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     impl = "hopper" if kind == "prefill-hopper" else "portable"
     if impl == "hopper" and not (hp.gluon_available() and hp.is_hopper(torch.device("cuda"))):
@@ -561,9 +561,9 @@ def test_gpu_descriptors_are_encoded_as_tritons_launcher_encodes_them(kind, monk
     sys.path.insert(0, HERE)
     from test_triton_kernels import REAL, make_step
 
-    from fastdeploy_paddlefleet.kernels import _launch
     from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     if kind == "prefill-hopper" and not (hp.gluon_available() and hp.is_hopper(torch.device("cuda"))):
         pytest.skip("the Hopper prefill kernel needs sm_90 and Gluon")
@@ -605,9 +605,9 @@ def test_gpu_cuda_graph_captured_through_own_launcher(monkeypatch):
     sys.path.insert(0, HERE)
     from test_triton_kernels import REAL, make_step
 
-    from fastdeploy_paddlefleet.kernels import _launch
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     _own_on(monkeypatch)
     reqs = [(300, 1), (41, 1), (7, 1), (130, 1)]
@@ -650,7 +650,7 @@ def test_kernel_cache_uses_our_launcher_only_with_addresses(monkeypatch):
     """Plans that pass tensors for pointers (``ADDRESS_ARGS`` off) keep Triton's launcher: the one-struct
     pack would read a one-element integer tensor (e.g. ``seq_lens_decoder`` of one request) through
     ``__index__`` as its value, not its address."""
-    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     monkeypatch.setattr(_launch, "_direct_ok", lambda: True)
     monkeypatch.setattr(_launch, "OWN_LAUNCHER", True)
@@ -678,7 +678,7 @@ def test_kernel_cache_launch_gives_a_kept_kernel_addresses(monkeypatch):
     launcher never reads a one-element integer tensor (``__index__``) as a pointer's value."""
     import torch as _torch
 
-    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     monkeypatch.setattr(_launch, "_direct_ok", lambda: True)
     cache = _launch.KernelCache(0)

@@ -1,4 +1,4 @@
-"""The C entry point of our launcher (kernels/_fast_launch.py) against ctypes' call of the same function.
+"""The C entry point of our launcher (kernels/launch/c_entry.py) against ctypes' call of the same function.
 
 No GPU here: the module is built as on a GPU machine (Triton's ``compile_module_from_src``) and given
 a C-callable stand-in for ``cuLaunchKernel`` (a ctypes callback) that records what it receives; the
@@ -12,7 +12,7 @@ import ctypes
 
 import pytest
 
-fl = pytest.importorskip("fastdeploy_paddlefleet.kernels._fast_launch")
+fl = pytest.importorskip("fastdeploy_paddlefleet.kernels.launch.c_entry")
 
 VP, U32 = ctypes.c_void_p, ctypes.c_uint
 PROTO = ctypes.CFUNCTYPE(ctypes.c_int, VP, U32, U32, U32, U32, U32, U32, U32, VP, VP, VP)
@@ -73,7 +73,7 @@ def test_a_python_stand_in_gets_no_c_entry(module):
 def _buffers():
     """Two parameter buffers of one layout with every scalar code our kernels can have (pointers,
     i1/i8/i16/i32/i64, unsigned, fp16/fp32/fp64), 2 trailing fixed arguments."""
-    from fastdeploy_paddlefleet.kernels import _cuda_launch as cl
+    from fastdeploy_paddlefleet.kernels.launch import own_launcher as cl
 
     sig = ["*bf16", "i32", "i64", "fp32", "*i32", "i1", "i16", "u16", "u8", "u32", "u64", "fp16", "fp64"]
     sig += ["i32", "constexpr", "i32"]

@@ -282,7 +282,7 @@ def test_without_out_a_run_writes_a_temporary_directory(sim, monkeypatch, tmp_pa
 
 def test_a_failed_plot_leaves_both_previous_files(sim, monkeypatch, tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    out.write_text('{"old": true}\n')
+    out.write_text('{"fdfleet-benchmark": "headwise_sim", "old": true}\n')  # its own earlier output
     png.write_bytes(b"old plot")
     before = snapshot_tree(tmp_path)
     monkeypatch.setattr(sim, "run", lambda args: {"runs": [], "quick": True})

@@ -139,11 +139,25 @@ def test_core_imports_are_light():
     assert json.loads(r.stdout.splitlines()[-1]) == []
 
 
-@pytest.mark.parametrize("module", sorted(p.stem for p in (PACKAGE / "kernels").glob("*.py")))
-def test_kernel_modules_import_without_paddle(module):
+def _kernel_modules() -> list[str]:
+    """Every module under kernels/, sub-packages (``kernels/launch/``) included, by dotted name."""
+    names = []
+    for p in (PACKAGE / "kernels").rglob("*.py"):
+        parts = p.relative_to(PACKAGE).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        names.append(".".join(("fastdeploy_paddlefleet", *parts)))
+    return sorted(names)
+
+
+def test_kernel_modules_include_the_launch_package():
+    assert "fastdeploy_paddlefleet.kernels.launch.direct" in _kernel_modules()
+    assert "fastdeploy_paddlefleet.kernels.launch" in _kernel_modules()
+
+
+@pytest.mark.parametrize("name", _kernel_modules())
+def test_kernel_modules_import_without_paddle(name):
     """Each kernels/ module imports with paddle absent (paddle is needed only at launch)."""
     pytest.importorskip("triton")
-    name = "fastdeploy_paddlefleet.kernels" + ("" if module == "__init__" else f".{module}")
     code = f"import sys\nsys.modules['paddle'] = None\nimport {name}\nprint('ok')\n"
     r = _run(code)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"{name}: {r.stderr[-2000:]}"

@@ -23,7 +23,7 @@ from fastdeploy_paddlefleet.backends import triton as tb  # noqa: E402
 from fastdeploy_paddlefleet.kernels import _framework as fw  # noqa: E402
 from fastdeploy_paddlefleet.kernels import cache_write as cw  # noqa: E402
 from fastdeploy_paddlefleet.kernels import paged_attention as pa  # noqa: E402
-from fastdeploy_paddlefleet.kernels._launch import KernelCache  # noqa: E402
+from fastdeploy_paddlefleet.kernels.launch.direct import KernelCache  # noqa: E402
 from fastdeploy_paddlefleet.plan.layer import LayerAttention  # noqa: E402
 from fastdeploy_paddlefleet.runner.batch import build_meta  # noqa: E402
 

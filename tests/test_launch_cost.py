@@ -7,7 +7,8 @@ backend derives per-layer plans once and per-step metadata once per step, and th
 wrappers reuse a plan only while nothing it derives from changed (dense reference). GPU cases (``gpu``)
 check that direct launches compute exactly what Triton's own launch path computes (bitwise, on fresh
 metadata every step, misaligned views included, addresses or tensors). Host time per call is a
-benchmark's figure (``benchmarks/attention.py --cases host``, ``launch_parts.py --wrappers``), not a test.
+benchmark's figure (``benchmarks/attention.py --cases host``, ``probes/launch_parts.py --wrappers``),
+not a test.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ pytest.importorskip("triton")
 from test_triton_kernels import CUDA, REAL, _layer, _meta, make_step  # noqa: E402
 
 from fastdeploy_paddlefleet.backends.triton import TritonBackend  # noqa: E402
-from fastdeploy_paddlefleet.kernels._launch import KernelCache  # noqa: E402
 from fastdeploy_paddlefleet.kernels.cache_write import write_kv_cache  # noqa: E402
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
+from fastdeploy_paddlefleet.kernels.launch.direct import KernelCache  # noqa: E402
 from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -30,8 +31,8 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 @pytest.fixture
 def direct_launch(monkeypatch):
-    """Direct launches on (opt-in, ``kernels/_launch.py``): plans built inside the test use them."""
-    from fastdeploy_paddlefleet.kernels import _launch
+    """Direct launches on (opt-in, ``kernels/launch/direct.py``): plans built inside the test use them."""
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
 
@@ -89,7 +90,7 @@ def test_kernel_cache_goes_direct_after_the_first_call_per_key():
 
 def test_empty_triton_hook_chains_count_as_no_hooks():
     """Triton 3.6 keeps its launch hooks as an (empty) ``HookChain``, never ``None``."""
-    from fastdeploy_paddlefleet.kernels._launch import _no_hooks
+    from fastdeploy_paddlefleet.kernels.launch.direct import _no_hooks
 
     class Chain:
         def __init__(self, calls):
@@ -198,7 +199,7 @@ def test_launch_step_derives_what_the_launches_read(build, where):
     position) give the step's sizes, addresses and dtypes as read from the tensors, and allow direct
     launches only when every tensor says it is on a GPU (a missing ``is_cuda`` counts as not) and every
     address is 16-byte aligned."""
-    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     s = make_step([(9, 4), (20, 1), (3, 2)], **SMALL)
     gpu_like = where != "cpu"
@@ -275,9 +276,9 @@ class _RecordingJit:
 def test_direct_launches_pass_the_addresses_of_tritons_arguments(monkeypatch, kind):
     """On the direct path every pointer argument is the address (an int) of the tensor Triton's path was
     given, every other argument the same value: the compiled launcher sees what Triton's would."""
-    from fastdeploy_paddlefleet.kernels import _launch
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     monkeypatch.setattr(_launch.KernelCache, "stream", lambda self: 7)
     name = {"decode": "_decode_kernel", "prefill": "_prefill_kernel", "write": "_write_kv_kernel"}[kind]
@@ -398,7 +399,7 @@ def fresh_memos(monkeypatch):
     """Empty one-shot memos, and counters of the plans the wrappers build."""
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
-    from fastdeploy_paddlefleet.kernels._launch import PlanMemo
+    from fastdeploy_paddlefleet.kernels.launch.direct import PlanMemo
 
     built = {"attend": 0, "write": 0}
 
@@ -577,7 +578,7 @@ def test_gpu_direct_launches_equal_tritons_path(kind, address_args, fused, direc
     """Several steps through one backend (plans and direct launches after the first) against the
     one-shot wrappers run through Triton's own launch path on copies of the same caches: bitwise
     equal, whether the direct launches pass addresses or tensors."""
-    from fastdeploy_paddlefleet.kernels import _launch
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     monkeypatch.setattr(_launch, "ADDRESS_ARGS", address_args)
     monkeypatch.setenv("FDFLEET_FUSED_DECODE_WRITE", "1" if fused else "0")
@@ -709,7 +710,7 @@ def test_gpu_one_shot_wrappers_reuse_their_plan_and_launch_directly(kind, direct
 def test_plan_memo_takes_gives_and_drops_the_least_recently_taken():
     """One plan per key out at a time; a plan goes back to its slot; past ``size`` keys the least
     recently taken is dropped, also when it was the last key taken (its slot then no longer serves)."""
-    from fastdeploy_paddlefleet.kernels._launch import PlanMemo
+    from fastdeploy_paddlefleet.kernels.launch.direct import PlanMemo
 
     memo = PlanMemo(size=2)
     assert memo.take(("a",)) == (None, None)

@@ -20,10 +20,10 @@ pytest.importorskip("triton")
 
 from test_triton_kernels import make_step  # noqa: E402
 
-from fastdeploy_paddlefleet.kernels import _launch  # noqa: E402
 from fastdeploy_paddlefleet.kernels import cache_write as cw  # noqa: E402
 from fastdeploy_paddlefleet.kernels import paged_attention as pa  # noqa: E402
-from fastdeploy_paddlefleet.kernels._launch import KernelCache, LaunchStep, PlanMemo  # noqa: E402
+from fastdeploy_paddlefleet.kernels.launch import direct as _launch  # noqa: E402
+from fastdeploy_paddlefleet.kernels.launch.direct import KernelCache, LaunchStep, PlanMemo  # noqa: E402
 
 # CPU tensors on any machine: the kept kernels are recorders and tensors read as on a GPU (``kept``), so
 # the file checks the same launches with or without one (on a GPU, CUDA tensors would put the sinks'

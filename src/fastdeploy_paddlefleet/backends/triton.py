@@ -55,7 +55,7 @@ from typing import Any
 
 from ..kernels import _framework as fw
 from ..kernels._framework import is_torch
-from ..kernels._launch import LaunchStep, tensor_version
+from ..kernels.launch.direct import LaunchStep, tensor_version
 from ..plan.layer import LayerAttention
 from .base import AttentionBackend, BatchMeta
 
@@ -143,7 +143,7 @@ _STEP_ATTR = "_fdfleet_triton_step"
 
 class _LayerPlan:
     """One layer's launch plans for one pair of caches (and sinks tensor).
-    ``kernels``: the attention plan's :class:`~..kernels._launch.KernelCache` (its stream is read once
+    ``kernels``: the attention plan's :class:`~..kernels.launch.direct.KernelCache` (its stream is read once
     per layer for both launches), ``direct`` whether it launches directly. Stale (``_run`` builds a new
     one) when the caches moved (same objects, other storage: ``ptrs``), another sinks tensor came, or
     the sinks were written in place (``sinks_version``: the attention plan holds their float32 copy)."""
@@ -182,7 +182,7 @@ class _LayerPlan:
 class _StepState:
     """One step's metadata as the kernels take it (int32, on q's device; torch views or paddle), shared
     by every layer of the step: derived once, kept on the ``BatchMeta``. ``layers``: layer index ->
-    (its table's :class:`~..kernels._launch.LaunchStep`, head-wise)."""
+    (its table's :class:`~..kernels.launch.direct.LaunchStep`, head-wise)."""
 
     __slots__ = ("backend", "bid", "cu", "dec", "fields", "flag", "layers", "plain", "tables", "torch_views")
 
@@ -211,7 +211,7 @@ class _StepState:
         return lt
 
     def table(self, meta: BatchMeta, layer_index: int) -> tuple[Any, bool]:
-        """The :class:`~..kernels._launch.LaunchStep` over the table layer ``layer_index`` reads (int32)
+        """The :class:`~..kernels.launch.direct.LaunchStep` over the table layer ``layer_index`` reads (int32)
         and whether that table is head-wise (runs on each layer's first call of a step)."""
         raw = None if meta.block_tables_headwise is None else meta.headwise_table(layer_index)
         headwise = raw is not None
@@ -391,7 +391,7 @@ class TritonBackend(AttentionBackend):
         tables) is derived once per step and kept on ``meta``; what is the same for every step of a
         layer (cache geometry, tile shapes, compile-time constants, the Hopper kernel's descriptors) is
         a :class:`~..kernels.paged_attention.AttentionPlan` / :class:`~..kernels.cache_write.CacheWritePlan`
-        kept per layer and cache; compiled kernels are launched directly (``kernels/_launch.py``)."""
+        kept per layer and cache; compiled kernels are launched directly (``kernels/launch/direct.py``)."""
         # served checks: the metadata fields they found current (the step state below skips that check)
         fields = self._validate(q, k, v, layer, meta, kv_cache, sinks) if self.validate else None
         if type(q) is _Tensor or is_torch(q):

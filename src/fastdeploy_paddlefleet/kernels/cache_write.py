@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from ._framework import is_torch, torch
-from ._launch import (
+from .errors import KERNEL_CACHE_WRITE, check_entries
+from .launch.direct import (
     KernelCache,
     LaunchStep,
     PlanMemo,
@@ -28,7 +29,6 @@ from ._launch import (
     step_values,
     switches_key,
 )
-from .errors import KERNEL_CACHE_WRITE, check_entries
 
 
 @triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "num_reqs"])
@@ -163,14 +163,14 @@ def write_kv_cache(
             _PLANS.give(key, plan, None, slot)
 
 
-#: one-shot plans of :func:`write_kv_cache` (``kernels/_launch.py`` :class:`PlanMemo`)
+#: one-shot plans of :func:`write_kv_cache` (``kernels/launch/direct.py`` :class:`PlanMemo`)
 _PLANS = PlanMemo()
 
 
 class CacheWritePlan:
     """The cache-write launch for one layer's caches, checked and derived once (strides, heads per
     block, compile-time constants); :meth:`run` per step. ``cached=True``: the compiled kernel is
-    launched directly after its first call (``kernels/_launch.py``)."""
+    launched directly after its first call (``kernels/launch/direct.py``)."""
 
     def __init__(
         self,
@@ -224,7 +224,7 @@ class CacheWritePlan:
 
     def bind(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
         """Point the plan at ``key_cache`` / ``value_cache``: tensors equal to the ones it was built for
-        in :func:`~._launch.tensor_key`, or ``None`` to hold none between calls (a memoised plan)."""
+        in :func:`~.launch.direct.tensor_key`, or ``None`` to hold none between calls (a memoised plan)."""
         self.key_cache, self.value_cache = key_cache, value_cache
 
     def run(
@@ -255,7 +255,7 @@ class CacheWritePlan:
         *,
         stream: int | None = None,
     ) -> None:
-        """:meth:`run` on a step's :class:`~._launch.LaunchStep` (with ``batch_id_per_token``), derived
+        """:meth:`run` on a step's :class:`~.launch.direct.LaunchStep` (with ``batch_id_per_token``), derived
         once per step and shared by every layer: ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` with a
         contiguous last dim (``ValueError`` otherwise)."""
         ks, vs = k.stride(), v.stride()
@@ -315,7 +315,7 @@ class CacheWritePlan:
         launch nothing and return ``False``. ``kp`` / ``vp``: addresses of ``k [T, Hkv, Dqk]`` / ``v [T,
         Hkv, Dv]`` (16-byte aligned, on the plan's GPU, contiguous last dims: the caller checked), ``ks``
         / ``vs`` their strides, ``kdt`` / ``vdt`` their dtypes as torch names them (the kernel's key),
-        ``t`` their rows (> 0). The step as a direct-launch :class:`~._launch.LaunchStep` with
+        ``t`` their rows (> 0). The step as a direct-launch :class:`~.launch.direct.LaunchStep` with
         ``batch_id_per_token`` gives it: ``num_reqs``, ``stride_tbl``, ``n_blk``, ``ptrs``, ``bid_ptr``,
         ``sig`` (the one-shot wrapper reads them from its tensors, without a ``LaunchStep``). No tensor is
         read, so paddle tensors launch here as torch tensors do."""

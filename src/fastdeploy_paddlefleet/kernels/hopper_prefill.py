@@ -537,7 +537,7 @@ if GLUON_IMPORT_ERROR is None:
         is unconditional: with ``if j > 0`` around the ``P @ V`` issue and again around its wait, ptxas
         cannot tell the branches agree, finds a path on which the accumulator is read with its wgmma in
         flight, and serialises every wgmma of the kernel (C7514 / C7512 in ``ptxas -v``;
-        ``benchmarks/hopper_compile.py`` reports it). Returns ``(acc, l_i, tok)``.
+        ``benchmarks/probes/hopper_compile.py`` reports it). Returns ``(acc, l_i, tok)``.
 
         ``PINGPONG``: each group of wgmma issues (tile 0's ``S``; ``S(j)`` with ``P(j-1) V(j-1)``; the
         last ``P @ V``) is one turn: wait for the turn, issue, pass it. Cannot deadlock: (1) both
@@ -829,7 +829,7 @@ class HopperPlan:
     ``block_n`` / ``q_bufs`` / ``num_stages``: key tile, Q buffers, K/V ring depth (default
     :func:`tile_for`; others for tuning, checked against shared memory). ``num_ctas``: persistent grid
     size (default: one CTA per SM). ``profile=1``: a timing ablation with the softmax left out (wrong
-    results; ``benchmarks/hopper_variants.py`` only). ``peel`` (default): the first key tile out of the
+    results; ``benchmarks/probes/hopper_variants.py`` only). ``peel`` (default): the first key tile out of the
     loop (wgmma's stay asynchronous, :func:`_item_peeled`; ``False``: the old loop); ``pingpong``:
     ``peel`` plus the consumers' ping-pong on named barriers (:func:`_turn`). ``snake`` (default): every
     second full wave of work items reversed (:func:`_scheduled`; the H200 ran 2-10 % faster in 9 of 10
@@ -943,7 +943,7 @@ class HopperPlan:
         """Prefill rows of ``q [T, Hq, Dqk]`` into ``out [T, Hq, Dv]`` (rows of one-token requests
         untouched). ``errors``: the ``int32 [8]`` device error flag (``kernels/errors.py``) or ``None``;
         table entries outside the cache are never dereferenced either way. ``kernels`` / ``key`` /
-        ``stream``: a :class:`._launch.KernelCache` and this call's key for direct launches; ``ptrs``:
+        ``stream``: a :class:`.launch.direct.KernelCache` and this call's key for direct launches; ``ptrs``:
         the addresses of ``(q, key_cache, value_cache, out, sinks, cu_seqlens_q, seq_lens_decoder,
         block_tables, errors)`` a direct launch passes (sinks / errors: any pointer when unused)."""
         t = q.shape[0]
@@ -987,8 +987,8 @@ class HopperPlan:
         qs: Sequence[int], ost: Sequence[int], t: int, num_reqs: int, stride_tbl: int, n_blk: int,
         stream: int | None,
     ) -> None:  # fmt: skip
-        """Launch the kept kernel ``hit`` (:meth:`._launch.KernelCache.kernel`) by addresses only: q, the
-        value cache, out, sinks (any pointer when unused), cu_seqlens_q, seq_lens_decoder, the table, the
+        """Launch the kept kernel ``hit`` (:meth:`.launch.direct.KernelCache.kernel`) by addresses only: q,
+        the value cache, out, sinks (any pointer when unused), cu_seqlens_q, seq_lens_decoder, the table, the
         error flag (the table when none); ``qs`` / ``ost``: q's ``[T, Hq, Dqk]`` and out's ``[T, Hq, Dv]``
         strides (the first two read), ``t`` q's rows, the table's row stride and width. No tensor is
         touched but the plan's own, so the caller's framework does not matter (the backend's paddle

@@ -34,7 +34,9 @@ from typing import Any
 
 from .. import envs
 from ._framework import empty, is_torch, num_sms, to_float32, torch
-from ._launch import (
+from .attention_kernels import _decode_kernel, _prefill_kernel
+from .hopper_prefill import HopperPlan, choose_prefill_impl
+from .launch.direct import (
     KernelCache,
     LaunchStep,
     PlanMemo,
@@ -45,8 +47,6 @@ from ._launch import (
     switches_key,
     tensor_version,
 )
-from .attention_kernels import _decode_kernel, _prefill_kernel
-from .hopper_prefill import HopperPlan, choose_prefill_impl
 from .split_kv_reduce import reduce_kept, split_kv_reduce
 
 LOG2E = 1.4426950408889634
@@ -322,7 +322,7 @@ def paged_attention(
             _PLANS.give(key, plan, sinks, slot)
 
 
-#: one-shot plans of :func:`paged_attention` (``kernels/_launch.py`` :class:`PlanMemo`)
+#: one-shot plans of :func:`paged_attention` (``kernels/launch/direct.py`` :class:`PlanMemo`)
 _PLANS = PlanMemo()
 
 
@@ -330,9 +330,9 @@ class AttentionPlan:
     """Everything about one layer's attention launches that does not change between steps, checked and
     derived once: the caches' geometry and strides, the kernels' compile-time constants, the tile
     shapes, the prefill kernel choice, the Hopper kernel's TMA descriptors. :meth:`run` (or
-    :meth:`run_step` on a step's :class:`~._launch.LaunchStep`) then only reads the step's sizes and
+    :meth:`run_step` on a step's :class:`~.launch.direct.LaunchStep`) then only reads the step's sizes and
     launches (``cached=True``: compiled kernels launched directly after their first call, pointers
-    passed as addresses, ``kernels/_launch.py``).
+    passed as addresses, ``kernels/launch/direct.py``).
 
     ``q_like``: any query tensor of the layer (``[T, Hq, Dqk]``: heads, dims, dtype, device); the other
     arguments as in :func:`paged_attention`."""
@@ -456,7 +456,7 @@ class AttentionPlan:
         self.memo_ok = pd is None and dd is None
         self.descs = (pd[0], pd[1]) if pd is not None else (None, None)
         self.ddescs = (dd[0], dd[1]) if dd is not None else (None, None)
-        # the caches' and sinks' addresses: what a direct launch passes (kernels/_launch.py)
+        # the caches' and sinks' addresses: what a direct launch passes (kernels/launch/direct.py)
         self.ptrs = (
             key_cache.data_ptr(),
             value_cache.data_ptr(),
@@ -467,7 +467,7 @@ class AttentionPlan:
 
     def bind(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
         """Point the plan at ``key_cache`` / ``value_cache``: tensors equal to the ones it was built for
-        in :func:`~._launch.tensor_key` (same memory, same layout), or ``None`` to hold none between
+        in :func:`~.launch.direct.tensor_key` (same memory, same layout), or ``None`` to hold none between
         calls (a memoised one-shot plan)."""
         self.key_cache, self.value_cache = key_cache, value_cache
         hop = self.hopper
@@ -527,7 +527,7 @@ class AttentionPlan:
         stream: int | None = None,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """:meth:`run` on a step's :class:`~._launch.LaunchStep` (derived once per step, shared by every
+        """:meth:`run` on a step's :class:`~.launch.direct.LaunchStep` (derived once per step, shared by every
         layer). ``q [T, Hq, Dqk]`` in the plan's dtype (``ValueError`` otherwise: kept kernels are keyed
         without it). ``flat``: a new output is ``[T, Hq * Dv]`` (the backend's shape; no view per call),
         else ``[T, Hq, Dv]``; a given ``out`` is ``[T, Hq, Dv]``. ``new_kv``: :func:`paged_attention`'s."""
@@ -676,7 +676,7 @@ class AttentionPlan:
 
         ``qp`` / ``op``: addresses of ``q [T, Hq, Dqk]`` and ``out [T, Hq, Dv]`` (16-byte aligned, on
         the plan's GPU: the caller checked), ``qs`` / ``ost`` their strides (the first two read), ``t``
-        q's rows. The step as a direct-launch :class:`~._launch.LaunchStep` (``direct_ok``) gives it:
+        q's rows. The step as a direct-launch :class:`~.launch.direct.LaunchStep` (``direct_ok``) gives it:
         ``num_reqs``, ``max_q_len`` (``mq``), ``max_context_len`` (``mc``), ``n_blk``, ``stride_tbl``,
         ``ptrs``, ``sig`` (the one-shot wrapper reads them from its tensors, without a ``LaunchStep``).
         ``like``: a tensor of the caller's framework, for the split decode's partial buffers. Nothing
@@ -787,7 +787,7 @@ class AttentionPlan:
     ) -> None:
         """The step's launches with tensors, through Triton (compiling on first use and keeping the
         kernel when ``key`` is given; a kernel kept already launches by addresses) or, with
-        :data:`~._launch.ADDRESS_ARGS` off, through kept kernels given tensors. ``new_kv``: the fused
+        :data:`~.launch.direct.ADDRESS_ARGS` off, through kept kernels given tensors. ``new_kv``: the fused
         cache write's ``(k, v, k strides, v strides)``."""
         hq, dv, cache = self.hq, self.dv, self.kernels
         num_reqs = step.num_reqs

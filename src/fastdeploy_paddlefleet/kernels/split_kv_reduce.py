@@ -84,7 +84,7 @@ def split_kv_reduce(
     """Merge ``mid_o [bsz, Hq, S, Dv]`` (fp32) / ``mid_lse [bsz, Hq, S]`` (base 2) into the rows of
     ``out [T, Hq, Dv]`` that belong to one-token requests. ``sink_mode``: 0 none, 1 ``sinks [Hq]``
     logits, 2 zero sink (off-by-one). ``kernels`` / ``key`` / ``stream``: a
-    :class:`._launch.KernelCache` and this call's key for a direct launch (``key`` must hold the split
+    :class:`.launch.direct.KernelCache` and this call's key for a direct launch (``key`` must hold the split
     count and ``out``'s strides)."""
     bsz, hq, splits, dv = mid_o.shape
     sink_arg = sinks if sinks is not None else mid_o  # any pointer when unused

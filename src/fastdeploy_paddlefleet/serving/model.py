@@ -57,7 +57,7 @@ from ..plan.layer import AttentionPlan
 from ._fields import field as _get
 from .build import build_from_fd_config, resolve_backend
 from .forward_meta import batch_meta_from_forward_meta, layer_caches, packed_positions
-from .registration import ARCHITECTURE
+from .names import ARCHITECTURE, RL_ARCHITECTURE
 from .weights import assign_weights
 
 logger = logging.getLogger(__name__)
@@ -403,4 +403,4 @@ class PaddleFleetForCausalLMRL(PaddleFleetForCausalLM):
 
     @classmethod
     def name(cls) -> str:
-        return ARCHITECTURE + "RL"
+        return RL_ARCHITECTURE

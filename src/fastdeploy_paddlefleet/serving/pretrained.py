@@ -16,7 +16,7 @@ from typing import Any
 
 from paddleformers.transformers import PretrainedConfig, PretrainedModel
 
-from .registration import ARCHITECTURE
+from .names import ARCHITECTURE
 
 
 class PaddleFleetPretrainedModel(PretrainedModel):

@@ -59,18 +59,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..envs import MODEL_IMPL_VAR, model_impl_is_paddlefleet
+from .names import ARCHITECTURE, MODEL_IMPL, MODEL_IMPL_ENV, MODULE_NAME, MODULE_PATH, RL_ARCHITECTURE
+from .names import wants_paddlefleet as _wants_paddlefleet
 
 logger = logging.getLogger(__name__)
-
-ARCHITECTURE = "PaddleFleetForCausalLM"
-#: what FastDeploy's loaders look up when ``load_config.dynamic_load_weight`` (RL) is on
-RL_ARCHITECTURE = ARCHITECTURE + "RL"
-MODEL_IMPL = "paddlefleet"
-MODULE_PATH = "fastdeploy_paddlefleet.serving"
-MODULE_NAME = "model"
-#: set by the plugin when ``--model-impl paddlefleet`` was chosen; read by the registry routing
-MODEL_IMPL_ENV = MODEL_IMPL_VAR
 
 _REGISTRY_MODULES = ("fastdeploy.model_executor.models.model_base", "fastdeploy.model_executor.models")
 _ARGS_MODULES = ("fastdeploy.engine.args_utils", "fastdeploy.config", "fastdeploy.worker.worker_process")
@@ -250,15 +242,6 @@ def _extend_parser_choices(parser: Any) -> bool:
             action.choices = [*action.choices, MODEL_IMPL]
             return True
     return False
-
-
-def _wants_paddlefleet(model_config: Any) -> bool:
-    impl = model_config.get("model_impl") if isinstance(model_config, Mapping) else None
-    if impl is None and model_config is not None:
-        impl = getattr(model_config, "model_impl", None)
-    if str(getattr(impl, "value", impl) or "").strip().lower() == MODEL_IMPL:
-        return True
-    return model_impl_is_paddlefleet()
 
 
 def _wrap_engine_args(engine_args: Any) -> list[str]:

@@ -62,6 +62,7 @@ from ...kvcache.headwise import HeadwiseKVManager
 from ...kvcache.pools import admission_pages, allocation_cap, min_gpu_blocks, pages_needed
 from ...plan.layer import AttentionPlan
 from .._fields import field
+from ..names import wants_paddlefleet as _wants_paddlefleet
 from .protocol import TASK_ATTR, KVDelta, RecyclingLayout, layout_from_plans, merge_tp_plans
 
 logger = logging.getLogger(__name__)
@@ -161,8 +162,6 @@ def fastdeploy_switches() -> dict[str, Any]:
 
 def wants_paddlefleet(fd_config: Any) -> bool:
     """Whether ``--model-impl paddlefleet`` serves this config (the plugin's own routing rule)."""
-    from ..registration import _wants_paddlefleet
-
     return _wants_paddlefleet(field(fd_config, "model_config"))
 
 

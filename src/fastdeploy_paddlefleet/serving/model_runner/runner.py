@@ -34,7 +34,7 @@ import logging
 from typing import Any
 
 from .._fields import field as _get
-from ..registration import ARCHITECTURE
+from ..names import ARCHITECTURE
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ for), ``p_rest`` (the other tiles), ``p_tail``.
 
 Usage::
 
-    python benchmarks/hopper_probe.py [--out FILE.json] [--cases swa1024-sinks,causal,...]
+    python benchmarks/probes/hopper_probe.py [--out FILE.json] [--cases swa1024-sinks,causal,...]
 """
 
 from __future__ import annotations
@@ -28,8 +28,14 @@ import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src", "fastdeploy_paddlefleet", "kernels", "hopper_prefill.py")
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: _outputs.py
+ROOT = os.path.dirname(BENCH)
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+from _outputs import Refused, choose, claim, fail, force_help, mark, replacing  # noqa: E402
+
+SRC = os.path.join(ROOT, "src", "fastdeploy_paddlefleet", "kernels", "hopper_prefill.py")
 MAX_ITEMS = 64  # work items per CTA the trace holds
 SLOTS = 16  # stamps per item: consumer 0 at 0-3, consumer 1 at 4-7, producer at 8-12
 
@@ -289,21 +295,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default=",".join(CASES), help="comma list (default: %(default)s)")
     ap.add_argument("--out", default=None, help="write the summary here (JSON)")
+    ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
     ap.add_argument("--json", action="store_true", help="the summary as one JSON object on stdout")
     args = ap.parse_args(argv)
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    from _outputs import choose
-
     try:
         names = choose(args.cases, CASES, "cases")
+        out = claim(args.out, script="hopper_probe", force=args.force) if args.out else None
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     res = run(names)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    if out is not None:
+        try:
+            with replacing(out) as tmp:
+                tmp.write_text(json.dumps(mark(res, "hopper_probe"), indent=1) + "\n")
+        except Refused as e:
+            return fail(e)
     if args.json:
         print(json.dumps(res))
     return 0

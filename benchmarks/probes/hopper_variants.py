@@ -10,7 +10,8 @@ that hangs (a deadlock on the GPU), crashes or fails to compile is recorded and 
 
 Usage::
 
-    python benchmarks/hopper_variants.py [--out FILE.jsonl] [--variants default,peel,...] [--timeout 90]
+    python benchmarks/probes/hopper_variants.py [--out FILE.jsonl] [--variants default,peel,...]
+        [--timeout 90]
         [--tag session=2026-12-01c --tag kernel_rev=abc1234]
 """
 
@@ -24,11 +25,14 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: attention.py, _outputs.py
+ROOT = os.path.dirname(BENCH)
+for _dir in (BENCH, HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
-from _outputs import choose, parse_tags  # noqa: E402
+from _outputs import MARK, choose, fail, force_help, open_records, parse_tags  # noqa: E402
 
 # (case, q heads, kv heads, qk dim, v dim, window, sink kind)
 CASES = {
@@ -149,8 +153,8 @@ def run_isolated(variants: list[str], fh, check: bool, timeout: float) -> list[d
     a record (timeout, crash, compile error before it) gets one with ``error``."""
     recs = []
     for vname in variants:
-        fd, tmp = tempfile.mkstemp(suffix=".jsonl")
-        os.close(fd)
+        tmp_dir = tempfile.mkdtemp(prefix="fdfleet-variants-")  # the child's own new file
+        tmp = os.path.join(tmp_dir, "records.jsonl")
         cmd = [sys.executable, os.path.abspath(__file__), "--variants", vname, "--out", tmp]
         err = None
         try:
@@ -160,9 +164,13 @@ def run_isolated(variants: list[str], fh, check: bool, timeout: float) -> list[d
                 err = f"exit {r.returncode}: {r.stderr[-300:]}"
         except subprocess.TimeoutExpired:
             err = f"timeout after {timeout:g} s (a hang?)"
-        with open(tmp) as f:
-            got = [json.loads(line) for line in f if line.strip()]
-        os.unlink(tmp)
+        got = []
+        if os.path.exists(tmp):
+            with open(tmp) as f:
+                got = [json.loads(line) for line in f if line.strip()]
+            got = [{k: v for k, v in g.items() if k != MARK} for g in got]  # marked again below
+            os.unlink(tmp)
+        os.rmdir(tmp_dir)
         done = {g.get("case") for g in got}
         tiles, cases = VARIANTS[vname]
         got += [
@@ -186,6 +194,7 @@ def run_isolated(variants: list[str], fh, check: bool, timeout: float) -> list[d
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="JSON lines file to append to (default: print only)")
+    ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list (default: %(default)s)")
     ap.add_argument("--no-check", action="store_true", help="skip the dense-reference checks")
     ap.add_argument("--peers", default="", help="comma list of cases to time the peers on too")
@@ -198,10 +207,9 @@ def main(argv=None) -> int:
     try:
         names = choose(args.variants, VARIANTS, "variants")
         tags = parse_tags(args.tag)
+        fh = open_records(args.out, script="hopper_variants", force=args.force)  # refused before any work
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    fh = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
+        return fail(e)
     emit = A.emit
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)  # every record carries the tags
     try:

@@ -3,7 +3,7 @@
 On the H200's host one launch through our launcher costs ~5 us; what a wrapper costs beyond that is
 Python (memo key, step metadata, argument tuples, output allocation). This script times that Python
 alone, on any machine, on the path a GPU takes: the *direct* path, where a plan asks its
-:class:`~fastdeploy_paddlefleet.kernels._launch.KernelCache` for the kept kernel and calls it with
+:class:`~fastdeploy_paddlefleet.kernels.launch.direct.KernelCache` for the kept kernel and calls it with
 addresses (not Triton's ``fn[grid](...)`` path, which is what runs on a CPU).
 
 How, without hooks in the package: plans are built with :class:`StubKernels`, a ``KernelCache`` whose
@@ -30,7 +30,7 @@ Prints one JSON line per case (``{"kind": "host-python", "case", "us", "us_min",
 
 Usage::
 
-    python benchmarks/host_python.py [--out FILE.jsonl] [--calls N] [--repeats R] [--device cpu|cuda]
+    python benchmarks/probes/host_python.py [--out FILE.jsonl] [--calls N] [--repeats R] [--device cpu|cuda]
                                      [--cases a,b] [--tag KEY=VALUE ...]
 """
 
@@ -44,13 +44,13 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
-if SRC not in sys.path:
-    sys.path.insert(0, SRC)
-if HERE not in sys.path:  # also when loaded by file path (the tests)
-    sys.path.insert(0, HERE)
-from _outputs import choose, parse_tags  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: _outputs.py
+SRC = os.path.join(os.path.dirname(BENCH), "src")
+for _dir in (SRC, BENCH):  # also when loaded by file path (the tests)
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
+from _outputs import choose, fail, force_help, open_records, parse_tags  # noqa: E402
 
 HQ, HKV, D, BS = 4, 2, 64, 64
 CASES = (
@@ -92,7 +92,7 @@ class _Counter:
 
 def stub_kernels():
     """The :class:`StubKernels` class (torch and the package imported on first use)."""
-    from fastdeploy_paddlefleet.kernels._launch import KernelCache
+    from fastdeploy_paddlefleet.kernels.launch.direct import KernelCache
 
     class StubKernels(KernelCache):
         """A plan's kernel cache as on a GPU with every kernel compiled and kept: ``direct`` on,
@@ -163,8 +163,8 @@ def build_cases(device: str) -> dict:
     from fastdeploy_paddlefleet.backends.triton import TritonBackend
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
-    from fastdeploy_paddlefleet.kernels._launch import PlanMemo
     from fastdeploy_paddlefleet.kernels.errors import new_error_flag
+    from fastdeploy_paddlefleet.kernels.launch.direct import PlanMemo
     from fastdeploy_paddlefleet.plan.layer import LayerAttention
 
     stub = stub_kernels()
@@ -381,6 +381,7 @@ def per_call_us(fn, calls: int, repeats: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="also append the JSON lines to this .jsonl file")
+    ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
     ap.add_argument("--calls", type=int, default=20000, help="calls per timed loop (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="timed loops per case (default: %(default)s)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
@@ -396,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         tags = parse_tags(a.tag)
     except ValueError as e:
         ap.error(str(e))
+    try:
+        fh = open_records(a.out, script="host_python", force=a.force)  # refused before any work
+    except ValueError as e:
+        return fail(e)
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -405,7 +410,6 @@ def main(argv: list[str] | None = None) -> int:
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
     stub = pa.KernelCache
-    fh = open(a.out, "a") if a.out else None  # noqa: SIM115 - appended line by line
     failed = 0
     try:
         with gpu_like_tensors(device == "cpu"):
@@ -414,10 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                 fn = cases.get(name)
                 if fn is None:  # a paddle case without paddle (or on a GPU: no paddle there)
                     rec["skipped"] = "needs paddle on the CPU"
-                    line = json.dumps(rec)
-                    print(line, flush=True)
+                    print(json.dumps(rec), flush=True)
                     if fh is not None:
-                        fh.write(line + "\n")
+                        fh.record(rec)
                     continue
                 try:
                     if not name.startswith(("torch-", "new_")):
@@ -432,10 +435,9 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001 - one case's failure is its record
                     rec["error"] = repr(e)[:300]
                     failed += 1
-                line = json.dumps(rec)
-                print(line, flush=True)
+                print(json.dumps(rec), flush=True)
                 if fh is not None:
-                    fh.write(line + "\n")
+                    fh.record(rec)
     finally:
         if fh is not None:
             fh.close()

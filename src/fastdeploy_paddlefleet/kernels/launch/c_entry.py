@@ -1,7 +1,7 @@
 """``cuLaunchKernel`` called from a 30-line C extension instead of through ctypes (issue 20).
 
 On the H200's host a ctypes call of ``cuLaunchKernel`` (11 arguments converted by ``argtypes``) costs
-7.0 us, the same launch from C reached by ``METH_FASTCALL`` 4.4 us (``benchmarks/launch_parts.py``,
+7.0 us, the same launch from C reached by ``METH_FASTCALL`` 4.4 us (``benchmarks/probes/launch_parts.py``,
 same call; torch ``add_`` 9.1 us): 2.6 us per launch, two launches per served layer. The module is
 built once per machine with Triton's own ``compile_module_from_src`` (the compiler and Python headers
 Triton needs for its launchers anyway; cached in Triton's cache directory) and told the address of

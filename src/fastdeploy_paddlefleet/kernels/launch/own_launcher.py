@@ -16,7 +16,7 @@ does the same launch with what is fixed per kernel derived once:
   different descriptor object, or one over another address, is passed;
 * one call of libcuda's ``cuLaunchKernel`` (the function handle comes from Triton's loader, which set
   its dynamic shared memory attribute) with Triton's grid and block sizes, from a small C entry point
-  (:mod:`._fast_launch`) where it builds, else through ctypes. The C entry point also packs: one call
+  (:mod:`.c_entry`) where it builds, else through ctypes. The C entry point also packs: one call
   writes the values into the buffer and launches (``pack_launch``); values it does not take (tensors
   for pointers) are packed here as above.
 
@@ -37,7 +37,7 @@ import weakref
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from . import _fast_launch as _fast
+from . import c_entry as _fast
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class ParamBuffer:
         self.kernel_params = ctypes.addressof(self._params)
         self.pack_into = self._struct.pack_into
         self.dyn_at = self._shift + self._dyn_offset
-        #: the same packing for the C entry point (``_fast_launch.fast_pack_launch``): the aligned start's
+        #: the same packing for the C entry point (``c_entry.fast_pack_launch``): the aligned start's
         #: address and, per packed value, its offset from there, argument index and struct code
         self.base = base + self._shift
         self.spec = b"".join(

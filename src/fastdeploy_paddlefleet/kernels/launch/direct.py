@@ -17,7 +17,7 @@ to Triton's own path (decode, mixed batches, head-wise windows; tests/test_launc
 path is always taken under the interpreter, off torch, and while Triton's launch hooks (profilers)
 are set when the plan is built.
 
-A kept kernel launches through our own launcher (:mod:`._cuda_launch`: one struct pack, one
+A kept kernel launches through our own launcher (:mod:`.own_launcher`: one struct pack, one
 ``cuLaunchKernel``, descriptors encoded once) where it reproduces Triton's launch exactly, else through
 the compiled kernel's own launcher; ``FDFLEET_OWN_LAUNCHER`` (default on) or :data:`OWN_LAUNCHER`.
 
@@ -33,9 +33,9 @@ import logging
 import os
 from typing import Any
 
-from .. import envs
-from . import _framework
-from ._framework import is_torch
+from ... import envs
+from .. import _framework
+from .._framework import is_torch
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ OWN_LAUNCHER: bool | None = None
 
 
 def own_wanted() -> bool:
-    """Whether kept kernels launch through :mod:`._cuda_launch`: :data:`OWN_LAUNCHER`, else
+    """Whether kept kernels launch through :mod:`.own_launcher`: :data:`OWN_LAUNCHER`, else
     ``FDFLEET_OWN_LAUNCHER``."""
     if OWN_LAUNCHER is not None:
         return bool(OWN_LAUNCHER)
@@ -117,7 +117,7 @@ class KernelCache:
     that builds its arguments itself asks :meth:`kernel` first and, on a hit, calls it with addresses
     (no constexprs needed): a tensor costs the compiled launcher a ``data_ptr()`` call and a driver query
     (``cuPointerGetAttribute``) per pointer, and our launcher takes pointers as ints only. A hit is a
-    callable ``hit(grid, args, stream)``: an :class:`._cuda_launch.OwnLauncher` (:attr:`own`) or a
+    callable ``hit(grid, args, stream)``: an :class:`.own_launcher.OwnLauncher` (:attr:`own`) or a
     :class:`TritonHit` (the compiled kernel's own launcher)."""
 
     __slots__ = ("_get_stream", "_kernels", "addresses", "device_index", "direct", "own")
@@ -127,7 +127,7 @@ class KernelCache:
         self.direct = device_index is not None and _direct_ok()
         #: direct launches pass pointers as addresses (:data:`ADDRESS_ARGS` when built)
         self.addresses = ADDRESS_ARGS
-        #: kept kernels launch through :mod:`._cuda_launch` where it reproduces them (:func:`own_wanted`).
+        #: kept kernels launch through :mod:`.own_launcher` where it reproduces them (:func:`own_wanted`).
         #: Only with addresses: its one-struct pack would take a one-element integer tensor passed for a
         #: pointer as its *value* (``__index__``), where Triton's launcher asks for its ``data_ptr()``
         self.own = self.direct and self.addresses and own_wanted()
@@ -162,7 +162,7 @@ class KernelCache:
             run = kernel.run  # (loads the kernel if needed: its function handle is set after)
             hit = None
             if self.own:
-                from ._cuda_launch import own_launcher
+                from .own_launcher import own_launcher
 
                 try:
                     hit = own_launcher(kernel, len(args), tail, self.device_index)

@@ -18,7 +18,7 @@ error).
 
 Usage::
 
-    python benchmarks/launch_parts.py [--out FILE.jsonl] [--wrappers]
+    python benchmarks/probes/launch_parts.py [--out FILE.jsonl] [--wrappers]
 """
 
 from __future__ import annotations
@@ -31,11 +31,15 @@ import struct
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: attention.py, _outputs.py
+ROOT = os.path.dirname(BENCH)
+for _dir in (BENCH, HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path; the trivial kernels)
 import host_python as HP  # noqa: E402  (lanes: which path each call took)
+from _outputs import fail, force_help, open_records  # noqa: E402
 
 C_SRC = r"""
 #define PY_SSIZE_T_CLEAN
@@ -147,15 +151,20 @@ def _wrapper_record(name: str, fn, memo) -> dict:
     }  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this .jsonl file")
+    ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
     ap.add_argument("--wrappers", action="store_true", help="the one-shot wrappers' parts (docstring)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    try:
+        fh = open_records(a.out, script="launch_parts", force=a.force)  # refused before any work
+    except ValueError as e:
+        return fail(e)
     import torch
     from triton.runtime import driver
 
-    from fastdeploy_paddlefleet.kernels._cuda_launch import own_launcher
+    from fastdeploy_paddlefleet.kernels.launch.own_launcher import own_launcher
 
     _, trivial40 = A.trivial_kernels()
     x = torch.zeros(1024, device="cuda")
@@ -188,19 +197,23 @@ def main() -> None:
             1, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *addr, 16
         ),
     }
-    fh = open(a.out, "a") if a.out else None
 
     def emit(rec: dict) -> None:
         print(json.dumps(rec))
-        if fh:
-            fh.write(json.dumps(rec) + "\n")
+        if fh is not None:
+            fh.record(rec)
 
-    for name, fn in parts.items():
-        med, best = timeit(fn)
-        emit({"kind": "launch-part", "part": name, "us": round(med, 2), "us_min": round(best, 2)})
-    if a.wrappers:
-        wrapper_parts(emit)
+    try:
+        for name, fn in parts.items():
+            med, best = timeit(fn)
+            emit({"kind": "launch-part", "part": name, "us": round(med, 2), "us_min": round(best, 2)})
+        if a.wrappers:
+            wrapper_parts(emit)
+    finally:
+        if fh is not None:
+            fh.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

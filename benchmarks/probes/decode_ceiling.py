@@ -20,7 +20,8 @@ against cuDNN is the kernel alone.
 
 Usage::
 
-    python benchmarks/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tiles] [--tag KEY=VALUE] [--json]
+    python benchmarks/probes/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tiles] [--tag KEY=VALUE]
+        [--json]
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ import math
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: attention.py, _outputs.py
+ROOT = os.path.dirname(BENCH)
+for _dir in (BENCH, HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
-from _outputs import parse_tags  # noqa: E402
+from _outputs import fail, force_help, open_records, parse_tags  # noqa: E402
 
 STAGES = (3, 4)  # pipeline depths of the plain reader; the best one is its figure
 #: ``--tiles``: decode tile shapes of ours beside the default, (block_n, warps, stages): 32-key tiles
@@ -255,6 +259,7 @@ def summary(recs: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="JSON lines file to append to (default: print only)")
+    ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter without a GPU)")
     ap.add_argument("--tag", action="append", default=[], help="KEY=VALUE added to every record (repeatable)")
     ap.add_argument(
@@ -265,12 +270,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         tags = parse_tags(args.tag)
+        fh = open_records(args.out, script="decode_ceiling", force=args.force)  # refused before any work
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     emit = A.emit
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)
-    fh = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
     try:
         recs = run(fh, smoke=args.smoke, tiles=args.tiles, regs=args.regs)
     finally:

@@ -17,7 +17,7 @@ launch's time goes instead of guessing:
 
 Usage::
 
-    python benchmarks/decode_probe.py [--out FILE.json] [--parts stamps,shapes] [--ncu]
+    python benchmarks/probes/decode_probe.py [--out FILE.json] [--parts stamps,shapes] [--ncu]
 """
 
 from __future__ import annotations
@@ -31,12 +31,18 @@ import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+BENCH = os.path.dirname(HERE)  # benchmarks/: attention.py, _outputs.py
+ROOT = os.path.dirname(BENCH)
+for _dir in (BENCH, HERE):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
+from _outputs import Refused, claim, fail, force_help, mark, read_json, replacing  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(HERE), "src", "fastdeploy_paddlefleet", "kernels", "attention_kernels.py")
+SCRIPT = "decode_probe"  # the mark on what this script writes (benchmarks/_outputs.py)
+
+SRC = os.path.join(ROOT, "src", "fastdeploy_paddlefleet", "kernels", "attention_kernels.py")
 SHAPES = ((16, 16384), (32, 8192), (64, 4096), (128, 2048), (256, 1024))
 
 _GTIME = '''
@@ -145,8 +151,8 @@ def _recorded_launch(batch, ctx: int, num_splits: int | None = None, every: bool
     """``(args, grid, consts)`` of the decode launch ``paged_attention`` makes for ``batch`` (Triton's
     path, recorded by a stand-in ``KernelCache.launch``); ``every``: the list of ``(kernel, grid, args,
     consts)`` of every launch (decode, then the split-KV reduce)."""
-    from fastdeploy_paddlefleet.kernels import _launch
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     seen = []
     real = _launch.KernelCache.launch
@@ -491,14 +497,29 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="draw the stamps' running-programs curves into this PNG")
     ap.add_argument("--from-json", help="re-plot the records of an earlier --out instead of running")
     ap.add_argument("--ncu", action="store_true", help="one launch each of ours and cuDNN in NVTX ranges")
+    ap.add_argument("--force", action="store_true", help=force_help("the --out and --plot files"))
     args = ap.parse_args(argv)
     if args.ncu:
         ncu_once()
         return 0
-    if args.from_json:
-        recs = json.load(open(args.from_json))
+    try:  # what this run writes and reads: refused by name before any work (benchmarks/_outputs.py)
+        out = claim(args.out, script=SCRIPT, force=args.force) if args.out else None
+        data = args.out or args.from_json
+        png = None
         if args.plot:
-            plot(recs, args.plot)
+            png = claim(args.plot, script=SCRIPT, force=args.force, flag="--plot", beside=data)
+        if args.from_json:
+            recs = read_json(args.from_json, "--from-json", want=list)
+    except ValueError as e:
+        return fail(e)
+    if args.from_json:
+        try:
+            write_plot(recs, png)
+        except Refused as e:
+            return fail(e)
+        except (KeyError, TypeError, ValueError) as e:  # records of another shape than this script's
+            why = f"a record is not what this script writes ({e!r})"
+            return fail(Refused(f"--from-json {args.from_json!r}: {why}"))
         return 0
     parts = [p for p in args.parts.split(",") if p]
     bad = sorted(set(parts) - {"stamps", "shapes", "modes", "splits"})
@@ -518,12 +539,21 @@ def main(argv=None) -> int:
         recs += modes()
     if "shapes" in parts:
         recs += shapes_part(SHAPES)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(recs, f, indent=1)
-    if args.plot:
-        plot(recs, args.plot)
+    try:
+        if out is not None:
+            with replacing(out) as tmp:
+                tmp.write_text(json.dumps([mark(r, SCRIPT) for r in recs], indent=1) + "\n")
+        write_plot(recs, png)
+    except Refused as e:
+        return fail(e)
     return 0
+
+
+def write_plot(recs: list[dict], png) -> None:
+    """:func:`plot` into the claimed ``png`` all or nothing (``None``: no plot)."""
+    if png is not None:
+        with replacing(png) as tmp:
+            plot(recs, str(tmp))
 
 
 if __name__ == "__main__":

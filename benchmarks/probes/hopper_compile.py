@@ -6,7 +6,7 @@ Triton's own ptxas and cuobjdump assemble and read the cubin. A stub driver stan
 
 Usage::
 
-    PYTHONPATH=DIR:src python benchmarks/hopper_compile.py [--case '{"dqk": 192, "dv": 128}' ...]
+    PYTHONPATH=DIR:src python benchmarks/probes/hopper_compile.py [--case '{"dqk": 192, "dv": 128}' ...]
         [--sass-dir DIR] [--json]
 
 Each case: ``dqk``, ``dv`` and optionally ``hq``, ``hkv``, ``bs``, ``sink_mode``, ``has_window``,
@@ -28,7 +28,13 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/probes/
+ROOT = os.path.dirname(os.path.dirname(HERE))
+if os.path.join(ROOT, "benchmarks") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from _outputs import Claim, Refused, claim, fail, force_help, mark_line, replacing  # noqa: E402
+
+SCRIPT = "hopper_compile"  # the mark on the first line of each SASS file (benchmarks/_outputs.py)
 DEFAULT_CASES = [
     dict(dqk=128, dv=128, hq=32, hkv=8),
     dict(dqk=192, dv=128, hq=16, hkv=16),
@@ -103,7 +109,13 @@ def _inner_loop_spills(sass: str) -> int:
     )
 
 
-def compile_case(case: dict, sass_dir: str | None = None) -> dict:
+def sass_path(sass_dir: str, case: dict) -> str:
+    """Where ``--sass-dir`` puts ``case``'s SASS."""
+    name = "_".join(f"{k}{v}" for k, v in sorted(case.items())).replace(" ", "")
+    return os.path.join(sass_dir, f"hopper_prefill_{name}.sass")
+
+
+def compile_case(case: dict, sass_file: Claim | None = None) -> dict:
     """Compile one case (see the module docstring) and read its resources off the cubin."""
     import torch
     import triton
@@ -154,13 +166,10 @@ def compile_case(case: dict, sass_dir: str | None = None) -> dict:
                hgmma=sass.count("HGMMA"), spills_in_inner_loops=_inner_loop_spills(sass),
                wgmma_serialized=ptxas["serialized"],
                wait_injected=ptxas["injected"], bars=_bars(sass), **tiles)  # fmt: skip
-    if sass_dir:
-        os.makedirs(sass_dir, exist_ok=True)
-        name = "_".join(f"{k}{v}" for k, v in sorted(case.items())).replace(" ", "")
-        path = os.path.join(sass_dir, f"hopper_prefill_{name}.sass")
-        with open(path, "w") as f:
-            f.write(sass)
-        rec["sass"] = path
+    if sass_file is not None:  # its own file (a mark on the first line), all or nothing
+        with replacing(sass_file) as tmp:
+            tmp.write_text(mark_line(SCRIPT) + sass)
+        rec["sass"] = str(sass_file.path)
     return rec
 
 
@@ -168,6 +177,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", action="append", default=None, help="a JSON object (repeatable)")
     ap.add_argument("--sass-dir", default=None, help="write each case's SASS here")
+    ap.add_argument("--force", action="store_true", help=force_help("a case's .sass file in --sass-dir"))
     ap.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
     args = ap.parse_args(argv)
     try:
@@ -175,7 +185,12 @@ def main(argv=None) -> int:
     except json.JSONDecodeError as e:
         print(f"error: --case is not JSON: {e}", file=sys.stderr)
         return 2
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+    try:  # each case's SASS file: refused by name before any work
+        sass = [claim(sass_path(args.sass_dir, c), script=SCRIPT, force=args.force, flag="--sass-dir")
+                if args.sass_dir else None for c in cases]  # fmt: skip
+    except ValueError as e:
+        return fail(e)
+    sys.path.insert(0, os.path.join(ROOT, "src"))
     stub_driver()
     from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
 
@@ -183,9 +198,11 @@ def main(argv=None) -> int:
         print(f"error: gluon unavailable: {hp.GLUON_IMPORT_ERROR!r}", file=sys.stderr)
         return 2
     rc = 0
-    for case in cases:
+    for case, sass_file in zip(cases, sass, strict=True):
         try:
-            rec = compile_case(case, args.sass_dir)
+            rec = compile_case(case, sass_file)
+        except Refused as e:
+            return fail(e)
         except Exception as e:  # noqa: BLE001 - report every case
             rec, rc = {"case": case, "error": repr(e)[:500]}, 1
         if args.json:
