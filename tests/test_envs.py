@@ -150,3 +150,95 @@ def test_direct_launch(monkeypatch):
         envs.direct_launch()
     with pytest.raises(ValueError, match="FDFLEET_DIRECT_LAUNCH"):
         envs.check_all()  # the CLI refuses it before any command
+
+
+# ---- one registry, parsed at import whatever the backend (issue 30 item 5) -----------------------------
+
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh interpreter (a fresh import of the package), ``env`` added to a
+    copy of this environment without any FDFLEET_* variable."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FDFLEET_")}
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("name", ["FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER"])
+def test_launch_switches_are_parsed_at_import_under_the_interpreter(name):
+    """Under ``TRITON_INTERPRET=1`` nothing launches directly, so these two were never parsed and a
+    bad value passed silently: importing the env module refuses it by name."""
+    r = _child("import fastdeploy_paddlefleet.envs", TRITON_INTERPRET="1", **{name: "fast"})
+    assert r.returncode != 0 and f"{name}='fast'" in r.stderr and "ValueError" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_kernels_refuse_a_bad_switch_at_import_under_the_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (the kernels' import)")
+    code = "import fastdeploy_paddlefleet.kernels.paged_attention"
+    r = _child(code, TRITON_INTERPRET="1", FDFLEET_DIRECT_LAUNCH="fast")
+    assert r.returncode != 0 and "FDFLEET_DIRECT_LAUNCH='fast'" in r.stderr, r.stderr[-2000:]
+    assert _child(code, TRITON_INTERPRET="1", FDFLEET_DIRECT_LAUNCH="off").returncode == 0
+
+
+def test_a_misspelt_name_is_warned_about_once_naming_the_close_match():
+    code = (
+        "import logging; logging.basicConfig(format='%(levelname)s %(message)s')\n"
+        "import fastdeploy_paddlefleet.envs as e\n"
+        "e.warn_unknown(); e.check_all(); e.warn_unknown()\n"
+    )
+    r = _child(code, FDFLEET_KV_RECYCEL="off")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "FDFLEET_KV_RECYCEL" in line]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("WARNING") and "did you mean FDFLEET_KV_RECYCLE?" in lines[0]
+
+
+def test_an_unknown_name_without_a_close_match_says_so():
+    r = _child("import fastdeploy_paddlefleet.envs", FDFLEET_ZZZ="1")
+    assert r.returncode == 0 and r.stderr.count("FDFLEET_ZZZ") == 1, r.stderr
+    assert "no known variable is close" in r.stderr
+
+
+def test_test_and_ci_names_are_known_not_warned_about():
+    names = {"FDFLEET_HOST_FASTDEPLOY": "/x", "FDFLEET_HOST_PADDLEFLEET": "/y", "FDFLEET_TRITON36_SITE": "/z"}
+    r = _child("import fastdeploy_paddlefleet.envs", **names)
+    assert r.returncode == 0 and "FDFLEET" not in r.stderr, r.stderr
+
+
+def test_every_fdfleet_name_in_the_sources_tests_and_ci_is_registered():
+    """envs.VARIABLES is the one registry: every FDFLEET_* name src/, tests/ or .ci/ reads is in it
+    (names tests only make up to check the parsers are listed here)."""
+    made_up = {"FDFLEET_SOMETHING", "FDFLEET_TEST_A", "FDFLEET_TEST_B", "FDFLEET_TEST_C", "FDFLEET_HOST_"}
+    made_up |= {"FDFLEET_KV_RECYCEL", "FDFLEET_ZZZ"}
+    found = set()
+    for folder in ("src", "tests", ".ci"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and path.suffix in (".py", "") and "__pycache__" not in path.parts:
+                found |= set(
+                    re.findall(r"FDFLEET_[A-Z0-9_]+", path.read_text(encoding="utf-8", errors="replace"))
+                )
+    assert found - made_up - set(envs.VARIABLES) == set()
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["plan", "tiny"], ["modeldir", "--help"]], ids=" ".join)
+def test_a_bad_switch_exits_2_from_every_cli_entry_but_help(argv):
+    """``FDFLEET_HEADWISE_KV=maybe fdfleet --version`` printed the version (exit 0): exit 2 and one
+    line naming the variable; ``--help`` still prints."""
+    code = f"import sys; from fastdeploy_paddlefleet.cli import main; sys.exit(main({argv!r}))"
+    r = _child(code, FDFLEET_HEADWISE_KV="maybe")
+    if "--help" in argv:
+        assert r.returncode == 0 and "usage" in r.stdout, r.stderr
+        return
+    lines = [line for line in r.stderr.splitlines() if line.startswith("fdfleet")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert "FDFLEET_HEADWISE_KV='maybe'" in lines[0] and "Traceback" not in r.stderr

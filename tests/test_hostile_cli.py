@@ -322,3 +322,118 @@ def test_internal_errors_are_one_line(capsys, monkeypatch):
     monkeypatch.setattr(plan, "kv_budget", boom)
     code, _, err = cli(capsys, "plan", "tiny")
     assert code == 70 and err.count("\n") == 1 and "ZeroDivisionError" in err and "Traceback" not in err
+
+
+# ---- failed writes of stdout / stderr, every command (issue 30 item 5) ---------------------------------
+
+import os  # noqa: E402
+import stat  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+CLI = [sys.executable, "-m", "fastdeploy_paddlefleet.cli"]
+
+
+def _dev_full() -> str | None:
+    """Why ``/dev/full`` cannot be used (``None``: it is the character device that answers every
+    write with ``ENOSPC``). It is only opened, never created or replaced."""
+    try:
+        st = os.stat("/dev/full")
+    except OSError as e:
+        return f"no /dev/full on this machine ({e.strerror})"
+    if not stat.S_ISCHR(st.st_mode):
+        return "/dev/full is not a character device here"
+    return None
+
+
+needs_dev_full = pytest.mark.skipif(_dev_full() is not None, reason=str(_dev_full()))
+
+
+def _noise_free(err: str) -> list[str]:
+    """stderr's lines less the third-party import warnings a child may print (paddle, torch)."""
+    return [
+        line
+        for line in err.splitlines()
+        if line.strip() and "Warning" not in line and not line.startswith(" ") and "warnings.warn" not in line
+    ]
+
+
+def _run(argv: list[str], *, stdout: object, stderr: object, timeout: float = 300) -> tuple[int, str]:
+    r = subprocess.run([*CLI, *argv], stdout=stdout, stderr=stderr, timeout=timeout)
+    err = r.stderr.decode(errors="replace") if isinstance(r.stderr, bytes) else ""
+    return r.returncode, err
+
+
+@needs_dev_full
+def test_modeldir_json_into_a_full_disk_exits_74_with_one_line(tmp_path):
+    """``fdfleet modeldir --json tiny DIR > /dev/full`` ended in a traceback (no such command
+    guard): one line naming stdout and ENOSPC, exit 74, no "Exception ignored"."""
+    pytest.importorskip("paddle")
+    with open("/dev/full", "w") as full:
+        code, err = _run(
+            ["modeldir", "--json", "tiny", str(tmp_path / "m")], stdout=full, stderr=subprocess.PIPE
+        )
+    lines = _noise_free(err)
+    assert code == 74, err
+    assert len(lines) == 1 and "stdout" in lines[0] and "ENOSPC" in lines[0], err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@needs_dev_full
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["--version"]], ids=" ".join)
+def test_help_and_version_into_a_full_disk_exit_74(argv):
+    """argparse's own output (``--help`` exits through SystemExit) is flushed under the guard too:
+    before, the interpreter's last flush failed ("Exception ignored", exit 120)."""
+    with open("/dev/full", "w") as full:
+        code, err = _run(argv, stdout=full, stderr=subprocess.PIPE, timeout=120)
+    lines = _noise_free(err)
+    assert code == 74 and len(lines) == 1 and "ENOSPC" in lines[0], (code, err)
+    assert "Exception ignored" not in err
+
+
+@needs_dev_full
+def test_stderr_on_a_full_disk_exits_74_silently():
+    """A bad input whose one-line message cannot be written (stderr on /dev/full): exit 74, not 2 or
+    a traceback into nowhere (exit 1 / 120 before)."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*CLI, "plan", "no-such-preset"], stdout=subprocess.PIPE, stderr=full, timeout=120)
+    assert r.returncode == 74 and r.stdout == b""
+
+
+@needs_dev_full
+def test_stderr_full_while_stdout_is_fine_is_no_error():
+    """Nothing written to stderr: a full stderr changes nothing."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*CLI, "plan", "tiny"], stdout=subprocess.PIPE, stderr=full, timeout=120)
+    assert r.returncode == 0 and b"tiny" in r.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["modeldir", "--help"]], ids=" ".join)
+def test_a_closed_pipe_exits_141_without_exception_ignored(argv):
+    """``fdfleet --help | head -0``: 141 and the documented line, never "Exception ignored"."""
+    p = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before a byte is read
+    err = p.stderr.read().decode()
+    code = p.wait(timeout=120)
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+    assert code == 141, (code, err)
+
+
+def test_help_documents_the_exit_codes(capsys):
+    code, out, _ = cli(capsys, "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    for fragment in (
+        "2 bad input",
+        "74 a failed write",
+        "stdout or stderr",
+        "141 the reader closed the pipe",
+    ):
+        assert fragment in flat, flat
+
+
+def test_modeldir_is_a_command(capsys, tmp_path):
+    pytest.importorskip("paddle")
+    code, out, err = cli(capsys, "modeldir", "tiny", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["files"] == ["config.json", "model.safetensors"] and Path(report["path"]).is_dir()

@@ -283,18 +283,18 @@ def _readme_variables() -> dict[str, tuple[str, str]]:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("### Environment variables") :]
     section = section[: section.index("\n#")]
-    rows = re.findall(r"^\| `(FDFLEET_[A-Z_]+)` \| (.+?) \| (.+?) \|$", section, flags=re.M)
+    rows = re.findall(r"^\| `(FDFLEET_[A-Z0-9_]+)` \| (.+?) \| (.+?) \|$", section, flags=re.M)
     return {name: (default, meaning) for name, default, meaning in rows}
 
 
 def test_readme_lists_every_fdfleet_variable():
     table = _readme_variables()
     envs = (ROOT / "src" / "fastdeploy_paddlefleet" / "envs.py").read_text(encoding="utf-8")
-    defined = set(re.findall(r"FDFLEET_[A-Z_]+", envs))
+    defined = set(re.findall(r"FDFLEET_[A-Z0-9_]+", envs))
     in_src = {
         name
         for path in (ROOT / "src").rglob("*.py")
-        for name in re.findall(r"FDFLEET_[A-Z_]+", path.read_text(encoding="utf-8"))
+        for name in re.findall(r"FDFLEET_[A-Z0-9_]+", path.read_text(encoding="utf-8"))
     }
     in_tests = {
         name

@@ -174,7 +174,7 @@ def test_disk_full_with_force_leaves_the_old_directory_byte_identical(occupied, 
 def test_disk_full_on_a_fresh_path_leaves_no_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("safetensors.numpy.save_file", _full_disk([]))
     target = tmp_path / "new" / "deeper" / "tiny"
-    assert modeldir.main(["tiny", str(target)]) == 2
+    assert modeldir.main(["tiny", str(target)]) == 74  # EX_IOERR: a failed write (issue 30 item 5)
     err = capsys.readouterr().err
     assert str(target) in err and "No space left on device" in err
     assert list(tmp_path.iterdir()) == []  # neither the target nor the parents created for it
@@ -371,3 +371,51 @@ def test_a_symlink_target_is_written_through(tmp_path):
     modeldir.write_model_dir("tiny", link, force=True, seed=3)
     assert link.is_symlink() and (real / "notes.txt").read_text() == "keep"
     assert json.loads((real / "config.json").read_text())["seed"] == 3
+
+
+def test_a_safetensors_error_with_force_is_named_exit_74_and_changes_nothing(occupied, monkeypatch, capsys):
+    """``fdfleet modeldir ... --force`` on a full disk: safetensors raises its own ``SafetensorError``
+    (no OSError), which ended in a traceback (issue 30 item 5): a named error, exit 74, the target and
+    its siblings byte for byte as before, no temporary directory left."""
+    from safetensors import SafetensorError
+
+    before, around = snapshot_tree(occupied), siblings(occupied)
+
+    def full(tensors, path, *a, **kw):
+        Path(path).write_bytes(b"\0" * 100)  # half a file in the temporary sibling
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr("safetensors.numpy.save_file", full)
+    with pytest.raises(modeldir.ModelDirWriteError, match=r"writing '.*mine' failed \(.*StorageFull") as info:
+        modeldir.write_model_dir("tiny", occupied, force=True)
+    assert isinstance(info.value, OSError) and "left as it was" in str(info.value)
+    assert snapshot_tree(occupied) == before and siblings(occupied) == around
+    capsys.readouterr()
+    from fastdeploy_paddlefleet.cli import main
+
+    assert main(["modeldir", "tiny", str(occupied), "--force"]) == 74
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "mine" in lines[0] and "StorageFull" in lines[0] and lines[0].startswith("fdfleet: error:")
+    assert snapshot_tree(occupied) == before and siblings(occupied) == around
+
+
+def test_an_oserror_during_the_swap_is_named_exit_74(occupied, monkeypatch, capsys):
+    """A rename that fails half-way (EIO) while --force swaps the files in: exit 74, nothing changed."""
+    before, around = snapshot_tree(occupied), siblings(occupied)
+    real_rename = Path.rename
+    calls = []
+
+    def flaky(self, target):
+        calls.append(self)
+        if len(calls) == 3:  # after the first file was set aside and placed
+            raise OSError(errno.EIO, "Input/output error")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", flaky)
+    assert modeldir.main(["tiny", str(occupied), "--force"]) == 74
+    err = capsys.readouterr().err
+    assert "Input/output error" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setattr(Path, "rename", real_rename)
+    assert snapshot_tree(occupied) == before and siblings(occupied) == around

@@ -1,7 +1,8 @@
-"""The plugin's environment switches, parsed strictly (stdlib only).
+"""The plugin's environment switches: one registry (:data:`VARIABLES`), parsed strictly (stdlib only).
 
-Every getter reads ``os.environ`` when called, never at import, so a test or
-a launcher may set a variable after the package was imported.
+Every ``FDFLEET_*`` name the plugin, its tests or its CI reads has one :class:`Variable` here (name,
+parser, default, doc); nothing else in the package reads ``os.environ`` for one of them by parsing it
+itself.
 
 * ``FDFLEET_BACKEND``: ``auto`` (default) | ``reference`` | ``triton``
 * ``FDFLEET_HEADWISE_KV``: boolean, default ``False``
@@ -13,22 +14,38 @@ a launcher may set a variable after the package was imported.
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
   ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
+* ``FDFLEET_HOST_FASTDEPLOY``, ``FDFLEET_HOST_PADDLEFLEET``, ``FDFLEET_TRITON36_SITE``: tests and CI
+  only (folders; known names, never parsed)
 
 Values are case-insensitive and may carry surrounding whitespace. An empty
 value counts as unset (so ``FDFLEET_BACKEND= cmd`` gives the default); any
 other value outside the accepted set raises ``ValueError`` naming the variable
-and the value. :func:`check_all` parses every switch at once (the CLI calls it
-before any command, so a bad value is refused by every command).
+and the value.
 
-A new variable also gets a row in README's "Environment variables" table (default
-and meaning): ``tests/test_hostile_process.py`` checks that every ``FDFLEET_*``
-name in this file is there.
+When: every getter reads ``os.environ`` when called (a test or a launcher may set a variable after
+import), and *importing this module* parses every switch once (:func:`check_all`), whatever the
+backend or code path will read later: a bad value (e.g. ``FDFLEET_DIRECT_LAUNCH`` under the Triton
+interpreter, which never launches directly) raises ``ValueError`` at import instead of passing
+unnoticed. The import also logs one WARNING per process for each ``FDFLEET_*`` name in the
+environment that is not in the registry (a misspelt switch is otherwise silently ignored), naming
+the closest known name when there is one (:func:`warn_unknown`). The CLI parses every switch again
+before any command (``fdfleet --help`` still prints with a bad value).
+
+A new variable gets a :class:`Variable` in :data:`VARIABLES` and a row in README's "Environment
+variables" table (default and meaning): ``tests/test_hostile_process.py`` checks that every
+``FDFLEET_*`` name in this file is there.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
 FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off")
@@ -158,12 +175,6 @@ def model_impl_is_paddlefleet() -> bool:
     return True
 
 
-def check_all() -> None:
-    """Parse every switch now: ``ValueError`` naming the first bad variable and its value."""
-    for getter in _GETTERS:
-        getter()
-
-
 PREFILL_KERNELS: tuple[str, ...] = ("auto", "hopper", "portable")
 
 
@@ -206,15 +217,83 @@ def fused_decode_write() -> bool:
     return get_bool("FDFLEET_FUSED_DECODE_WRITE", False)
 
 
-#: every switch's getter (check_all runs them all)
-_GETTERS = (
-    backend_name,
-    direct_launch,
-    fused_decode_write,
-    headwise_kv,
-    kv_recycle,
-    log_level,
-    model_impl_is_paddlefleet,
-    own_launcher,
-    prefill_kernel,
-)
+@dataclass(frozen=True)
+class Variable:
+    """One ``FDFLEET_*`` variable: its ``name``, the getter that parses it (``read``: the value, or
+    ``ValueError`` naming the variable and the bad value; ``None`` for a test / CI variable that holds
+    a path and is read where it is used), its ``default`` as README states it and a one-line ``doc``."""
+
+    name: str
+    read: Callable[[], Any] | None
+    default: str
+    doc: str
+
+    @property
+    def parsed(self) -> bool:
+        return self.read is not None
+
+
+#: every FDFLEET_* variable, by name: the one registry (check_all, warn_unknown, README's table)
+VARIABLES: dict[str, Variable] = {
+    v.name: v
+    for v in (
+        Variable("FDFLEET_BACKEND", backend_name, "auto", "attention backend: auto, reference, triton"),
+        Variable("FDFLEET_HEADWISE_KV", headwise_kv, "off", "head-wise KV pages with window recycling"),
+        Variable("FDFLEET_PREFILL_KERNEL", prefill_kernel, "auto", "prefill kernel: auto, hopper, portable"),
+        Variable("FDFLEET_KV_RECYCLE", kv_recycle, "auto", "window recycling in FastDeploy: auto, off"),
+        Variable("FDFLEET_DIRECT_LAUNCH", direct_launch, "on", "launch compiled Triton kernels directly"),
+        Variable("FDFLEET_OWN_LAUNCHER", own_launcher, "on", "direct launches through the plugin's launcher"),
+        Variable("FDFLEET_FUSED_DECODE_WRITE", fused_decode_write, "off", "decode launch writes the K/V"),
+        Variable("FDFLEET_LOG_LEVEL", log_level, "WARNING", "the plugin's log level"),
+        Variable(MODEL_IMPL_VAR, model_impl_is_paddlefleet, "unset", "set by --model-impl paddlefleet"),
+        Variable("FDFLEET_HOST_FASTDEPLOY", None, "unset", "tests only: FastDeploy's sources"),
+        Variable("FDFLEET_HOST_PADDLEFLEET", None, "unset", "tests only: PaddleFleet's sources"),
+        Variable("FDFLEET_TRITON36_SITE", None, "/tmp/tr36site", "tests only: a Triton 3.6 site folder"),
+    )
+}
+
+#: every parsed switch's getter (check_all runs them all)
+_GETTERS: tuple[Callable[[], Any], ...] = tuple(v.read for v in VARIABLES.values() if v.read is not None)
+
+PREFIX = "FDFLEET_"
+
+
+def check_all() -> None:
+    """Parse every switch now: ``ValueError`` naming the first bad variable and its value."""
+    for getter in _GETTERS:
+        getter()
+
+
+#: unknown names already warned about in this process (one WARNING each)
+_warned: set[str] = set()
+
+
+def unknown_names(environ: Any = None) -> list[str]:
+    """The ``FDFLEET_*`` names set in ``environ`` (default ``os.environ``) that no :class:`Variable`
+    declares, sorted."""
+    env = os.environ if environ is None else environ
+    return sorted(n for n in env if n.startswith(PREFIX) and n not in VARIABLES)
+
+
+def unknown_message(name: str) -> str:
+    """What :func:`warn_unknown` says about ``name``: the closest known name, or that there is none."""
+    close = difflib.get_close_matches(name, list(VARIABLES), n=1, cutoff=0.75)
+    known = ", ".join(VARIABLES)
+    hint = f"did you mean {close[0]}?" if close else f"no known variable is close (known: {known})"
+    return f"{name} is not a known fastdeploy-paddlefleet variable and is ignored; {hint}"
+
+
+def warn_unknown(environ: Any = None) -> list[str]:
+    """Log one WARNING per process for each unknown ``FDFLEET_*`` name in ``environ``; the names
+    warned about now."""
+    fresh = [n for n in unknown_names(environ) if n not in _warned]
+    for name in fresh:
+        _warned.add(name)
+        logger.warning("%s", unknown_message(name))
+    return fresh
+
+
+# at import: every switch parsed (a bad value raises here, whatever backend reads it later), then
+# one warning per misspelt name
+check_all()
+warn_unknown()

@@ -9,7 +9,9 @@ a PaddleFormers checkpoint, ``runner.checkpoint_case``).
 ``--headwise-kv`` (default: ``FDFLEET_HEADWISE_KV``) allocates the KV cache in
 head-wise pages with sliding-window recycling; released pages are NaN-filled.
 Exit code 0 when every compared logit is within ``--tolerance`` and greedy
-decoding agrees everywhere, 1 otherwise, 2 on bad input.
+decoding agrees everywhere, 1 otherwise, 2 on bad input: a config whose weights
+cannot fit in the available memory included (``plan.weights.check_fits``: the
+estimate and ``MemAvailable`` named, nothing allocated).
 """
 
 from __future__ import annotations
@@ -206,6 +208,28 @@ def _minifleet_config(args: Any) -> Any:
     return ("paddlefleet", raw)
 
 
+def _check_config_fits(args: Any) -> None:
+    """``--config FILE`` (any verify path that builds from it): refuse a model whose two instances'
+    weights cannot fit in the available memory, naming the estimate and the memory (exit 2), before
+    anything heavy is imported or allocated. Other faults of the file are left to the path that
+    reads it (its own messages); the builders check the fit again with the dtype they build in."""
+    if not args.config:
+        return
+    from ..plan.config import load_config
+    from ..plan.weights import ModelTooLargeError, check_fits
+
+    try:
+        raw = load_config(args.config)
+        if raw.get("model_type", "minifleet") == "minifleet":
+            check_fits(raw, copies=2, dtype="float32", what="the model of this config")
+        else:  # PaddleFleet / PaddleFormers: the config's dtype, two instances
+            check_fits(raw, copies=2, what="the model of this config")
+    except ModelTooLargeError as e:
+        raise about("--config", args.config, e) from e
+    except (ValueError, TypeError, AttributeError):
+        return  # named by the path that builds it
+
+
 def _print_table(report: Any) -> None:
     hw = report.headwise_kv
     print(
@@ -240,6 +264,7 @@ def run(args: Any) -> int:
     if args.steps < 0:
         raise CliError(f"--steps must be >= 0, got {args.steps}")
     headwise_kv = _headwise_kv(getattr(args, "headwise_kv", None))
+    _check_config_fits(args)  # before paddle is imported: a huge config is refused at once
     backend = _backend(args.backend)
     if args.paddleformers:
         for flag, value in (("--preset", args.preset), ("--model", getattr(args, "model", None))):
@@ -249,11 +274,16 @@ def run(args: Any) -> int:
     elif getattr(args, "model", None) is not None:
         case = _checkpoint_case(args.model, backend, args.seed)
     else:
+        from ..plan.weights import ModelTooLargeError
+
         config = _minifleet_config(args)
-        if isinstance(config, tuple):
-            case = fleet_case.build_paddlefleet_case(config[1], backend, args.seed, name=args.config)
-        else:
-            case = fleet_case.build_minifleet_case(config, backend, args.seed)
+        try:  # a config too large for memory is refused before a byte is allocated (exit 2)
+            if isinstance(config, tuple):
+                case = fleet_case.build_paddlefleet_case(config[1], backend, args.seed, name=args.config)
+            else:
+                case = fleet_case.build_minifleet_case(config, backend, args.seed)
+        except ModelTooLargeError as e:
+            raise about("--config" if args.config else "--preset", args.config or args.preset, e) from e
     report = driver.run_verify(
         case,
         decode_steps=args.steps,

@@ -113,10 +113,13 @@ def _minifleet_case(model_dir: Path, raw: dict[str, Any], files: list[Path], bac
 
     from ..minifleet import build_minifleet, make_config
     from ..plan import plan_from_config
+    from ..plan.weights import check_fits
     from ..serving.weights import assign_weights
     from .fleet_case import fleet_case
 
     cfg = make_config(raw)
+    # two float32 instances and the checkpoint's tensors while they are assigned
+    check_fits(cfg, copies=3, dtype="float32", what=f"model directory {str(model_dir)!r}")
     # different seeds: only the checkpoint's weights can make the two agree
     native, paged = build_minifleet(cfg, seed=seed), build_minifleet(cfg, seed=seed + 1)
     _require(tensor_names(files), set(native.state_dict()), model_dir, strip="model.")
@@ -159,6 +162,7 @@ def _paddleformers_case(model_dir: Path, arch: str, files: list[Path], backend: 
     from paddleformers.transformers import AutoModelForCausalLM
 
     from ..plan import plan_from_config
+    from ..plan.weights import check_fits
     from .paddleformers_case import (
         WORKAROUNDS,
         ensure_paddlefleet_ops,
@@ -168,6 +172,7 @@ def _paddleformers_case(model_dir: Path, arch: str, files: list[Path], backend: 
     )
 
     config = load_arch_config(arch, model_dir)
+    check_fits(config, copies=2, dtype="float32", what=f"model directory {str(model_dir)!r}")  # two loads
     if arch == "deepseek_v3":
         ensure_paddlefleet_ops()
     tensor_names(files)  # a damaged file is named before PaddleFormers reads it

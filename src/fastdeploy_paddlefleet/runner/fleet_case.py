@@ -109,11 +109,14 @@ def build_minifleet_case(
     """
     from ..minifleet import build_minifleet, make_config
     from ..plan import plan_from_config
+    from ..plan.weights import check_fits
 
     cfg = make_config(config)
+    name = config if isinstance(config, str) else "minifleet"
+    # two float32 instances: refused by name before the allocator runs out (issue 30 item 5)
+    check_fits(cfg, copies=2, dtype="float32", what=f"minifleet config {str(name)!r}")
     native = build_minifleet(cfg, seed=seed)
     paged = build_minifleet(cfg, seed=seed)
-    name = config if isinstance(config, str) else "minifleet"
     extras = {"host": "minifleet", "config": str(name)}
     return fleet_case(f"minifleet:{name}", native, paged, plan_from_config(cfg), backend, extras)
 
@@ -158,7 +161,9 @@ def build_paddlefleet_case(
     built model's own ``TransformerConfig`` (``model.config``: the host's window convention).
     """
     from ..plan import plan_from_config
+    from ..plan.weights import check_fits
 
+    check_fits(raw, copies=2, what=f"{raw.get('model_type')!r} config {name!r}")  # before any allocation
     config = paddlefleet_config(raw)
     native = build_paddlefleet_model(config, seed)
     paged = build_paddlefleet_model(config, seed)

@@ -43,6 +43,7 @@ from ..backends.base import AttentionBackend
 from ..plan.config import plan_from_config
 from ..plan.fields import check_caps, check_numeric_fields, read_json_file
 from ..plan.layer import AttentionPlan
+from ..plan.weights import check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +331,8 @@ def build_case(
     _check_arch(arch)
     config = tiny_config(arch) if config_path is None else load_arch_config(arch, config_path)
     plan = plan_from_config(config)
+    where = f"{arch} config {str(config_path)!r}" if config_path is not None else f"{arch} tiny config"
+    check_fits(config, copies=2, what=where, plan=plan)  # two instances, refused before allocating
     if plan_transform is not None:
         plan = plan_transform(plan)
     native, twin = build_twins(config, seed=seed)

@@ -5,7 +5,9 @@ requires a ``dtype`` or ``torch_dtype`` field, takes ``architectures`` for the
 registry lookup) and its v1 loader streams the weights of ``*.safetensors`` files
 into ``model.load_weights``. A preset JSON has neither, so::
 
-    python -m fastdeploy_paddlefleet.serving.modeldir tiny /tmp/tiny --dtype float32 [--seed 0] [--json]
+    fdfleet modeldir tiny /tmp/tiny --dtype float32 [--seed 0] [--json] [--force]
+
+(``python -m fastdeploy_paddlefleet.serving.modeldir ...`` runs the same command)
 
 writes ``config.json`` (the preset plus ``dtype``, ``seed``, ``torch_dtype`` absent,
 FastDeploy's ``max_model_len``-related ``max_position_embeddings`` kept) and
@@ -21,12 +23,13 @@ not empty is refused, also when it became non-empty during the write, and then l
 ``model.safetensors``) in a non-empty directory and keeps every other file there; it refuses the
 current directory, the home directory and a filesystem root. A symbolic link to a directory is
 written through (the link stays). Files ``0644``. A failure (a full disk, Ctrl-C) leaves the target
-as it was, removes the temporary directory and names the path; Ctrl-C exits 130 with one line.
+as it was, removes the temporary directory and names the path: a failed write (any ``OSError``,
+safetensors' own ``SafetensorError``) raises :class:`ModelDirWriteError` (an ``OSError``; the CLI exits
+74), a refused target ``ValueError`` (exit 2); Ctrl-C exits 130 with one line.
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -43,6 +46,30 @@ DIR_MODE = 0o755
 
 #: the files this writer makes (all ``--force`` replaces)
 OURS = ("config.json", "model.safetensors")
+
+
+class ModelDirWriteError(OSError):
+    """Writing a model directory failed (a full disk, an I/O error, safetensors' own error); the
+    target was left as it was. ``errno`` is the cause's (``None`` when it had none); the message names
+    the path and the cause."""
+
+    def __init__(self, path: Path, cause: BaseException, doing: str = "writing"):
+        why = getattr(cause, "strerror", None) or " ".join(str(cause).split()) or type(cause).__name__
+        self.message = f"{doing} {str(path)!r} failed ({why}); the path was left as it was"
+        super().__init__(getattr(cause, "errno", None), self.message)
+        self.path = str(path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write raises: ``OSError``, and safetensors' ``SafetensorError`` (not an OSError)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # an older safetensors: its error type lives elsewhere or not at all
+        return (OSError,)
+    return (OSError, SafetensorError)
 
 
 def _target(path: str | os.PathLike, force: bool) -> Path:
@@ -203,7 +230,8 @@ def write_model_dir(
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as e:
         _remove_empty(made)
-        raise OSError(e.errno, f"cannot create the model directory {str(out)!r}: {e.strerror or e}") from e
+        raise ModelDirWriteError(out, e, doing="creating the model directory") from e
+    failed = _write_errors()
     try:
         tmp.chmod(DIR_MODE)
         _write_files(tmp, config, tensors)
@@ -211,9 +239,8 @@ def write_model_dir(
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(made)
-        if isinstance(e, OSError):
-            why = e.strerror or str(e)
-            raise OSError(e.errno, f"writing {str(out)!r} failed ({why}); the path was left as it was") from e
+        if isinstance(e, failed):
+            raise ModelDirWriteError(out, e) from e
         raise
     return out
 
@@ -237,43 +264,11 @@ def _remove_empty(dirs: list[Path]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m fastdeploy_paddlefleet.serving.modeldir",
-        description="Write a minifleet preset as a FastDeploy model directory (config.json + weights).",
-    )
-    parser.add_argument("preset", help="minifleet preset name (tiny, tiny-mla)")
-    parser.add_argument(
-        "path",
-        help="directory to write (must not exist or be empty, unless --force; a link is written through)",
-    )
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help=f"in a non-empty directory, replace {' and '.join(OURS)} (once complete) and keep every other "
-        "file; refused for the current directory, the home directory and a filesystem root",
-    )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = parser.parse_args(argv)
-    try:
-        out = write_model_dir(args.preset, args.path, dtype=args.dtype, seed=args.seed, force=args.force)
-    except (ValueError, TypeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"interrupted: {args.path!r} was left as it was", file=sys.stderr)
-        return 130
-    kept = sorted(p.name for p in out.iterdir() if p.name not in OURS)
-    if args.json:
-        print(
-            json.dumps(
-                {"path": str(out), "files": list(OURS), "kept": kept, "dtype": args.dtype, "seed": args.seed}
-            )
-        )
-    else:
-        print(f"wrote {out} ({', '.join(OURS)})" + (f"; kept {', '.join(kept)}" if kept else ""))
-    return 0
+    """``python -m fastdeploy_paddlefleet.serving.modeldir ARGS``: ``fdfleet modeldir ARGS`` (the CLI's
+    exit codes and its guard of stdout and stderr)."""
+    from ..cli import main as cli_main
+
+    return cli_main(["modeldir", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
