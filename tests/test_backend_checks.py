@@ -189,11 +189,11 @@ def test_cache_dtype():
 
 def test_meta_type_and_block_size():
     raises(TypeError, r"meta must be a BatchMeta, got dict", meta={})
-    raises(
-        ValueError,
-        r"meta.block_size must be a positive int, got 0",
-        meta=dataclasses.replace(meta_(), block_size=0),
-    )
+    with pytest.raises(ValueError, match=r"meta.block_size=0: expected an int in \[1, "):
+        dataclasses.replace(meta_(), block_size=0)  # refused where the metadata is built
+    bad = meta_()
+    object.__setattr__(bad, "block_size", 0)  # set after construction: the backend still refuses it
+    raises(ValueError, r"meta.block_size must be a positive int, got 0", meta=bad)
 
 
 def test_seq_lens_length():

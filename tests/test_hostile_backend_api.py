@@ -163,7 +163,9 @@ def test_float_headwise_table_is_refused():
 
 def test_bool_block_size_is_refused():
     a = step()
-    a["meta"] = dataclasses.replace(a["meta"], block_size=True)
+    with pytest.raises(TypeError, match="meta.block_size=True: expected an int, got bool"):
+        dataclasses.replace(a["meta"], block_size=True)  # refused where the metadata is built
+    object.__setattr__(a["meta"], "block_size", True)  # set after construction: the backend refuses it
     with pytest.raises(ValueError, match="block_size"):
         validate_inputs(**a)
 

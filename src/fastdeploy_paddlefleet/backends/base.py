@@ -36,6 +36,27 @@ from typing import Any
 
 from ..plan.layer import LayerAttention
 
+#: int32 on the device: sizes, lengths and maxima the kernels read
+_INT32_MAX = 2**31 - 1
+
+
+def host_int(name: str, value: Any, low: int = 0, high: int = _INT32_MAX) -> int:
+    """``value`` as a host ``int`` in ``[low, high]``: ``TypeError`` for anything that is not an
+    integer (``bool``, ``4.7``, ``4.0``, NaN, a string: a cast would truncate or read ``True`` as 1),
+    ``ValueError`` out of range; both name ``name`` and the value. numpy integers pass."""
+    if type(value) is int:
+        v = value
+    elif isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}={value!r}: expected an int, got {type(value).__name__}")
+    else:
+        try:
+            v = value.__index__()
+        except TypeError:  # a tensor of more than one element, a float tensor
+            raise TypeError(f"{name}={value!r}: expected an int, got {type(value).__name__}") from None
+    if not low <= v <= high:
+        raise ValueError(f"{name}={value!r}: expected an int in [{low}, {high}]")
+    return v
+
 
 @dataclass
 class BatchMeta:
@@ -56,6 +77,11 @@ class BatchMeta:
     * ``block_size``: tokens per block
     * ``max_seq_len_this_time`` / ``max_context_len``: host-side maxima (ints)
       kernels use to size their grids without a device sync.
+
+    The host scalars are checked at construction (O(1), no sync): ``block_size`` an int >= 1, the
+    maxima ``None`` or ints >= 0 (NaN, inf, 7.5, ``True`` refused: a kernel grid sized from a
+    truncated or wrapped bound drops rows), at least 1 when the step has tokens, and
+    ``max_context_len >= max_seq_len_this_time`` (a request's keys include this step's queries).
     """
 
     seq_lens_encoder: Any
@@ -68,6 +94,29 @@ class BatchMeta:
     block_tables_headwise: Any = None
     max_seq_len_this_time: int | None = None
     max_context_len: int | None = None
+
+    def __post_init__(self) -> None:
+        bs = host_int("meta.block_size", self.block_size, 1)
+        maxima = {}
+        for name in ("max_seq_len_this_time", "max_context_len"):
+            value = getattr(self, name)
+            maxima[name] = None if value is None else host_int(f"meta.{name}", value, 0)
+        tokens = getattr(self.batch_id_per_token, "shape", None)
+        if tokens is not None and len(tokens) == 1 and int(tokens[0]) > 0:  # shape only: no sync
+            for name, value in maxima.items():
+                if value == 0:
+                    raise ValueError(
+                        f"meta.{name}=0 for a step of {int(tokens[0])} tokens: expected an int >= 1 "
+                        "(or None: unknown)"
+                    )
+        mq, mc = maxima["max_seq_len_this_time"], maxima["max_context_len"]
+        if mq is not None and mc is not None and mc < mq:
+            raise ValueError(
+                f"meta.max_context_len={mc} is below meta.max_seq_len_this_time={mq}: a request's keys "
+                "include this step's queries"
+            )
+        self.block_size = bs
+        self.max_seq_len_this_time, self.max_context_len = mq, mc
 
     @property
     def batch_size(self) -> int:

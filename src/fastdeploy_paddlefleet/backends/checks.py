@@ -130,6 +130,33 @@ def check_int32_narrowing(name: str, x: Any) -> None:
     check_int32_range(name, to_numpy(x))
 
 
+def check_token_ids(name: str, ids: Any, vocab_size: int | None) -> None:
+    """Token ids are integers in ``[0, vocab_size)``: a float dtype is refused (``TypeError``; the
+    cast to int64 would truncate 1.7 to 1), and where the host holds the values (lists, numpy, CPU
+    tensors) an id below 0 or at / past ``vocab_size`` is refused (``ValueError`` naming the entry,
+    the id and ``vocab_size``): the embedding would gather a row that is not there (-1 reads memory
+    before the table, a sharded table gives zeros). Device values are not read (no sync); a
+    ``vocab_size`` of ``None`` (unknown) checks the dtype only."""
+    got = _int_dtype_name(ids)
+    if got not in INT_DTYPES:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {got}")
+    if vocab_size is None or not is_on_host(ids):
+        return
+    import numpy as np
+
+    a = np.asarray(to_numpy(ids))
+    if a.size == 0:
+        return
+    bad = (a < 0) | (a >= vocab_size)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = f"[{', '.join(map(str, idx))}]" if idx else ""
+        raise ValueError(
+            f"{name}{where} = {int(a[idx])} is not a token id: expected an int in [0, vocab_size="
+            f"{vocab_size})"
+        )
+
+
 def dtype_name(dtype: Any) -> str:
     """``paddle.float32`` / ``torch.float32`` / ``float32`` -> ``float32``."""
     return str(dtype).rsplit(".", 1)[-1]
@@ -428,9 +455,9 @@ def validate_inputs(
     this_time = _int_array(meta, "seq_lens_this_time", None)
     bsz = this_time.shape[0]
     dec = _int_array(meta, "seq_lens_decoder", bsz)
-    _int_array(meta, "seq_lens_encoder", bsz)
+    enc = _int_array(meta, "seq_lens_encoder", bsz)
     cu = _int_array(meta, "cu_seqlens_q", bsz + 1)
-    for name, a in (("seq_lens_this_time", this_time), ("seq_lens_decoder", dec)):
+    for name, a in (("seq_lens_this_time", this_time), ("seq_lens_decoder", dec), ("seq_lens_encoder", enc)):
         if (a < 0).any():
             raise ValueError(f"meta.{name} must be >= 0, got {a.tolist()}")
     if cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != t:

@@ -51,7 +51,9 @@ part of this package, ``docs/kvcache.md`` has the details):
 Contract: ``reserve`` / ``append`` / ``release`` are atomic and self-sufficient: each releases
 what the windows allow up to its ``computed`` bound (every group) before it allocates, and the
 dry runs (``can_reserve``, ``can_append``) give their answer on every state. A synchronous driver
-whose previous step has run passes ``computed = num_tokens(req_id)``.
+whose previous step has run passes ``computed = num_tokens(req_id)``. The bound never moves
+backwards for a request (``ValueError`` naming the request and its last bound; nothing changes):
+only :meth:`preempt` (or :meth:`finish` and a new :meth:`admit`) restarts it from 0.
 
 Bounds: a group holds at most ``MAX_PAGES`` (``2**31 - 1``, int32 page ids) pages and a request
 at most ``MAX_TOKENS`` tokens (int32 sequence lengths); larger sizes are refused at construction
@@ -389,12 +391,12 @@ class HeadwiseKVManager:
         """
         r = self._req(req_id)
         new_n = max(r.num_tokens, _count("target_tokens", target_tokens))
-        c = _count("computed", computed, 0, new_n)
+        c = self._computed(req_id, r, computed, new_n)
         bs = self.block_size
         have = -(-r.num_tokens // bs)
         need = -(-new_n // bs)
         if need == have and c < r.next_release:  # fast path: nothing to free or allocate
-            r.num_tokens, r.computed = new_n, max(r.computed, c)
+            r.num_tokens, r.computed = new_n, c
             return _OK
         missing = self._missing(r, c, need)
         if missing:
@@ -407,7 +409,7 @@ class HeadwiseKVManager:
         """Dry run of :meth:`reserve`: would it succeed now? Changes nothing."""
         r = self._req(req_id)
         new_n = max(r.num_tokens, _count("target_tokens", target_tokens))
-        c = _count("computed", computed, 0, new_n)
+        c = self._computed(req_id, r, computed, new_n)
         missing = self._missing(r, c, -(-new_n // self.block_size))
         return AllocResult(not missing, missing)
 
@@ -434,13 +436,26 @@ class HeadwiseKVManager:
         """Release the pages no query at position ``computed`` or later can see (``computed`` as
         in :meth:`reserve`, at most the tokens held). Returns the number of pages released."""
         r = self._req(req_id)
-        c = _count("computed", computed, 0, r.num_tokens)
+        c = self._computed(req_id, r, computed, r.num_tokens)
         if c < r.next_release:  # fast path: no block left every window yet
-            r.computed = max(r.computed, c)
+            r.computed = c
             return 0
         before = self.free_pages
         self._apply(r, c, None)
         return self.free_pages - before
+
+    @staticmethod
+    def _computed(req_id: Any, r: _Request, computed: Any, hi: int) -> int:
+        """``computed`` as an int in ``[r.computed, hi]``: the bound never moves backwards for one
+        incarnation of a request (pages released up to the last bound cannot come back; a lower
+        bound means the caller's count is wrong). :meth:`preempt` restarts it from 0."""
+        c = _count("computed", computed, 0, hi)
+        if c < r.computed:
+            raise ValueError(
+                f"computed={computed!r} for req_id={req_id!r} is below its last computed bound "
+                f"{r.computed}: the bound never moves backwards (preempt() restarts a request)"
+            )
+        return c
 
     def next_release(self, req_id: Any) -> float:
         """The smallest ``computed`` bound at which ``req_id`` releases another block (``inf``:
@@ -508,7 +523,7 @@ class HeadwiseKVManager:
                     ids = lane.ids
                     while len(ids) < need:
                         ids.append(pool.take())
-        r.computed = max(r.computed, computed)
+        r.computed = computed
         r.next_release = nxt
 
     def _free_all(self, r: _Request) -> None:

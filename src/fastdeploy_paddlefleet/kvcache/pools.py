@@ -60,7 +60,7 @@ FASTDEPLOY_LOOKAHEAD_SLOTS = 12
 
 def fastdeploy_lookahead(block_size: int) -> int:
     """Tokens FastDeploy allocates at most beyond a decoding request's computed ones."""
-    return FASTDEPLOY_LOOKAHEAD_BLOCKS * block_size + FASTDEPLOY_LOOKAHEAD_SLOTS
+    return FASTDEPLOY_LOOKAHEAD_BLOCKS * _int("block_size", block_size, 1) + FASTDEPLOY_LOOKAHEAD_SLOTS
 
 
 def _int(name: str, value: Any, low: int) -> int:

@@ -18,6 +18,30 @@ from .norm import RMSNorm
 
 Carry = dict[str, Any]
 
+_INT_IDS = (paddle.int32, paddle.int64, paddle.int16, paddle.int8, paddle.uint8)
+
+
+def check_input_ids(ids: Any, vocab_size: int, where: str = "input_ids") -> None:
+    """Token ids are integers in ``[0, vocab_size)``, refused by name otherwise: a float tensor
+    (``TypeError``; never truncated: 1.7 is no token), an id below 0 or at / past ``vocab_size``
+    (``ValueError`` naming the position, the id and ``vocab_size``: paddle's CPU embedding reads
+    memory before the table for -1). Values are read only where the host holds them (a CPU
+    tensor): on a GPU that would be a sync in every step."""
+    if not isinstance(ids, paddle.Tensor):
+        raise TypeError(f"{where} must be a paddle Tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype not in _INT_IDS:
+        raise TypeError(f"{where} must hold integer token ids, got dtype {ids.dtype}")
+    if not ids.place.is_cpu_place() or ids.size == 0:
+        return
+    a = ids.numpy()
+    bad = (a < 0) | (a >= vocab_size)
+    if bad.any():
+        first = tuple(int(c[0]) for c in bad.nonzero())
+        raise ValueError(
+            f"{where}[{', '.join(map(str, first))}] = {int(a[first])} is not a token id: expected an int "
+            f"in [0, vocab_size={vocab_size})"
+        )
+
 
 class SwiGLUMLP(paddle.nn.Layer):
     """Dense ``down(silu(gate(x)) * up(x))`` with ``ffn_hidden_size`` inner width."""
@@ -38,10 +62,12 @@ class GPTEmbedding(paddle.nn.Layer):
 
     def __init__(self, config: MiniFleetConfig) -> None:
         super().__init__()
+        self.vocab_size = config.vocab_size
         self.word_embeddings = paddle.nn.Embedding(config.vocab_size, config.hidden_size)
 
     def forward(self, x: Carry) -> Carry:
         ids = x["input_ids"]
+        check_input_ids(ids, self.vocab_size)
         out = dict(x)
         out["hidden_states"] = self.word_embeddings(ids)
         if out.get("position_ids") is None:
@@ -115,13 +141,16 @@ class MultiTokenPredictionLayer(paddle.nn.Layer):
         super().__init__()
         h = config.hidden_size
         self._embedding = [embedding]  # a list: the shared embedding is registered once, elsewhere
+        self.mtp_index = mtp_index
         self.enorm = RMSNorm(h, config.layernorm_epsilon)
         self.hnorm = RMSNorm(h, config.layernorm_epsilon)
         self.eh_proj = paddle.nn.Linear(2 * h, h, bias_attr=False)
         self.transformer_layer = TransformerLayer(config, config.num_hidden_layers + mtp_index, True)
 
     def forward(self, x: Carry) -> Carry:
-        e = self._embedding[0].word_embeddings(x["input_ids"])
+        embedding = self._embedding[0]
+        check_input_ids(x["input_ids"], embedding.vocab_size, f"input_ids (MTP layer {self.mtp_index})")
+        e = embedding.word_embeddings(x["input_ids"])
         mixed = self.eh_proj(paddle.concat([self.enorm(e), self.hnorm(x["hidden_states"])], axis=-1))
         inner = self.transformer_layer({**x, "hidden_states": mixed})
         out = dict(x)

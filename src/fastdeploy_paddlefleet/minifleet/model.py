@@ -103,6 +103,10 @@ def init_weights(model: paddle.nn.Layer, seed: int = 0) -> None:
         p.set_value(paddle.to_tensor(values.astype("float32")).astype(p.dtype))
 
 
+#: the parameter dtypes a minifleet model is built in (an int8 model would embed and multiply in int8)
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
 def build_minifleet(
     config: dict | str | os.PathLike | MiniFleetConfig, seed: int = 0, dtype: str = "float32"
 ) -> GPTModel:
@@ -110,6 +114,14 @@ def build_minifleet(
 
     Two builds with the same config and seed have identical weights.
     """
+    name = str(dtype).rsplit(".", 1)[-1] if isinstance(dtype, str | paddle.dtype) else None
+    if name not in MODEL_DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r}: minifleet builds float models only, expected one of {', '.join(MODEL_DTYPES)}"
+        )
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+        raise TypeError(f"seed={seed!r}: expected an int")
+    dtype = name
     model = GPTModel(make_config(config))
     init_weights(model, seed)
     if dtype != "float32":

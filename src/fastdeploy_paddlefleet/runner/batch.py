@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..backends.base import BatchMeta
+from ..backends.base import BatchMeta, host_int
 from ..plan.layer import AttentionPlan, LayerAttention
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,9 @@ def build_meta(
     import numpy as np
 
     _positive_int("block_size", block_size)
-    dec = [int(x) for x in seq_lens_decoder]
-    this = [int(x) for x in seq_lens_this_time]
+    # each length an int (numpy ints pass): 1.7 or True refused by name, never truncated
+    dec = [host_int(f"seq_lens_decoder[{b}]", x, -(2**31)) for b, x in enumerate(seq_lens_decoder)]
+    this = [host_int(f"seq_lens_this_time[{b}]", x, -(2**31)) for b, x in enumerate(seq_lens_this_time)]
     if len(dec) != len(this):
         raise ValueError(f"seq_lens_decoder={dec} and seq_lens_this_time={this} differ in length")
     if any(x < 0 for x in dec + this):

@@ -70,7 +70,57 @@ def check_quantization(fd_config: Any, architecture: str) -> None:
         )
 
 
+#: the parameter dtypes the plugin serves (``model_config.dtype``)
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+#: integer settings the plugin reads, ``(section, field, minimum)``: a cast would truncate 4.7 to 4
+#: and read ``True`` as 1, so a float or a bool is refused by name (``None``: unset, FastDeploy's default)
+INT_SETTINGS = (
+    ("cache_config", "block_size", 1),
+    ("parallel_config", "tensor_parallel_size", 1),
+    ("parallel_config", "tensor_parallel_rank", 0),
+    ("parallel_config", "expert_parallel_size", 1),
+    ("model_config", "seed", 0),
+    ("speculative_config", "num_speculative_tokens", 0),
+)
+
+
+def check_model_dtype(fd_config: Any, architecture: str) -> None:
+    """``model_config.dtype`` is a float dtype the plugin serves (``float32``, ``float16``,
+    ``bfloat16``; unset: the builder's default): an ``int8`` model would embed and multiply in
+    integers. Weight quantization is a separate setting (refused above)."""
+    dtype = _get(_get(fd_config, "model_config"), "dtype")
+    if dtype is None:
+        return
+    if isinstance(dtype, str):  # FastDeploy's form: "bfloat16"
+        name = dtype
+    elif type(dtype).__module__.split(".")[0] in ("paddle", "torch", "numpy"):  # str(): "paddle.float16"
+        name = str(dtype).rsplit(".", 1)[-1]
+    else:
+        name = None
+    if name not in MODEL_DTYPES:
+        raise ValueError(
+            f"{architecture}: model_config.dtype={dtype!r} (--dtype) is not a dtype the paddlefleet plugin "
+            f"serves; expected one of {', '.join(MODEL_DTYPES)}"
+        )
+
+
+def check_int_settings(fd_config: Any, architecture: str) -> None:
+    """Each of :data:`INT_SETTINGS` that is set is an int (not a bool, not ``4.7``) >= its minimum."""
+    from ..backends.base import host_int
+
+    for section, name, low in INT_SETTINGS:
+        value = _get(_get(fd_config, section), name)
+        if value is not None:
+            try:
+                host_int(f"{architecture}: {section}.{name}", value, low)
+            except TypeError as e:
+                raise TypeError(f"{e} (an integer setting)") from None
+
+
 def check_fd_config(fd_config: Any, architecture: str) -> None:
-    """Every load-time refusal above (raises ``ValueError`` naming the setting)."""
+    """Every load-time refusal above (raises ``ValueError`` / ``TypeError`` naming the setting)."""
     check_loader(fd_config, architecture)
     check_quantization(fd_config, architecture)
+    check_model_dtype(fd_config, architecture)
+    check_int_settings(fd_config, architecture)

@@ -22,9 +22,13 @@ import numpy as np
 import paddle
 
 from ..backends import BatchMeta
-from ..backends.checks import check_int32_narrowing, check_int_dtype
+from ..backends.base import host_int
+from ..backends.checks import check_int32_narrowing, check_int_dtype, is_on_host, to_numpy
 from ..plan.layer import AttentionPlan
 from ._fields import field as _get
+
+#: per-request lengths: never negative (checked where the host holds them; device values are not read)
+_LENGTHS = ("seq_lens_this_time", "seq_lens_decoder", "seq_lens_encoder")
 
 
 def _int32(value: Any, name: str) -> paddle.Tensor:
@@ -36,6 +40,13 @@ def _int32(value: Any, name: str) -> paddle.Tensor:
         raise ValueError(f"forward_meta.{name} is required, got None")
     check_int_dtype(f"forward_meta.{name}", value)
     check_int32_narrowing(f"forward_meta.{name}", value)
+    if name in _LENGTHS and is_on_host(value):  # a length below 0 would read no keys: zeros, no error
+        a = np.asarray(to_numpy(value)).reshape(-1)
+        if a.size and int(a.min()) < 0:
+            b = int(np.argmax(a < 0))
+            raise ValueError(
+                f"forward_meta.{name}[{b}] = {int(a[b])}: sequence lengths must be >= 0 (got {a.tolist()})"
+            )
     t = value if isinstance(value, paddle.Tensor) else paddle.to_tensor(np.asarray(value))
     return t if t.dtype == paddle.int32 else t.astype("int32")
 
@@ -149,17 +160,17 @@ def batch_meta_from_forward_meta(
     if tables is None:
         raise ValueError("forward_meta.block_tables is required, got None")
     tables = _int32(tables, "block_tables")
+    where = "block_size (argument)"
     if block_size is None:
-        block_size = _get(forward_meta, "block_size")
+        block_size, where = _get(forward_meta, "block_size"), "forward_meta.block_size"
     if block_size is None:
         caches = _get(forward_meta, "caches")
         if caches:
             first = caches[0][0] if isinstance(caches[0], tuple | list) else caches[0]
-            block_size = int(first.shape[2])
-    if block_size is None or int(block_size) < 1:
-        raise ValueError(
-            f"block_size must be a positive int (argument, forward_meta or caches), got {block_size}"
-        )
+            block_size, where = int(first.shape[2]), "block_size (the key caches' dim 2)"
+    if block_size is None:
+        raise ValueError("block_size must be a positive int (argument, forward_meta or caches), got None")
+    block_size = host_int(where, block_size, 1)  # 4.7 or True refused, never truncated
     exist_prefill = _get(forward_meta, "exist_prefill")
     max_q = int(decode_tokens) if exist_prefill is False else None
     return BatchMeta(

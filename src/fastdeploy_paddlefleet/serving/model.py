@@ -52,6 +52,8 @@ import paddle
 
 from ..adapter.context import StepContext, StepContextHolder
 from ..backends import AttentionBackend, BatchMeta
+from ..backends.base import host_int
+from ..backends.checks import check_token_ids
 from ..backends.deferred_errors import DeferredErrorCheck
 from ..plan.layer import AttentionPlan
 from ._fields import field as _get
@@ -125,7 +127,10 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
             self.backend.host_checks = False
         spec = _get(fd_config, "speculative_config")
         if _get(spec, "method") is not None:  # a decode step holds 1 + draft tokens per request
-            self._decode_tokens = 1 + int(_get(spec, "num_speculative_tokens") or 0)
+            drafts = _get(spec, "num_speculative_tokens")
+            self._decode_tokens = 1 + (
+                0 if drafts is None else host_int("speculative_config.num_speculative_tokens", drafts, 0)
+            )
         # a plain attribute, not a sublayer (a class-level default would shadow a registered sublayer)
         object.__setattr__(self, "_graph_step", _graph_step_layer(fd_config, self))
 
@@ -209,7 +214,10 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
             )
         self.model = model
         self.plan = plan
-        self.block_size = None if block_size is None else int(block_size)
+        self.block_size = None if block_size is None else host_int("block_size", block_size, 1)
+        vocab = _get(getattr(model, "config", None), "vocab_size")
+        #: rows of the embedding: token ids at or past it (or below 0) are refused where the host holds them
+        self._vocab_size = None if vocab is None else host_int("model config vocab_size", vocab, 1)
         self.backend = resolve_backend(backend)
         self.holder = StepContextHolder()
         #: the kernels' device error flags, read one step late (no sync in the serving loop)
@@ -277,6 +285,8 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
             ids = ids.reshape([-1])
         if ids.ndim != 1:
             raise ValueError(f"inputs['ids_remove_padding'] must be [T], got shape {list(ids.shape)}")
+        # the dtype always (a float would be truncated by the cast); values where the host holds them
+        check_token_ids("inputs['ids_remove_padding']", ids, self._vocab_size)
         num_tokens = int(ids.shape[0])
         if num_tokens == 0 or bool(_get(forward_meta, "is_zero_size")):
             return self._idle_forward()

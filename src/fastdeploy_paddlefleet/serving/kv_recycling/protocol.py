@@ -196,19 +196,71 @@ class KVDelta:
             raise ValueError(
                 f"KVDelta(request_id={self.request_id!r}).seq={self.seq!r}: expected an int >= 1"
             )
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 0:
+            raise ValueError(
+                f"KVDelta(request_id={self.request_id!r}).num_blocks={self.num_blocks!r}: "
+                "expected an int >= 0"
+            )
+        if not isinstance(self.reset, bool):
+            raise TypeError(f"KVDelta(request_id={self.request_id!r}).reset={self.reset!r}: expected a bool")
+
+
+#: unit ids at most: a lane's unit ``u`` is entry ``u * unit + h`` of an int32 table
+_INT32_MAX = 2**31 - 1
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int or (not isinstance(x, bool) and isinstance(x, int))
 
 
 class LaneTables:
     """Reference worker tables on plain lists: ``rows[request][group][lane] -> [unit ids]``.
 
     Applies :class:`KVDelta` objects exactly as the module docstring prescribes (the worker's
-    device tables hold the same values at row ``slot * lanes + lane``).
+    device tables hold the same values at row ``slot * lanes + lane``). A delta is checked whole
+    before any row is written (request id, every change's group, lane, logical block and unit id,
+    and what the rows hold afterwards): a refused delta leaves every table as it was.
+
+    ``num_units``: the pool's unit count when known (unit ids must be below it); else unit ids are
+    bounded by the int32 tables (``u * unit + unit - 1 <= 2**31 - 1``).
     """
 
-    def __init__(self, layout: RecyclingLayout) -> None:
+    def __init__(self, layout: RecyclingLayout, num_units: int | None = None) -> None:
+        if num_units is not None and (not _is_int(num_units) or num_units < 0):
+            raise ValueError(f"num_units={num_units!r}: expected an int >= 0 (the pool's units) or None")
         self.layout = layout
         self.rows: dict[str, list[list[list[int]]]] = {}
         self.last_seq: dict[str, int] = {}
+        widest = max((g.unit for g in layout.groups), default=1)
+        #: unit ids must be below this
+        self.unit_limit = (_INT32_MAX + 1) // widest if num_units is None else num_units
+
+    def check(self, delta: KVDelta) -> None:
+        """Every field and change of ``delta`` is valid for this layout (no write): ``ValueError`` /
+        ``TypeError`` naming the request, the change's index and the bad value."""
+        rid = delta.request_id
+        if not isinstance(rid, str) or not rid:
+            raise TypeError(f"delta.request_id={rid!r}: expected a non-empty str")
+        if not isinstance(delta.changes, tuple | list):
+            raise TypeError(f"delta for {rid!r}: changes={delta.changes!r}: expected a tuple of changes")
+        groups = self.layout.groups
+        n = delta.num_blocks
+        for i, change in enumerate(delta.changes):
+            where = f"delta for {rid!r} (seq={delta.seq}), change {i} {change!r}"
+            if not isinstance(change, tuple | list) or len(change) != 4 or not all(map(_is_int, change)):
+                raise TypeError(f"{where}: expected (group, lane, logical_block, unit_id), four ints")
+            group, lane, block, unit = change
+            if not 0 <= group < len(groups):
+                raise ValueError(f"{where}: group={group} is outside [0, {len(groups)})")
+            lanes = len(groups[group].lanes)
+            if not 0 <= lane < lanes:
+                raise ValueError(f"{where}: lane={lane} is outside [0, {lanes}) of group {group}")
+            if not 0 <= block < n:
+                raise ValueError(
+                    f"{where}: logical_block={block} is outside [0, num_blocks={n}) of the request"
+                )
+            if not -1 <= unit < self.unit_limit:
+                raise ValueError(f"{where}: unit_id={unit} is outside [-1, {self.unit_limit}) (-1: released)")
 
     def apply(self, delta: KVDelta) -> bool:
         """Apply ``delta``; False when it was already applied. ``ValueError`` on a gap or layout."""
@@ -219,6 +271,7 @@ class LaneTables:
                 f"delta for {delta.request_id!r} has layout_id={delta.layout_id!r}, the worker's is "
                 f"{self.layout.layout_id!r}: engine and worker planned different lanes"
             )
+        self.check(delta)
         last = self.last_seq.get(delta.request_id, 0)
         if delta.seq <= last:
             return False
@@ -226,9 +279,19 @@ class LaneTables:
             raise ValueError(
                 f"delta for {delta.request_id!r} has seq={delta.seq}, expected {last + 1}: a delta was lost"
             )
-        if delta.reset or delta.request_id not in self.rows:
-            self.rows[delta.request_id] = [[[] for _ in g.lanes] for g in self.layout.groups]
-        rows = self.rows[delta.request_id]
+        n = delta.num_blocks
+        old = None if delta.reset else self.rows.get(delta.request_id)
+        if old is not None:  # changes lie below num_blocks (checked): what the rows hold past it stays
+            for g, lanes in enumerate(old):
+                for j, ids in enumerate(lanes):
+                    kept = [k for k in range(n, len(ids)) if ids[k] >= 0]
+                    if kept:
+                        raise ValueError(
+                            f"delta for {delta.request_id!r} (seq={delta.seq}) leaves group {g} lane {j} "
+                            f"holding logical block {kept[0]}, past num_blocks={n}"
+                        )
+        # everything is checked: the writes below cannot fail half-way
+        rows = [[[] for _ in g.lanes] for g in self.layout.groups] if old is None else old
         for group, lane, block, unit in delta.changes:
             ids = rows[group][lane]
             if block >= len(ids):
@@ -236,11 +299,8 @@ class LaneTables:
             ids[block] = unit
         for lanes in rows:
             for ids in lanes:
-                if any(u >= 0 for u in ids[delta.num_blocks :]):
-                    raise ValueError(
-                        f"delta for {delta.request_id!r} leaves entries past num_blocks={delta.num_blocks}"
-                    )
-                del ids[delta.num_blocks :]
+                del ids[n:]
+        self.rows[delta.request_id] = rows
         self.last_seq[delta.request_id] = delta.seq
         return True
 

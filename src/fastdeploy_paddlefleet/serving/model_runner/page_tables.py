@@ -82,6 +82,8 @@ class DevicePageTables:
         """Apply ``delta`` (the protocol's rules) for the request in batch slot ``slot``; False when
         it was already applied. ``ValueError`` names a lost delta or a layout mismatch."""
         slot = self._check_slot(slot)
+        if isinstance(delta, KVDelta) and delta.num_blocks > self.max_blocks:  # before any row changes
+            raise ValueError(self._too_wide(slot, 0, delta.num_blocks))
         if not self.lanes.apply(delta):
             return False
         moved = self._slot_request.get(slot) != delta.request_id

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ...backends.base import host_int
 from .._fields import field as _get
 from ..names import ARCHITECTURE
 
@@ -65,7 +66,7 @@ class FleetKV:
         mc = _get(fd_config, "model_config")
         cc = _get(fd_config, "cache_config")
         self.dtype = str(_get(mc, "dtype") or "bfloat16")
-        self.block_size = int(_get(cc, "block_size"))
+        self.block_size = host_int("cache_config.block_size", _get(cc, "block_size"), 1)  # 4.7 refused
         #: the engine hook's decision, made by the same function on the same config (None: no recycling)
         self.setup = decide(fd_config, warn=False)  # the prefix-caching WARNING is the engine's line
         self.layout = None if self.setup is None else self.setup.layout
