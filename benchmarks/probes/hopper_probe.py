@@ -77,7 +77,12 @@ _WORK_ITEM_END = _lines(12, "    HKV, TILE_Q, BLOCK_N, HEADWISE, HAS_WINDOW,", "
 _LOOP = "for step in range(gl.program_id(0), n_items, gl.num_programs(0)):"
 # the two loops start alike: told apart by the line before them
 _PRODUCER_LOOP = _lines(
-    8, "offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))", "it = 0", "qi = 0", _LOOP
+    8,
+    "offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))",
+    "it = 0",
+    "qi = 0",
+    "own = 0  # V tiles copied on v_own (its phase)",
+    _LOOP,
 )
 _CONSUMER_LOOP = _lines(16, "tok = _turn(tok, 0, 2)") + _lines(8, "it = 0", "qi = 0", _LOOP)
 _PEELED_END = "PROFILE, PINGPONG,\n                    )  # fmt: skip\n"

@@ -196,14 +196,14 @@ def kv_recycle() -> str:
 
 def direct_launch() -> bool:
     """``FDFLEET_DIRECT_LAUNCH``: launch the Triton kernels' compiled launchers directly after their first
-    call, skipping Triton's per-call argument binding (default on; ``kernels/_launch.py``). Off: every
+    call, skipping Triton's per-call argument binding (default on; ``kernels/launch/direct.py``). Off: every
     launch goes through ``kernel[grid](...)``."""
     return get_bool("FDFLEET_DIRECT_LAUNCH", True)
 
 
 def own_launcher() -> bool:
     """``FDFLEET_OWN_LAUNCHER``: direct launches go through the plugin's own launcher (one struct pack and
-    one ``cuLaunchKernel``; ``kernels/_cuda_launch.py``) where it reproduces Triton's launch exactly
+    one ``cuLaunchKernel``; ``kernels/launch/own_launcher.py``) where it reproduces Triton's launch exactly
     (default on). Off: through the compiled kernel's Triton launcher."""
     return get_bool("FDFLEET_OWN_LAUNCHER", True)
 
