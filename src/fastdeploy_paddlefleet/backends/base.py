@@ -10,6 +10,7 @@ Shapes (``T`` = tokens packed over the batch this step):
 * ``kv_cache`` = ``(key_cache, value_cache)`` in FastDeploy's layout:
   ``key_cache [num_blocks, Hkv, block_size, Dqk]``,
   ``value_cache [num_blocks, Hkv, block_size, Dv]``
+  or a :class:`QuantizedKVCache` (``uint8`` codes plus dequant scales; ``kvcache/quant.py``)
 * ``sinks`` ``[Hq]`` float (this rank's slice) for ``learnable`` layers;
   ``off-by-one`` layers use a zero sink and need none; ``vanilla`` none.
 * returns ``out [T, Hq * Dv]``.
@@ -32,8 +33,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from ..kvcache.quant import KVCacheQuant
 from ..plan.layer import LayerAttention
 
 #: int32 on the device: sizes, lengths and maxima the kernels read
@@ -132,6 +134,28 @@ class BatchMeta:
         if isinstance(t, Mapping):
             return t.get(layer_index)
         return t
+
+
+class QuantizedKVCache(NamedTuple):
+    """A quantized layer cache (``kv_cache`` argument of :meth:`AttentionBackend.forward`).
+
+    * ``key`` ``uint8 [num_blocks, Hkv, block_size, Dqk]``, ``value`` ``uint8 [num_blocks, Hkv,
+      block_size, Dv]``: one code per element, token-major inside a block like the unquantized cache
+      (not FastDeploy's own C8 kernels' in-block swizzle: only this plugin's kernels read it).
+    * ``key_scale`` / ``value_scale``: **dequant multipliers** (``x ~= code * scale``):
+      ``[num_blocks, Hkv, block_size]`` in the model dtype for a dynamic format (``block_wise_fp8``:
+      written with the codes), ``[Hkv]`` or ``[Hkv * D]`` float for a static one (from the
+      checkpoint, read only).
+    * ``quant``: the format (:class:`~fastdeploy_paddlefleet.kvcache.quant.KVCacheQuant`).
+
+    Five fields, so ``k, v = kv_cache`` fails loudly on code that does not know quantized caches.
+    """
+
+    key: Any
+    value: Any
+    key_scale: Any
+    value_scale: Any
+    quant: KVCacheQuant
 
 
 class AttentionBackend(abc.ABC):
