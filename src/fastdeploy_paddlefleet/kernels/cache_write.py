@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ._framework import is_torch, torch
 from .errors import KERNEL_CACHE_WRITE, check_entries
+from .kv_quant import FMT_IDS, quant_dynamic, quant_static
 from .launch.direct import (
     KernelCache,
     LaunchStep,
@@ -36,9 +37,11 @@ def _write_kv_kernel(
     K, V, KC, VC, Bid, CuQ, Ctx, Tbl, Err,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, num_reqs,
+    KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
     HKV: tl.constexpr, BLOCK_HKV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr,
-    PAGE_H: tl.constexpr, HAS_ERR: tl.constexpr = False,
+    PAGE_H: tl.constexpr, HAS_ERR: tl.constexpr = False, QFMT: tl.constexpr = -1,
+    PER_CHANNEL: tl.constexpr = False,
 ):  # fmt: skip
     t = tl.program_id(0)
     b = tl.load(Bid + t)
@@ -80,8 +83,28 @@ def _write_kv_kernel(
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :], mask=mv)
     k_dst = KC + page[:, None] * stride_kp + slot * stride_kr + offs_dk[None, :]
     v_dst = VC + page[:, None] * stride_vp + slot * stride_vr + offs_dv[None, :]
-    tl.store(k_dst, k.to(KC.dtype.element_ty), mask=mk)
-    tl.store(v_dst, v.to(VC.dtype.element_ty), mask=mv)
+    if QFMT < 0:
+        tl.store(k_dst, k.to(KC.dtype.element_ty), mask=mk)
+        tl.store(v_dst, v.to(VC.dtype.element_ty), mask=mv)
+    else:  # codes (uint8) at FastDeploy's rule (kernels/kv_quant.py), with the model dtype's roundings
+        T: tl.constexpr = K.dtype.element_ty
+        kf, vf = k.to(tl.float32), v.to(tl.float32)
+        if QFMT == 0:  # block_wise_fp8: one scale per token and kv head, written beside the codes
+            kq, k_scale = quant_dynamic(kf, T)
+            vq, v_scale = quant_dynamic(vf, T)
+            tl.store(KS + page * stride_ksp + slot * stride_ksr, k_scale.to(KS.dtype.element_ty), mask=ok)
+            tl.store(VS + page * stride_vsp + slot * stride_vsr, v_scale.to(VS.dtype.element_ty), mask=ok)
+        else:  # static: the checkpoint's scales, per kv head or per channel
+            if PER_CHANNEL:
+                ks = tl.load(KS + offs_h[:, None] * DQK + offs_dk[None, :], mask=mk, other=1.0)
+                vs = tl.load(VS + offs_h[:, None] * DV + offs_dv[None, :], mask=mv, other=1.0)
+            else:
+                ks = tl.load(KS + offs_h, mask=h_in, other=1.0)[:, None]
+                vs = tl.load(VS + offs_h, mask=h_in, other=1.0)[:, None]
+            kq = quant_static(kf, ks.to(tl.float32), QFMT == 1, T)
+            vq = quant_static(vf, vs.to(tl.float32), QFMT == 1, T)
+        tl.store(k_dst, kq, mask=mk)
+        tl.store(v_dst, vq, mask=mv)
 
 
 def write_kv_cache(
@@ -96,6 +119,9 @@ def write_kv_cache(
     *,
     headwise: bool = False,
     errors: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    quant: Any = None,
 ) -> None:
     """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` into ``key_cache [NB, Hkv, BS, Dqk]`` /
     ``value_cache [NB, Hkv, BS, Dv]`` in place. ``block_tables [bsz, max_blocks]`` or, with
@@ -110,7 +136,13 @@ def write_kv_cache(
 
     Repeated calls with the same caches reuse one :class:`CacheWritePlan` (a memo of the last 16, keyed
     by the caches' address, shape, strides, dtype and device, ``headwise`` and the environment
-    switches); the memo holds no cache between calls."""
+    switches); the memo holds no cache between calls.
+
+    A quantized cache (``quant``: a :class:`~fastdeploy_paddlefleet.kvcache.quant.KVCacheQuant`):
+    ``key_cache`` / ``value_cache`` are ``uint8`` codes and ``key_scale`` / ``value_scale`` the dequant
+    multipliers (``x ~= code * scale``): ``[num_blocks, Hkv, block_size]`` in the model dtype (k's),
+    written here, for ``block_wise_fp8``; ``[Hkv]`` or ``[Hkv * D]``, read, for static formats. The codes
+    follow FastDeploy's rule (``docs/kv_quant.md``, ``kernels/kv_quant.py``)."""
     ks, vs = k.stride(), v.stride()
     if len(ks) != 3 or len(vs) != 3:
         raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")
@@ -120,14 +152,17 @@ def write_kv_cache(
     # the plan of an earlier call with the same caches (_PLANS), else a new one; its key: what the plan
     # derives from the caches (caches_key), headwise, the switches
     key = (caches_key(key_cache, value_cache), headwise, switches_key())
+    if quant is not None:
+        key += (quant, caches_key(key_scale, value_scale))
     try:
         plan, slot = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo
         key = plan = slot = None
     if plan is None:
-        plan = CacheWritePlan(key_cache, value_cache, headwise=headwise)
+        scales = dict(key_scale=key_scale, value_scale=value_scale, quant=quant)
+        plan = CacheWritePlan(key_cache, value_cache, headwise=headwise, **scales)
     else:
-        plan.bind(key_cache, value_cache)
+        plan.bind(key_cache, value_cache, key_scale, value_scale)
     try:
         vals = step_values(cu_seqlens_q, seq_lens_decoder, block_tables, batch_id_per_token, errors)
         num_reqs, n_blk, stride_tbl, ptrs, bid_ptr, sig, direct_ok = vals
@@ -163,6 +198,28 @@ def write_kv_cache(
             _PLANS.give(key, plan, None, slot)
 
 
+def write_quantized_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: Any,
+    batch_id_per_token: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_decoder: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    headwise: bool = False,
+    errors: torch.Tensor | None = None,
+) -> None:
+    """:func:`write_kv_cache` into a :class:`~fastdeploy_paddlefleet.backends.base.QuantizedKVCache`
+    ``cache`` (codes ``uint8 [NB, Hkv, BS, D]``, dequant scales, format): ``k [T, Hkv, Dqk]`` /
+    ``v [T, Hkv, Dv]`` in the model dtype."""
+    write_kv_cache(
+        k, v, cache.key, cache.value, batch_id_per_token, cu_seqlens_q, seq_lens_decoder, block_tables,
+        headwise=headwise, errors=errors, key_scale=cache.key_scale, value_scale=cache.value_scale,
+        quant=cache.quant,
+    )  # fmt: skip
+
+
 #: one-shot plans of :func:`write_kv_cache` (``kernels/launch/direct.py`` :class:`PlanMemo`)
 _PLANS = PlanMemo()
 
@@ -179,6 +236,9 @@ class CacheWritePlan:
         *,
         headwise: bool = False,
         cached: bool = True,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
+        quant: Any = None,
     ) -> None:
         hkv = key_cache.shape[1] if key_cache.dim() == 4 else -1
         dqk, dv = key_cache.shape[-1], value_cache.shape[-1]
@@ -209,10 +269,14 @@ class CacheWritePlan:
             value_cache.stride(1),
             value_cache.stride(2),
         )
+        self.quant = quant
+        bs = key_cache.shape[2]
+        self.scale_strides, qconsts = self._scales(key_scale, value_scale, quant, page_h[0], bs)
+        self.key_scale, self.value_scale = key_scale, value_scale
         self.consts = dict(
             HKV=hkv, BLOCK_HKV=triton.next_power_of_2(hkv), DQK=dqk, DV=dv,
             BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
-            BS=key_cache.shape[2], HEADWISE=bool(headwise), PAGE_H=page_h[0], num_warps=4,
+            BS=key_cache.shape[2], HEADWISE=bool(headwise), PAGE_H=page_h[0], num_warps=4, **qconsts,
         )  # fmt: skip
         dev = key_cache.device
         on_gpu = getattr(dev, "type", None) == "cuda" and is_torch(key_cache)
@@ -220,12 +284,53 @@ class CacheWritePlan:
         self.kernels = KernelCache(index if cached else None)
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
         self.ptrs = (key_cache.data_ptr(), value_cache.data_ptr())  # what a direct launch passes
-        self.static_aligned = not ((self.ptrs[0] | self.ptrs[1]) & 15)
+        # an unquantized write reads no scale: the caches stand in for the pointers
+        self.scale_ptrs = (key_scale.data_ptr(), value_scale.data_ptr()) if quant is not None else self.ptrs
+        kp, vp, sk, sv = (*self.ptrs, *self.scale_ptrs)
+        self.static_aligned = not ((kp | vp | sk | sv) & 15)
 
-    def bind(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
-        """Point the plan at ``key_cache`` / ``value_cache``: tensors equal to the ones it was built for
-        in :func:`~.launch.direct.tensor_key`, or ``None`` to hold none between calls (a memoised plan)."""
+    @staticmethod
+    def _scales(key_scale: Any, value_scale: Any, quant: Any, page_h: int, bs: int) -> tuple[tuple, dict]:
+        """Scale strides ``(page, slot)`` of K and V and the format's compile-time switches. A dynamic
+        format's scales ``[num_blocks, heads, block_size]`` must be numbered like the caches' pages
+        (``page_h`` heads per block); static scales are contiguous ``[Hkv]`` or ``[Hkv * D]``."""
+        if quant is None:
+            return (0, 0, 0, 0), {}
+        fmt = FMT_IDS.get(getattr(quant, "name", None))
+        if fmt is None:
+            raise ValueError(f"quant={quant!r}: expected one of the formats {', '.join(FMT_IDS)}")
+        strides = []
+        for name, sc in (("key_scale", key_scale), ("value_scale", value_scale)):
+            if sc is None:
+                raise ValueError(f"{name} is required for a {quant.name} cache, got None")
+            st = tuple(sc.stride())
+            if quant.dynamic:
+                if sc.dim() != 3 or sc.shape[2] != bs or st[1] <= 0 or st[0] != page_h * st[1]:
+                    raise ValueError(
+                        f"{name} must be [num_blocks, heads, {bs}] with {page_h} heads per block like the "
+                        f"caches, got shape {list(sc.shape)} strides {st}"
+                    )
+                strides += [st[1], st[2]]
+            elif sc.dim() != 1 or st[0] != 1:
+                raise ValueError(
+                    f"{name} must be a contiguous 1-D tensor, got shape {list(sc.shape)} strides {st}"
+                )
+        return tuple(strides) if strides else (0, 0, 0, 0), dict(
+            QFMT=fmt, PER_CHANNEL=bool(getattr(quant, "channel_wise", False))
+        )
+
+    def bind(
+        self,
+        key_cache: torch.Tensor | None,
+        value_cache: torch.Tensor | None,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Point the plan at ``key_cache`` / ``value_cache`` (and a quantized cache's scales): tensors
+        equal to the ones it was built for in :func:`~.launch.direct.tensor_key`, or ``None`` to hold
+        none between calls (a memoised plan)."""
         self.key_cache, self.value_cache = key_cache, value_cache
+        self.key_scale, self.value_scale = key_scale, value_scale
 
     def run(
         self,
@@ -300,7 +405,10 @@ class CacheWritePlan:
         ptr_args = (
             k, v, self.key_cache, self.value_cache, step.bid, step.cu, step.dec, step.table, step.err_arg
         )  # fmt: skip
-        args = (*ptr_args, *sizes, step.num_reqs)
+        ks_arg, vs_arg = (self.key_scale, self.value_scale)
+        if self.quant is None:  # read by no branch of the kernel: any pointer
+            ks_arg, vs_arg = self.key_cache, self.value_cache
+        args = (*ptr_args, *sizes, step.num_reqs, ks_arg, vs_arg, *self.scale_strides)
         if hit is not None and not cache.addresses:
             hit((t,), args, stream)
         else:  # a kernel kept already launches by addresses
@@ -332,7 +440,7 @@ class CacheWritePlan:
             (t,),
             (
                 kp, vp, kcp, vcp, bid_ptr, p0, p1, p2, p3, ks[0], ks[1], vs[0], vs[1], c0, c1, c2, c3,
-                stride_tbl, n_blk, self.n_pages, num_reqs,
+                stride_tbl, n_blk, self.n_pages, num_reqs, *self.scale_ptrs, *self.scale_strides,
             ),
             stream,
         )  # fmt: skip
