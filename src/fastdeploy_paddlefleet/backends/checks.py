@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..kvcache.quant import KVCacheQuant
 from ..plan.layer import LayerAttention
-from .base import BatchMeta
+from .base import BatchMeta, QuantizedKVCache
 
 #: dtypes q/k/v and the cache may have (the part of ``str(dtype)`` after the last dot)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -401,6 +402,74 @@ def check_distinct_caches(key_cache: Any, value_cache: Any) -> None:
         )
 
 
+def _check_codes(name: str, x: Any, expected: tuple[int | None, ...]) -> int:
+    """A quantized cache's code tensor: a paddle / torch ``uint8`` tensor of shape ``expected``
+    (``None`` = any); returns its first size."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype") or type(x).__module__.split(".")[0] == "numpy":
+        raise TypeError(f"{name} must be a paddle or torch tensor, got {type(x).__name__}")
+    if dtype_name(x.dtype) != "uint8":
+        raise TypeError(f"{name} must hold uint8 codes, got {name}.dtype={x.dtype}")
+    shape = _shape(x)
+    if len(shape) != len(expected) or any(
+        w is not None and g != w for g, w in zip(shape, expected, strict=True)
+    ):
+        raise ValueError(f"{name} must have shape {list(expected)}, got {name}.shape={list(shape)}")
+    check_cache_strides(name, x)
+    return shape[0]
+
+
+def check_quantized_cache(cache: Any, hkv: int, block_size: int, dqk: int, dv: int, model_dtype: Any) -> int:
+    """A :class:`~.base.QuantizedKVCache` (O(1), no sync): ``uint8`` codes ``[num_blocks, Hkv, block_size,
+    D]``; a dynamic format's dequant scales ``[num_blocks, Hkv, block_size]`` in the model dtype (K's:
+    FastDeploy keeps them in ``paddle.get_default_dtype()``), a static format's ``[Hkv]`` or (per channel)
+    ``[Hkv * D]`` of any float dtype; the tensors written (codes, dynamic scales) distinct. Returns
+    ``num_blocks``; ``TypeError`` / ``ValueError`` naming the field and its value."""
+    if not isinstance(cache.quant, KVCacheQuant):
+        raise TypeError(f"kv_cache.quant must be a KVCacheQuant, got {type(cache.quant).__name__}")
+    fmt = cache.quant
+    nb = _check_codes("kv_cache.key (codes)", cache.key, (None, hkv, block_size, dqk))
+    _check_codes("kv_cache.value (codes)", cache.value, (nb, hkv, block_size, dv))
+    written = [("kv_cache.key", cache.key), ("kv_cache.value", cache.value)]
+    for name, sc, d in (
+        ("kv_cache.key_scale", cache.key_scale, dqk),
+        ("kv_cache.value_scale", cache.value_scale, dv),
+    ):
+        if fmt.dynamic:
+            want: tuple[int, ...] = (nb, hkv, block_size)
+        else:
+            want = (hkv * d,) if fmt.channel_wise else (hkv,)
+        if (
+            not hasattr(sc, "shape")
+            or not hasattr(sc, "dtype")
+            or type(sc).__module__.split(".")[0] == "numpy"
+        ):
+            raise TypeError(
+                f"{name} must be a paddle or torch tensor for {fmt.name}, got {type(sc).__name__}"
+            )
+        if _shape(sc) != want:
+            raise ValueError(f"{name} must have shape {list(want)} for {fmt.name}, got {list(_shape(sc))}")
+        got = dtype_name(sc.dtype)
+        if got not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must have a float dtype {FLOAT_DTYPES}, got {name}.dtype={sc.dtype}")
+        if fmt.dynamic:
+            if got != dtype_name(model_dtype):
+                raise TypeError(
+                    f"{name}.dtype={sc.dtype} must be the model dtype {model_dtype} for {fmt.name} (the "
+                    "write rounds its scales to it)"
+                )
+            strides = _strides(sc)
+            for axis, (size, st) in enumerate(zip(_shape(sc), strides, strict=True)):
+                if st == 0 and size > 1:
+                    raise ValueError(f"{name} has stride 0 on axis {axis} (strides {list(strides)})")
+            written.append((name, sc))
+    for i, (name, x) in enumerate(written):  # a write through one would overwrite another
+        for other, y in written[:i]:
+            p = _data_ptr(x)
+            if x is y or (p and p == _data_ptr(y)):
+                raise ValueError(f"{name} and {other} are the same tensor (or start at the same memory)")
+    return nb
+
+
 def _check_operands(q: Any, k: Any, v: Any, layer: LayerAttention, meta: BatchMeta, kv_cache: Any) -> tuple:
     """Shapes and dtypes of one layer's operands (no host copy); returns ``(T, num_blocks, block_size)``."""
     _check_layer(layer)
@@ -415,6 +484,9 @@ def _check_operands(q: Any, k: Any, v: Any, layer: LayerAttention, meta: BatchMe
     bs = meta.block_size
     if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
         raise ValueError(f"meta.block_size must be a positive int, got {bs!r}")
+    if isinstance(kv_cache, QuantizedKVCache):
+        nb = check_quantized_cache(kv_cache, hkv, bs, dqk, dv, q.dtype)
+        return t, nb, bs
     if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
         raise TypeError(f"kv_cache must be a (key_cache, value_cache) pair, got {type(kv_cache).__name__}")
     nb = _check_tensor("kv_cache[0] (key cache)", kv_cache[0], (None, hkv, bs, dqk))[0]

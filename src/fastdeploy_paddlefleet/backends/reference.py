@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from ..plan.layer import LayerAttention
-from .base import AttentionBackend, BatchMeta
+from .base import AttentionBackend, BatchMeta, QuantizedKVCache
 from .checks import HostMeta, dtype_name, validate_inputs
 
 logger = logging.getLogger(__name__)
@@ -125,10 +125,177 @@ def _write_cache(
     if not block_idx:
         return
     block, head, slot = (np.concatenate(a) for a in (block_idx, head_idx, slot_idx))
+    if isinstance(kv_cache, QuantizedKVCache):
+        _write_quantized(k, v, kv_cache, block, head, slot, hkv)
+        return
     for cache, x, dim in ((kv_cache[0], k, layer.qk_head_dim), (kv_cache[1], v, layer.v_head_dim)):
         flat, strides = _flat(cache)
         index = paddle.to_tensor(_row_offsets(strides, block, head, slot, dim), place=cache.place)
         flat.index_put_((index,), x.reshape([-1]).astype(cache.dtype))
+
+
+def _e4m3_values() -> Any:
+    """The 256 e4m3fn values by byte (numpy fp32; NaN for ``0x7F`` / ``0xFF``), from the bit fields."""
+    import numpy as np
+
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 7
+    mag = np.where(exp > 0, 2.0 ** (exp - 7.0) * (1 + man / 8), 2.0**-6 * man / 8)
+    return np.where((b & 0x7F) == 0x7F, np.nan, sign * mag).astype("float32")
+
+
+def _e4m3_codes() -> Any:
+    """Byte of each integer ``-448..448`` (index ``n + 448``): the nearest e4m3fn value, ties to the even
+    byte (an even mantissa), as the GPU's ``cvt.rn`` rounds."""
+    import numpy as np
+
+    vals = _e4m3_values()[:127].astype("float64")  # bytes 0..126: 0 .. 448, increasing
+    n = np.arange(0, 449, dtype="float64")
+    hi = np.searchsorted(vals, n)  # first value >= n
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = n - vals[lo], vals[hi] - n
+    pos = np.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
+    pos = np.where(d_hi == 0, hi, pos)
+    return np.concatenate([pos[:0:-1] | 0x80, pos]).astype("uint8")  # -448..-1, then 0..448
+
+
+def _round_to(x: Any, dtype: str) -> Any:
+    """fp32 ``x`` rounded once to the model dtype (nearest even) and back to fp32."""
+    return x if dtype == "float32" else x.astype(dtype).astype("float32")
+
+
+def _rint(x: Any) -> Any:
+    import paddle
+
+    """Nearest integer, ties to even, of fp32 ``x`` with ``|x| <= 2**22`` (adding 1.5 * 2**23 leaves no
+    fraction bits: the fp32 addition itself rounds to even); a zero result keeps ``x``'s sign (-0.2 ->
+    -0.0, as FastDeploy's ``ceil`` gives)."""
+    magic = 12582912.0
+    r = (x + magic) - magic
+    return paddle.where(r == 0.0, x * 0.0, r)
+
+
+def _quantize(x: Any, fmt: Any, scale: Any, dtype: str) -> tuple[Any, Any]:
+    """FastDeploy's write rule (``docs/kv_quant.md``) in paddle: rows ``x [N, D]`` (model dtype
+    ``dtype``) -> codes ``uint8 [N, D]`` and, for ``block_wise_fp8``, the dequant multipliers ``[N]``
+    (fp32 holding ``dtype`` values). ``scale``: a static format's dequant multipliers broadcast to
+    ``[N, 1]`` or ``[N, D]``."""
+    import paddle
+
+    xf = x.astype("float32")
+    if fmt.dynamic:
+        finite = paddle.isfinite(xf)
+        bad = paddle.logical_not(finite.all(axis=-1))
+        amax = paddle.where(finite, xf.abs(), paddle.zeros_like(xf)).max(axis=-1)
+        c = _round_to(paddle.full_like(amax, 448.0) / amax, dtype)  # 448 / 0 = inf
+        ok = paddle.logical_and(paddle.isfinite(c), paddle.logical_not(bad))
+        c = paddle.where(ok, c, paddle.ones_like(c))
+        out = _round_to(1.0 / c, dtype)
+        out = paddle.where(
+            ok, out, paddle.where(bad, paddle.full_like(out, float("nan")), paddle.zeros_like(out))
+        )
+        c = c.unsqueeze(-1)
+    else:
+        c = _round_to(1.0 / scale.astype("float32"), dtype)
+        out = None
+    y = _round_to(c * xf, dtype)
+    nan = paddle.isnan(y)
+    bound = fmt.max_bound
+    q = _rint(paddle.clip(paddle.where(nan, paddle.zeros_like(y), y), -bound, bound))
+    if fmt.code == "fp8":
+        table = paddle.to_tensor(_e4m3_codes(), place=x.place)
+        codes = paddle.gather(table, (q + 448.0).astype("int64").reshape([-1])).reshape(q.shape)
+        codes = paddle.where(nan, paddle.full_like(codes, 0x7F), codes)
+    else:
+        codes = paddle.where(nan, paddle.zeros_like(q), q + 128.0).astype("uint8")
+    if fmt.dynamic:
+        codes = paddle.where(ok.unsqueeze(-1), codes, paddle.zeros_like(codes))
+    return codes, out
+
+
+def _dequantize(codes: Any, fmt: Any) -> Any:
+    """fp32 values of ``codes`` (uint8, any shape) before the scale: e4m3fn or ``byte - 128``; the NaN
+    codes (``0x7F`` / ``0xFF``, int8 byte 0) read as NaN."""
+    import paddle
+
+    if fmt.code == "fp8":
+        table = paddle.to_tensor(_e4m3_values(), place=codes.place)
+        return paddle.gather(table, codes.astype("int64").reshape([-1])).reshape(codes.shape)
+    v = codes.astype("float32") - 128.0
+    return paddle.where(codes == 0, paddle.full_like(v, float("nan")), v)
+
+
+def _write_quantized(
+    k: Any, v: Any, cache: QuantizedKVCache, block: Any, head: Any, slot: Any, hkv: int
+) -> None:
+    """Scatter the codes (and a dynamic format's scales) of ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]``
+    into rows ``(block, head, slot)`` (numpy ``[T * Hkv]``, token-major) of ``cache``."""
+    import numpy as np
+    import paddle
+
+    fmt = cache.quant
+    dtype = dtype_name(k.dtype)
+    for codes_t, scale_t, x in ((cache.key, cache.key_scale, k), (cache.value, cache.value_scale, v)):
+        dim = int(codes_t.shape[3])
+        rows = x.reshape([-1, dim])
+        static = None
+        if not fmt.dynamic:
+            sc = scale_t.astype("float32")
+            heads = paddle.to_tensor(np.tile(np.arange(hkv), rows.shape[0] // hkv), place=rows.place)
+            static = sc.reshape([hkv, dim])[heads] if fmt.channel_wise else sc[heads].unsqueeze(-1)
+        codes, out = _quantize(rows, fmt, static, dtype)
+        flat, strides = _flat(codes_t)
+        index = paddle.to_tensor(_row_offsets(strides, block, head, slot, dim), place=codes_t.place)
+        flat.index_put_((index,), codes.reshape([-1]))
+        if out is not None:
+            sflat, sst = _flat_scales(scale_t)
+            index = paddle.to_tensor(block * sst[0] + head * sst[1] + slot * sst[2], place=scale_t.place)
+            sflat.index_put_((index,), out.astype(scale_t.dtype))
+
+
+def _flat_scales(scale: Any) -> tuple[Any, Any]:
+    """``scale [NB, H, BS]`` as a 1-D alias of the memory it spans and its element strides (numpy)."""
+    import numpy as np
+    import paddle
+
+    strides = np.asarray(scale.strides, dtype="int64")
+    span = int(sum((int(n) - 1) * int(st) for n, st in zip(scale.shape, strides, strict=True))) + 1
+    flat = scale if scale.is_contiguous() and scale.ndim == 1 else paddle.as_strided(scale, [span], [1])
+    return flat, strides
+
+
+def _gather_quantized(
+    cache: QuantizedKVCache, value: bool, pages: Any, heads: Any, lo: int, end: int, block_size: int, hkv: int
+) -> Any:
+    """Positions ``[lo, end)`` of ``pages [H, max_pages]`` (kv heads ``heads [H]``) of the K (or V)
+    codes, dequantized: ``[H, end - lo, D]`` fp32."""
+    import numpy as np
+    import paddle
+
+    codes_t, scale_t = (cache.value, cache.value_scale) if value else (cache.key, cache.key_scale)
+    fmt = cache.quant
+    pos = np.arange(lo, end)
+    page = pages[:, pos // block_size]  # [H, L]
+    dim = int(codes_t.shape[3])
+    flat, strides = _flat(codes_t)
+    offsets = _row_offsets(
+        strides, page // hkv, page % hkv, np.broadcast_to(pos % block_size, page.shape), dim
+    )
+    codes = paddle.gather(flat, paddle.to_tensor(offsets, dtype="int64", place=codes_t.place))
+    x = _dequantize(codes, fmt).reshape([page.shape[0], page.shape[1], dim])
+    sc = scale_t.astype("float32")
+    if fmt.dynamic:
+        sflat, sst = _flat_scales(sc)
+        slot = np.broadcast_to(pos % block_size, page.shape)
+        index = paddle.to_tensor(
+            (page // hkv) * sst[0] + (page % hkv) * sst[1] + slot * sst[2], place=sc.place
+        )
+        return x * paddle.gather(sflat, index.reshape([-1])).reshape([page.shape[0], page.shape[1], 1])
+    heads = paddle.to_tensor(np.asarray(heads), place=sc.place)
+    if fmt.channel_wise:
+        return x * sc.reshape([hkv, dim])[heads].unsqueeze(1)
+    return x * sc[heads].reshape([-1, 1, 1])
 
 
 def _gather(cache: Any, pages: Any, lo: int, end: int, block_size: int, hkv: int) -> Any:
@@ -229,7 +396,10 @@ class ReferenceBackend(AttentionBackend):
         host = validate_inputs(q, k, v, layer, meta, kv_cache, sinks)
         return_torch = _is_torch(q)
         q, k, v = (_to_paddle(x) for x in (q, k, v))
-        kv_cache = (_to_paddle(kv_cache[0]), _to_paddle(kv_cache[1]))
+        if isinstance(kv_cache, QuantizedKVCache):  # codes and scales, dequantized as they are read
+            kv_cache = QuantizedKVCache(*(_to_paddle(x) for x in kv_cache[:4]), kv_cache.quant)
+        else:
+            kv_cache = (_to_paddle(kv_cache[0]), _to_paddle(kv_cache[1]))
         hq, hkv, dv, g = layer.num_q_heads, layer.num_kv_heads, layer.v_head_dim, layer.group_size
         bs = meta.block_size
 
@@ -255,8 +425,13 @@ class ReferenceBackend(AttentionBackend):
             per_run = []
             for h0, h1, window in runs:
                 lo = 0 if window is None else max(0, dec - window)
-                key = _gather(kv_cache[0], pages[h0:h1], lo, end, bs, hkv)
-                value = _gather(kv_cache[1], pages[h0:h1], lo, end, bs, hkv)
+                if isinstance(kv_cache, QuantizedKVCache):
+                    heads = list(range(h0, h1))
+                    key = _gather_quantized(kv_cache, False, pages[h0:h1], heads, lo, end, bs, hkv)
+                    value = _gather_quantized(kv_cache, True, pages[h0:h1], heads, lo, end, bs, hkv)
+                else:
+                    key = _gather(kv_cache[0], pages[h0:h1], lo, end, bs, hkv)
+                    value = _gather(kv_cache[1], pages[h0:h1], lo, end, bs, hkv)
                 sink = None if sink_logits is None else sink_logits[h0:h1]
                 per_run.append(
                     _attend_run(

@@ -26,18 +26,25 @@ import triton.language as tl
 
 @triton.jit
 def round_half_even(x):
-    """Nearest integer, ties to even (FastDeploy's ``roundWithTiesToEven``) for ``|x| < 2**22``."""
+    """Nearest integer, ties to even (FastDeploy's ``roundWithTiesToEven``) for ``|x| < 2**22``, keeping
+    the sign of a zero result (-0.2 -> -0.0, e4m3 byte 0x80, as ``ceil`` gives FastDeploy)."""
     f = tl.floor(x)
     d = x - f
     odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
-    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+    r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+    return tl.where(r == 0.0, x * 0.0, r)
 
 
 @triton.jit
 def to_dtype(x, T: tl.constexpr):
-    """``x`` (fp32) rounded to ``T`` (nearest even) and back to fp32: one rounding in the model dtype."""
+    """``x`` (fp32) rounded to ``T`` (nearest even) and back to fp32: one rounding in the model dtype.
+    bf16 rounds on the bits (the interpreter's cast truncates; the GPU's ``cvt.rn`` gives the same)."""
     if T == tl.float32:
         return x
+    elif T == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        r = (b + (((b >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
     else:
         return x.to(T).to(tl.float32)
 

@@ -1,0 +1,276 @@
+"""Quantized KV cache writes against a numpy transcription of FastDeploy's rule (docs/kv_quant.md).
+
+The transcription is written from FastDeploy's CUDA source (develop c1b7c083d), not from our code:
+
+* ``custom_ops/gpu_ops/append_attn/decoder_write_cache_with_rope_impl.cuh:1113-1141`` (decode) and
+  ``encoder_write_cache_with_rope_impl.cuh:1629-1687`` (prefill): ``local_max`` = ``__hmax`` of
+  ``__habs`` over the token-head's values, starting at ``-INFINITY`` (``__hmax`` drops a NaN
+  operand: cuda_fp16.h, "If either of inputs is NaN, the other input is returned"); the quant
+  multiplier ``scale = __hdiv(448, local_max)`` in ``T``; the cache's scale ``__hdiv(1, scale)``.
+* ``utils.cuh:545-580`` ``QuantToC8``: ``float(scale * value)`` (the product in ``T``),
+  ``roundWithTiesToEven`` (``utils.cuh:533-543``), clamp to +-448 then ``__nv_fp8_e4m3`` (round to
+  nearest even), or for int8 clamp to +-127 and store ``q + 128``.
+* static formats (``..._impl.cuh:1628-1723``): the same ``QuantToC8`` with the layer's
+  ``cache_k_scale`` (``model_executor/layers/quantization/kv_cache.py:159``: ``max_bound / s``).
+
+Division is modelled correctly rounded (FastDeploy's ``__hdiv`` is an fp32 approximation rounded to
+``T``; NVIDIA documents the bf16 one as correctly rounded, the fp16 one may differ by an ulp in rare
+cases: checked on the GPU, not here). Bytes and scales must match exactly; the rows where
+FastDeploy's result is not finite follow our documented deviation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from fastdeploy_paddlefleet.kernels.kv_quant import dequant  # noqa: E402
+from fastdeploy_paddlefleet.kvcache.quant import FORMATS  # noqa: E402
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _t(x, dtype):
+    """numpy ``x`` rounded once to the model dtype (nearest even), as fp32."""
+    with np.errstate(all="ignore"):
+        return np.asarray(x, dtype=np.float32).astype(NP_DTYPES[dtype]).astype(np.float32)
+
+
+def fd_codes(y: np.ndarray, fp8: bool) -> np.ndarray:
+    """``QuantToC8`` after the product (utils.cuh:545-580): ``y`` fp32 -> uint8 codes."""
+    with np.errstate(all="ignore"):
+        q = np.rint(y)  # roundWithTiesToEven; inf and NaN pass through
+        bound = 448.0 if fp8 else 127.0
+        q = np.where(q > bound, bound, np.where(q < -bound, -bound, q))  # a NaN fails both: kept
+        if fp8:
+            return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        return np.where(np.isnan(q), 0, q + 128.0).astype(np.uint8)  # NaN: CUDA's cvt gives 0
+
+
+def fd_block_wise(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """FastDeploy's block_wise_fp8 of rows ``x [N, D]`` (values of ``dtype``): codes, stored scales."""
+    with np.errstate(all="ignore"):
+        local_max = np.fmax.reduce(np.abs(x), axis=1, initial=-np.inf)  # __hmax drops NaN
+        scale = _t(np.float32(448.0) / local_max, dtype)
+        stored = _t(np.float32(1.0) / scale, dtype)
+        return fd_codes(_t(scale[:, None] * x, dtype), True), stored
+
+
+def fd_static(x: np.ndarray, c: np.ndarray, dtype: str, fp8: bool) -> np.ndarray:
+    """FastDeploy's static fp8 / int8 of ``x [N, D]`` at quant multipliers ``c`` (broadcast)."""
+    with np.errstate(all="ignore"):
+        return fd_codes(_t(c * x, dtype), fp8)
+
+
+def e4m3(codes: np.ndarray) -> np.ndarray:
+    return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def expected_block_wise(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Our rule: FastDeploy's bytes and scales where its result is finite; codes 0 and scale 0 where
+    its quant multiplier overflows (all zero, or too small a maximum for the dtype); codes 0 and scale
+    NaN for a row holding a NaN or an infinity. Also checks the claims about FastDeploy's output."""
+    codes, stored = fd_block_wise(x, dtype)
+    finite_in = np.isfinite(x).all(axis=1)
+    with np.errstate(all="ignore"):
+        overflow = finite_in & ~np.isfinite(_t(np.float32(448.0) / np.abs(x).max(axis=1), dtype))
+        fd_values = e4m3(codes) * stored[:, None]
+    # FastDeploy on those rows: every value 0 or NaN (NaN for each zero element): nothing to keep
+    assert np.all(np.isnan(fd_values[overflow]) | (fd_values[overflow] == 0))
+    assert np.all(np.isnan(fd_values[overflow][x[overflow] == 0]))
+    # and a non-finite input leaves NaN at least where it was
+    assert np.all(np.isnan(fd_values[~finite_in][~np.isfinite(x[~finite_in])]))
+    codes = np.where((overflow | ~finite_in)[:, None], 0, codes).astype(np.uint8)
+    stored = np.where(overflow, 0.0, np.where(finite_in, stored, np.nan)).astype(np.float32)
+    return codes, stored
+
+
+def rows_for(dtype: str, d: int, seed: int) -> np.ndarray:
+    """Rows that cover the rule's cases: random, constant, tiny, subnormal, huge, saturating, mixed,
+    zero, negative zero, partly zero."""
+    rng = np.random.default_rng(seed)
+    tiny = {"float32": 1e-40, "float16": 1e-7, "bfloat16": 1e-40}[dtype]
+    huge = {"float32": 3e37, "float16": 6e4, "bfloat16": 3e37}[dtype]
+    rows = [
+        rng.standard_normal(d),
+        rng.standard_normal(d) * 1e-3,
+        np.full(d, 0.7),
+        np.full(d, -3.0),
+        rng.standard_normal(d) * 1e-6,
+        rng.standard_normal(d) * tiny,
+        rng.standard_normal(d) * 1e4,
+        rng.standard_normal(d) * huge / 4,
+        np.linspace(-1.0, 1.0, d) * 448.0,  # integers and halves near the e4m3 ties
+        np.concatenate([[huge / 8], rng.standard_normal(d - 1) * 1e-2]),  # mixed: most codes 0
+        np.zeros(d),
+        -np.zeros(d),
+        np.where(np.arange(d) % 2, 0.0, rng.standard_normal(d)),
+        np.round(rng.standard_normal(d) * 300) / 7,
+    ]
+    if dtype == "float16":
+        rows.append(rng.standard_normal(d) * 1e-3)  # max|x| below 448 / 65504: FastDeploy's scale overflows
+        rows.append(np.full(d, 6e4))
+    return _t(np.stack(rows), dtype)
+
+
+def nonfinite_rows(dtype: str, d: int) -> np.ndarray:
+    base = np.linspace(-2.0, 2.0, d)
+    rows = []
+    for bad in (np.nan, np.inf, -np.inf):
+        r = base.copy()
+        r[d // 3] = bad
+        rows.append(r)
+    rows.append(np.full(d, np.nan))
+    return _t(np.stack(rows), dtype)
+
+
+def static_case(fmt: str, x: np.ndarray, hkv: int, d: int, dtype: str, seed: int):
+    """Dequant multipliers (the cache's scales) and FastDeploy's quant multipliers per row ``[N, 1]``
+    or ``[N, D]``: the scales are chosen where ``T(1 / T(1 / c)) == c`` (``docs/kv_quant.md``)."""
+    rng = np.random.default_rng(seed)
+    channel = FORMATS[fmt].channel_wise
+    n = hkv * d if channel else hkv
+    c = _t(np.exp(rng.uniform(-3, 5, 4 * n)), dtype)
+    with np.errstate(all="ignore"):
+        d_scale = _t(np.float32(1.0) / c, dtype)
+        keep = _t(np.float32(1.0) / d_scale, dtype) == c
+    c, d_scale = c[keep][:n], d_scale[keep][:n]
+    heads = np.arange(x.shape[0]) % hkv
+    per_row = c.reshape(hkv, d)[heads] if channel else c[heads][:, None]
+    return d_scale, per_row
+
+
+# ---------------------------------------------------------------- Triton write (interpreter / GPU)
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _run_triton_write(x_k, x_v, fmt_name, dtype, hkv, bs, key_scale=None, value_scale=None):
+    """Write rows ``[T * hkv, D]`` (token-major) through write_quantized_kv_cache; return the codes and
+    scales at each row's slot (``[T * hkv, D]``, ``[T * hkv]``)."""
+    torch = _torch()
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+    from fastdeploy_paddlefleet.kernels.cache_write import write_quantized_kv_cache
+
+    tdt = getattr(torch, dtype)
+    n, dk = x_k.shape
+    dv = x_v.shape[1]
+    t = n // hkv
+    nb = (t + bs - 1) // bs + 1
+    fmt = FORMATS[fmt_name]
+    k = torch.from_numpy(x_k).to(tdt).reshape(t, hkv, dk)
+    v = torch.from_numpy(x_v).to(tdt).reshape(t, hkv, dv)
+    kc = torch.full((nb, hkv, bs, dk), 0xAB, dtype=torch.uint8)
+    vc = torch.full((nb, hkv, bs, dv), 0xAB, dtype=torch.uint8)
+    if fmt.dynamic:
+        ks = torch.full((nb, hkv, bs), 7.0, dtype=tdt)
+        vs = torch.full((nb, hkv, bs), 7.0, dtype=tdt)
+    else:
+        ks, vs = (torch.from_numpy(s).to(tdt) for s in (key_scale, value_scale))
+    blocks = np.random.default_rng(t).permutation(nb)[: (t + bs - 1) // bs]
+    tables = torch.tensor(blocks[None, :], dtype=torch.int32)
+    bid = torch.zeros(t, dtype=torch.int32)
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    dec = torch.tensor([0], dtype=torch.int32)
+    write_quantized_kv_cache(k, v, QuantizedKVCache(kc, vc, ks, vs, fmt), bid, cu, dec, tables)
+    pos = np.arange(t)
+    blk, slot = blocks[pos // bs], pos % bs
+    out = []
+    for c, s in ((kc, ks), (vc, vs)):
+        codes = c[blk, :, slot].reshape(n, -1).numpy()
+        scales = s[blk, :, slot].reshape(n).float().numpy() if fmt.dynamic else None
+        out.append((codes, scales))
+    return out
+
+
+def _same_scales(got: np.ndarray, want: np.ndarray) -> bool:
+    """Equal values (NaN where NaN) and equal signs."""
+    both = ~np.isnan(want)
+    return np.array_equal(got, want, equal_nan=True) and np.array_equal(
+        np.signbit(got[both]), np.signbit(want[both])
+    )
+
+
+DIMS = [64, 128, 192, 256]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("d", DIMS)
+def test_triton_block_wise_fp8_matches_fastdeploy(dtype, d):
+    hkv, bs = 2, 16 if d % 128 else 64
+    x = np.concatenate([rows_for(dtype, d, d), nonfinite_rows(dtype, d)])
+    x = np.concatenate([x, x[: (-len(x)) % hkv]]) if len(x) % hkv else x
+    xv = x[::-1].copy()
+    (kc, ks), (vc, vs) = _run_triton_write(x, xv, "block_wise_fp8", dtype, hkv, bs)
+    for got_c, got_s, rows in ((kc, ks, x), (vc, vs, xv)):
+        want_c, want_s = expected_block_wise(rows, dtype)
+        bad = np.nonzero((got_c != want_c).any(axis=1))[0]
+        assert bad.size == 0, f"rows {bad[:5]}: codes {got_c[bad[0]][:8]} want {want_c[bad[0]][:8]}"
+        assert _same_scales(got_s, want_s), (got_s, want_s)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8"])
+@pytest.mark.parametrize("d", [64, 192])
+def test_triton_static_formats_match_fastdeploy(dtype, fmt, d):
+    hkv, bs = 2, 16
+    x = np.concatenate([rows_for(dtype, d, d + 1), nonfinite_rows(dtype, d)])
+    x = x[: len(x) // hkv * hkv]
+    ks, per_row = static_case(fmt, x, hkv, d, dtype, 1)
+    vs, per_row_v = static_case(fmt, x, hkv, d, dtype, 2)
+    (kc, _), (vc, _) = _run_triton_write(x, x, fmt, dtype, hkv, bs, ks, vs)
+    fp8 = fmt != "int8"
+    assert np.array_equal(kc, fd_static(x, per_row, dtype, fp8))
+    assert np.array_equal(vc, fd_static(x, per_row_v, dtype, fp8))
+
+
+def test_static_fp8_per_channel_matches_fastdeploy():
+    from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant
+
+    fmt = kv_cache_quant("float8_e4m3fn", channel_wise=True)
+    d, hkv, dtype = 64, 2, "float16"
+    x = rows_for(dtype, d, 5)
+    x = x[: len(x) // hkv * hkv]
+    ks, per_row = static_case("int8", x, hkv, d, dtype, 3)  # int8's per-channel layout
+    torch = _torch()
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+    from fastdeploy_paddlefleet.kernels.cache_write import write_quantized_kv_cache
+
+    t = len(x) // hkv
+    k = torch.from_numpy(x).half().reshape(t, hkv, d)
+    kc = torch.zeros((1, hkv, 64, d), dtype=torch.uint8)
+    vc = torch.zeros_like(kc)
+    s = torch.from_numpy(ks).half()
+    args = (torch.zeros(t, dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32))
+    cache = QuantizedKVCache(kc, vc, s, s.clone(), fmt)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    write_quantized_kv_cache(k, k, cache, *args, torch.tensor([0], dtype=torch.int32), tables)
+    got = kc[0, :, :t].transpose(0, 1).reshape(-1, d).numpy()
+    assert np.array_equal(got, fd_static(x, per_row, dtype, True))
+
+
+def test_triton_dequant_reads_every_code():
+    """The dequant helper against ml_dtypes' e4m3fn for all 256 bytes (NaN bytes read as NaN), and
+    ``byte - 128`` for int8 (byte 0: NaN)."""
+    torch = _torch()
+    c = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    o8, oi = torch.zeros(256), torch.zeros(256)
+    _dequant_all_kernel[(1,)](c, o8, oi)
+    want8 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * 0.5
+    wanti = np.where(np.arange(256) == 0, np.nan, (np.arange(256) - 128.0) * 0.5)
+    assert np.array_equal(o8.numpy(), want8, equal_nan=True)
+    assert np.array_equal(oi.numpy(), wanti.astype(np.float32), equal_nan=True)
+
+
+@triton.jit
+def _dequant_all_kernel(C, O8, OI):
+    o = tl.arange(0, 256)
+    c = tl.load(C + o)
+    tl.store(O8 + o, dequant(c, 0.5, True))
+    tl.store(OI + o, dequant(c, 0.5, False))
