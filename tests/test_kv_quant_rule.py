@@ -274,3 +274,179 @@ def _dequant_all_kernel(C, O8, OI):
     c = tl.load(C + o)
     tl.store(O8 + o, dequant(c, 0.5, True))
     tl.store(OI + o, dequant(c, 0.5, False))
+
+
+# ---------------------------------------------------------------- reference backend (paddle)
+
+
+def _layer(hkv: int, group: int, dqk: int, dv: int, kind: str = "full", window: int | None = None):
+    import math
+
+    from fastdeploy_paddlefleet.plan.layer import LayerAttention
+
+    return LayerAttention(
+        index=0,
+        kind=kind,
+        num_q_heads=hkv * group,
+        num_kv_heads=hkv,
+        qk_head_dim=dqk,
+        v_head_dim=dv,
+        softmax_scale=1.0 / math.sqrt(dqk),
+        window_left=window,
+        sliding_kv_heads=None if kind == "full" else (hkv - 1, hkv) if kind == "headwise" else (0, hkv),
+    )
+
+
+def _reference_step(layer, q, k, v, cache, bs, dec: int = 0):
+    """One request, one step of ``T`` tokens after ``dec`` cached ones, through ReferenceBackend."""
+    import paddle
+
+    from fastdeploy_paddlefleet.backends.base import BatchMeta
+    from fastdeploy_paddlefleet.backends.reference import ReferenceBackend
+
+    t = k.shape[0]
+    nb = int(cache.key.shape[0])
+    i32 = lambda a: paddle.to_tensor(np.asarray(a, dtype=np.int32))  # noqa: E731
+    meta = BatchMeta(
+        seq_lens_encoder=i32([t if dec == 0 else 0]),
+        seq_lens_decoder=i32([dec]),
+        seq_lens_this_time=i32([t]),
+        cu_seqlens_q=i32([0, t]),
+        batch_id_per_token=i32(np.zeros(t)),
+        block_tables=i32(np.arange(nb)[::-1][None, :].copy()),
+        block_size=bs,
+    )
+    return ReferenceBackend().forward(q, k, v, layer, meta, cache)
+
+
+def _paddle_cache(fmt_name: str, nb: int, hkv: int, bs: int, dqk: int, dv: int, dtype: str, ks=None, vs=None):
+    import paddle
+
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+
+    fmt = FORMATS[fmt_name]
+    kc = paddle.full([nb, hkv, bs, dqk], 0xAB, dtype="uint8")
+    vc = paddle.full([nb, hkv, bs, dv], 0xAB, dtype="uint8")
+    if fmt.dynamic:
+        ks = paddle.full([nb, hkv, bs], 7.0, dtype=dtype)
+        vs = paddle.full([nb, hkv, bs], 7.0, dtype=dtype)
+    else:
+        ks, vs = (paddle.to_tensor(s.astype(np.float32)).astype(dtype) for s in (ks, vs))
+    return QuantizedKVCache(kc, vc, ks, vs, fmt)
+
+
+def _slots(cache, t: int, bs: int, hkv: int):
+    """Codes ``[T * Hkv, D]`` and scales of positions ``0..T-1`` (block table ``nb-1, nb-2, ...``)."""
+    nb = int(cache.key.shape[0])
+    pos = np.arange(t)
+    blk, slot = nb - 1 - pos // bs, pos % bs
+    out = []
+    for c, s in ((cache.key, cache.key_scale), (cache.value, cache.value_scale)):
+        codes = c.numpy()[blk, :, slot].reshape(t * hkv, -1)
+        scales = s.astype("float32").numpy()[blk, :, slot].reshape(-1) if cache.quant.dynamic else None
+        out.append((codes, scales))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("d", DIMS)
+def test_reference_block_wise_fp8_matches_fastdeploy(dtype, d):
+    paddle = pytest.importorskip("paddle")
+    hkv, bs = 2, 16 if d % 128 else 64
+    x = np.concatenate([rows_for(dtype, d, d), nonfinite_rows(dtype, d)])
+    x = x[: len(x) // hkv * hkv]
+    xv = x[::-1].copy()
+    t = len(x) // hkv
+    cache = _paddle_cache("block_wise_fp8", t // bs + 2, hkv, bs, d, d, dtype)
+    layer = _layer(hkv, 1, d, d)
+    to = lambda a: paddle.to_tensor(a.reshape(t, hkv, d)).astype(dtype)  # noqa: E731
+    _reference_step(layer, to(np.zeros_like(x)), to(x), to(xv), cache, bs)
+    for (got_c, got_s), rows in zip(_slots(cache, t, bs, hkv), (x, xv), strict=True):
+        want_c, want_s = expected_block_wise(rows, dtype)
+        bad = np.nonzero((got_c != want_c).any(axis=1))[0]
+        assert bad.size == 0, f"rows {bad[:5]}: codes {got_c[bad[0]][:8]} want {want_c[bad[0]][:8]}"
+        assert _same_scales(got_s, want_s), (got_s, want_s)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8"])
+def test_reference_static_formats_match_fastdeploy(dtype, fmt):
+    paddle = pytest.importorskip("paddle")
+    hkv, bs, d = 2, 16, 64
+    x = np.concatenate([rows_for(dtype, d, 3), nonfinite_rows(dtype, d)])
+    x = x[: len(x) // hkv * hkv]
+    t = len(x) // hkv
+    ks, per_row = static_case(fmt, x, hkv, d, dtype, 1)
+    vs, per_row_v = static_case(fmt, x, hkv, d, dtype, 2)
+    cache = _paddle_cache(fmt, t // bs + 2, hkv, bs, d, d, dtype, ks, vs)
+    to = lambda a: paddle.to_tensor(a.reshape(t, hkv, d)).astype(dtype)  # noqa: E731
+    _reference_step(_layer(hkv, 1, d, d), to(np.zeros_like(x)), to(x), to(x), cache, bs)
+    (kc, _), (vc, _) = _slots(cache, t, bs, hkv)
+    assert np.array_equal(kc, fd_static(x, per_row, dtype, fmt != "int8"))
+    assert np.array_equal(vc, fd_static(x, per_row_v, dtype, fmt != "int8"))
+
+
+def _dequant_np(codes: np.ndarray, scales: np.ndarray, fp8: bool) -> np.ndarray:
+    """fp64 values of codes at dequant multipliers (broadcast), by ml_dtypes / ``byte - 128``."""
+    v = e4m3(codes).astype(np.float64) if fp8 else codes.astype(np.float64) - 128.0
+    return v * scales
+
+
+@pytest.mark.parametrize(
+    "fmt, kind, window",
+    [
+        ("block_wise_fp8", "full", None),
+        ("block_wise_fp8", "sliding", 5),
+        ("block_wise_fp8", "headwise", 3),
+        ("float8_e4m3fn", "full", None),
+        ("int8", "sliding", 4),
+    ],
+)
+def test_reference_attends_on_the_dequantized_cache(fmt, kind, window):
+    """Two steps (a prefill chunk, then decode tokens): the output equals dense fp64 attention on the
+    cache's codes dequantized by ml_dtypes (``tests/_dense_attention.py``), within 1e-5."""
+    paddle = pytest.importorskip("paddle")
+    from _dense_attention import dense_attention
+
+    hkv, group, dqk, dv, bs = 2, 2, 64, 32, 16
+    layer = _layer(hkv, group, dqk, dv, kind, window)
+    rng = np.random.default_rng(0)
+    static = None
+    if not FORMATS[fmt].dynamic:
+        n = hkv * dqk if FORMATS[fmt].channel_wise else hkv
+        nv = hkv * dv if FORMATS[fmt].channel_wise else hkv
+        static = (np.exp(rng.uniform(-5, -2, n)), np.exp(rng.uniform(-5, -2, nv)))
+    cache = _paddle_cache(fmt, 4, hkv, bs, dqk, dv, "float32", *(static or (None, None)))
+    ks_all, vs_all = [], []
+    for dec, t in ((0, 21), (21, 3)):
+        q = rng.standard_normal((t, hkv * group, dqk)).astype(np.float32)
+        k = rng.standard_normal((t, hkv, dqk)).astype(np.float32)
+        v = rng.standard_normal((t, hkv, dv)).astype(np.float32)
+        if dec == 0:
+            k[3] = 0.0  # a zero token: codes 0, scale 0 (FastDeploy: NaN)
+        out = _reference_step(
+            layer, paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), cache, bs, dec
+        )
+        end = dec + t
+        (kc, kscale), (vc, vscale) = _slots(cache, end, bs, hkv)
+        fp8 = FORMATS[fmt].code == "fp8"
+        if FORMATS[fmt].dynamic:
+            kd, vd = _dequant_np(kc, kscale[:, None], fp8), _dequant_np(vc, vscale[:, None], fp8)
+        elif FORMATS[fmt].channel_wise:
+            heads = np.arange(end * hkv) % hkv
+            kd = _dequant_np(kc, static[0].reshape(hkv, dqk)[heads], fp8)
+            vd = _dequant_np(vc, static[1].reshape(hkv, dv)[heads], fp8)
+        else:
+            heads = np.arange(end * hkv) % hkv
+            kd = _dequant_np(kc, static[0][heads][:, None], fp8)
+            vd = _dequant_np(vc, static[1][heads][:, None], fp8)
+        windows = [layer.head_window(h) for h in range(hkv)]
+        want = dense_attention(
+            q, kd.reshape(end, hkv, dqk), vd.reshape(end, hkv, dv), dec,
+            scale=layer.softmax_scale, windows=windows, sinks=None,
+        )  # fmt: skip
+        assert np.abs(out.numpy() - want).max() <= 1e-5
+        ks_all.append(k)
+        vs_all.append(v)
+    # and the quantization error is that of the format (a sanity bound, not the oracle)
+    assert np.isfinite(out.numpy()).all()

@@ -173,7 +173,9 @@ def _rint(x: Any) -> Any:
     -0.0, as FastDeploy's ``ceil`` gives)."""
     magic = 12582912.0
     r = (x + magic) - magic
-    return paddle.where(r == 0.0, x * 0.0, r)
+    # (paddle's `x * 0.0` is a scale op adding +0: it loses the sign, so test the sign by division)
+    neg_zero = paddle.logical_and(r == 0.0, 1.0 / x < 0.0)
+    return paddle.where(neg_zero, paddle.full_like(r, -0.0), r)
 
 
 def _quantize(x: Any, fmt: Any, scale: Any, dtype: str) -> tuple[Any, Any]:
@@ -204,14 +206,16 @@ def _quantize(x: Any, fmt: Any, scale: Any, dtype: str) -> tuple[Any, Any]:
     bound = fmt.max_bound
     q = _rint(paddle.clip(paddle.where(nan, paddle.zeros_like(y), y), -bound, bound))
     if fmt.code == "fp8":
-        table = paddle.to_tensor(_e4m3_codes(), place=x.place)
+        table = paddle.to_tensor(_e4m3_codes().astype("int32"), place=x.place)  # CPU `where`: no uint8
         codes = paddle.gather(table, (q + 448.0).astype("int64").reshape([-1])).reshape(q.shape)
         codes = paddle.where(nan, paddle.full_like(codes, 0x7F), codes)
+        neg_zero = paddle.logical_and(q == 0.0, 1.0 / q < 0.0)  # -0.0: byte 0x80, as FastDeploy writes
+        codes = paddle.where(neg_zero, paddle.full_like(codes, 0x80), codes)
     else:
-        codes = paddle.where(nan, paddle.zeros_like(q), q + 128.0).astype("uint8")
+        codes = paddle.where(nan, paddle.zeros_like(q), q + 128.0).astype("int32")
     if fmt.dynamic:
         codes = paddle.where(ok.unsqueeze(-1), codes, paddle.zeros_like(codes))
-    return codes, out
+    return codes.astype("uint8"), out
 
 
 def _dequantize(codes: Any, fmt: Any) -> Any:
@@ -223,7 +227,7 @@ def _dequantize(codes: Any, fmt: Any) -> Any:
         table = paddle.to_tensor(_e4m3_values(), place=codes.place)
         return paddle.gather(table, codes.astype("int64").reshape([-1])).reshape(codes.shape)
     v = codes.astype("float32") - 128.0
-    return paddle.where(codes == 0, paddle.full_like(v, float("nan")), v)
+    return paddle.where(v == -128.0, paddle.full_like(v, float("nan")), v)
 
 
 def _write_quantized(
