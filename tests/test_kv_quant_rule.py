@@ -7,8 +7,8 @@ The transcription is written from FastDeploy's CUDA source (develop c1b7c083d), 
   ``__habs`` over the token-head's values, starting at ``-INFINITY`` (``__hmax`` drops a NaN
   operand: cuda_fp16.h, "If either of inputs is NaN, the other input is returned"); the quant
   multiplier ``scale = __hdiv(448, local_max)`` in ``T``; the cache's scale ``__hdiv(1, scale)``.
-* ``utils.cuh:545-580`` ``QuantToC8``: ``float(scale * value)`` (the product in ``T``),
-  ``roundWithTiesToEven`` (``utils.cuh:533-543``), clamp to +-448 then ``__nv_fp8_e4m3`` (round to
+* ``utils.cuh:547-581`` ``QuantToC8``: ``float(scale * value)`` (the product in ``T``),
+  ``roundWithTiesToEven`` (``utils.cuh:533-545``), clamp to +-448 then ``__nv_fp8_e4m3`` (round to
   nearest even), or for int8 clamp to +-127 and store ``q + 128``.
 * static formats (``..._impl.cuh:1628-1723``): the same ``QuantToC8`` with the layer's
   ``cache_k_scale`` (``model_executor/layers/quantization/kv_cache.py:159``: ``max_bound / s``).
@@ -41,7 +41,7 @@ def _t(x, dtype):
 
 
 def fd_codes(y: np.ndarray, fp8: bool) -> np.ndarray:
-    """``QuantToC8`` after the product (utils.cuh:545-580): ``y`` fp32 -> uint8 codes."""
+    """``QuantToC8`` after the product (utils.cuh:555-578): ``y`` fp32 -> uint8 codes."""
     with np.errstate(all="ignore"):
         q = np.rint(y)  # roundWithTiesToEven; inf and NaN pass through
         bound = 448.0 if fp8 else 127.0
@@ -450,3 +450,73 @@ def test_reference_attends_on_the_dequantized_cache(fmt, kind, window):
         vs_all.append(v)
     # and the quantization error is that of the format (a sanity bound, not the oracle)
     assert np.isfinite(out.numpy()).all()
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _torch_cache(fmt_name: str = "block_wise_fp8", **over):
+    torch = _torch()
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+
+    fmt = FORMATS[fmt_name]
+    f = dict(
+        key=torch.zeros(3, 2, 16, 64, dtype=torch.uint8),
+        value=torch.zeros(3, 2, 16, 32, dtype=torch.uint8),
+        key_scale=torch.zeros(3, 2, 16, dtype=torch.float16) if fmt.dynamic else torch.ones(2 * 64),
+        value_scale=torch.zeros(3, 2, 16, dtype=torch.float16) if fmt.dynamic else torch.ones(2 * 32),
+        quant=fmt,
+    )
+    if fmt_name == "float8_e4m3fn":
+        f["key_scale"], f["value_scale"] = torch.ones(2), torch.ones(2)
+    f.update(over)
+    return QuantizedKVCache(**f)
+
+
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "float8_e4m3fn", "int8"])
+def test_check_quantized_cache_accepts_each_format(fmt):
+    from fastdeploy_paddlefleet.backends.checks import check_quantized_cache
+
+    torch = _torch()
+    assert check_quantized_cache(_torch_cache(fmt), 2, 16, 64, 32, torch.float16) == 3
+
+
+@pytest.mark.parametrize(
+    "over, error, words",
+    [
+        (lambda t: {"key": t.zeros(3, 2, 16, 64, dtype=t.float16)}, TypeError, "uint8"),
+        (lambda t: {"value": t.zeros(3, 2, 16, 64, dtype=t.uint8)}, ValueError, "kv_cache.value"),
+        (lambda t: {"key_scale": t.zeros(3, 2, 16, dtype=t.float32)}, TypeError, "model dtype"),
+        (lambda t: {"key_scale": t.zeros(3, 2, 8, dtype=t.float16)}, ValueError, "kv_cache.key_scale"),
+        (lambda t: {"key_scale": t.zeros(3, 2, 16, dtype=t.int32)}, TypeError, "float dtype"),
+        (lambda t: {"quant": "block_wise_fp8"}, TypeError, "KVCacheQuant"),
+        (lambda t: {"key_scale": np.zeros((3, 2, 16), np.float16)}, TypeError, "paddle or torch"),
+    ],
+)
+def test_check_quantized_cache_refuses(over, error, words):
+    from fastdeploy_paddlefleet.backends.checks import check_quantized_cache
+
+    torch = _torch()
+    with pytest.raises(error, match=words):
+        check_quantized_cache(_torch_cache(**over(torch)), 2, 16, 64, 32, torch.float16)
+
+
+def test_check_quantized_cache_refuses_shared_written_tensors():
+    from fastdeploy_paddlefleet.backends.checks import check_quantized_cache
+
+    torch = _torch()
+    s = torch.zeros(3, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="same tensor"):
+        check_quantized_cache(_torch_cache(key_scale=s, value_scale=s), 2, 16, 64, 32, torch.float16)
+    k = torch.zeros(3, 2, 16, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="same tensor"):
+        check_quantized_cache(_torch_cache(key=k, value=k), 2, 16, 64, 64, torch.float16)
+
+
+def test_static_scales_per_channel_shape():
+    from fastdeploy_paddlefleet.backends.checks import check_quantized_cache
+
+    torch = _torch()
+    bad = _torch_cache("int8", value_scale=torch.ones(2 * 64))  # V's channels are 32
+    with pytest.raises(ValueError, match=r"kv_cache.value_scale must have shape \[64\]"):
+        check_quantized_cache(bad, 2, 16, 64, 32, torch.float16)
