@@ -24,20 +24,42 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
+try:  # fp8 / bf16 casts of the transcription: ml_dtypes, else torch's CPU casts (the GPU machine)
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+    pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from fastdeploy_paddlefleet.kernels.kv_quant import dequant  # noqa: E402
 from fastdeploy_paddlefleet.kvcache.quant import FORMATS  # noqa: E402
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-
 
 def _t(x, dtype):
     """numpy ``x`` rounded once to the model dtype (nearest even), as fp32."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "bfloat16" and ml_dtypes is None:
+        import torch
+
+        return torch.from_numpy(x.copy()).to(torch.bfloat16).float().numpy()
+    np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype) or ml_dtypes.bfloat16
     with np.errstate(all="ignore"):
-        return np.asarray(x, dtype=np.float32).astype(NP_DTYPES[dtype]).astype(np.float32)
+        return x.astype(np_dtype).astype(np.float32)
+
+
+def _to_e4m3(q: np.ndarray) -> np.ndarray:
+    """Bytes of fp32 ``q`` (within +-448 or NaN) as e4m3fn, round to nearest even."""
+    if ml_dtypes is None:
+        import torch
+
+        return (
+            torch.from_numpy(np.ascontiguousarray(q, dtype=np.float32))
+            .to(torch.float8_e4m3fn)
+            .view(torch.uint8)
+            .numpy()
+        )
+    return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
 def fd_codes(y: np.ndarray, fp8: bool) -> np.ndarray:
@@ -47,7 +69,7 @@ def fd_codes(y: np.ndarray, fp8: bool) -> np.ndarray:
         bound = 448.0 if fp8 else 127.0
         q = np.where(q > bound, bound, np.where(q < -bound, -bound, q))  # a NaN fails both: kept
         if fp8:
-            return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+            return _to_e4m3(q)
         return np.where(np.isnan(q), 0, q + 128.0).astype(np.uint8)  # NaN: CUDA's cvt gives 0
 
 
@@ -67,6 +89,11 @@ def fd_static(x: np.ndarray, c: np.ndarray, dtype: str, fp8: bool) -> np.ndarray
 
 
 def e4m3(codes: np.ndarray) -> np.ndarray:
+    """fp32 values of e4m3fn bytes."""
+    if ml_dtypes is None:
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(codes)).view(torch.float8_e4m3fn).float().numpy()
     return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
@@ -151,6 +178,11 @@ def _torch():
     return pytest.importorskip("torch")
 
 
+def _dev() -> str:
+    """The kernels' device: CUDA where there is one, else the CPU (TRITON_INTERPRET, tests/conftest.py)."""
+    return "cuda" if _torch().cuda.is_available() else "cpu"
+
+
 def _run_triton_write(x_k, x_v, fmt_name, dtype, hkv, bs, key_scale=None, value_scale=None):
     """Write rows ``[T * hkv, D]`` (token-major) through write_quantized_kv_cache; return the codes and
     scales at each row's slot (``[T * hkv, D]``, ``[T * hkv]``)."""
@@ -178,7 +210,12 @@ def _run_triton_write(x_k, x_v, fmt_name, dtype, hkv, bs, key_scale=None, value_
     bid = torch.zeros(t, dtype=torch.int32)
     cu = torch.tensor([0, t], dtype=torch.int32)
     dec = torch.tensor([0], dtype=torch.int32)
+    dev = _dev()
+    k, v, kc, vc, ks, vs, bid, cu, dec, tables = (
+        x.to(dev) for x in (k, v, kc, vc, ks, vs, bid, cu, dec, tables)
+    )
     write_quantized_kv_cache(k, v, QuantizedKVCache(kc, vc, ks, vs, fmt), bid, cu, dec, tables)
+    kc, vc, ks, vs = (x.cpu() for x in (kc, vc, ks, vs))
     pos = np.arange(t)
     blk, slot = blocks[pos // bs], pos % bs
     out = []
@@ -248,10 +285,13 @@ def test_static_fp8_per_channel_matches_fastdeploy():
     vc = torch.zeros_like(kc)
     s = torch.from_numpy(ks).half()
     args = (torch.zeros(t, dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32))
+    dev = _dev()
+    k, kc, vc, s = (x.to(dev) for x in (k, kc, vc, s))
+    args = tuple(a.to(dev) for a in args)
     cache = QuantizedKVCache(kc, vc, s, s.clone(), fmt)
-    tables = torch.zeros(1, 1, dtype=torch.int32)
-    write_quantized_kv_cache(k, k, cache, *args, torch.tensor([0], dtype=torch.int32), tables)
-    got = kc[0, :, :t].transpose(0, 1).reshape(-1, d).numpy()
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    write_quantized_kv_cache(k, k, cache, *args, torch.tensor([0], dtype=torch.int32, device=dev), tables)
+    got = kc.cpu()[0, :, :t].transpose(0, 1).reshape(-1, d).numpy()
     assert np.array_equal(got, fd_static(x, per_row, dtype, True))
 
 
@@ -259,10 +299,12 @@ def test_triton_dequant_reads_every_code():
     """The dequant helper against ml_dtypes' e4m3fn for all 256 bytes (NaN bytes read as NaN), and
     ``byte - 128`` for int8 (byte 0: NaN)."""
     torch = _torch()
-    c = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    o8, oi = torch.zeros(256), torch.zeros(256)
+    dev = _dev()
+    c = torch.arange(256, dtype=torch.int32, device=dev).to(torch.uint8)
+    o8, oi = torch.zeros(256, device=dev), torch.zeros(256, device=dev)
     _dequant_all_kernel[(1,)](c, o8, oi)
-    want8 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * 0.5
+    o8, oi = o8.cpu(), oi.cpu()
+    want8 = e4m3(np.arange(256, dtype=np.uint8)) * 0.5
     wanti = np.where(np.arange(256) == 0, np.nan, (np.arange(256) - 128.0) * 0.5)
     assert np.array_equal(o8.numpy(), want8, equal_nan=True)
     assert np.array_equal(oi.numpy(), wanti.astype(np.float32), equal_nan=True)
