@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..kvcache.layout import dtype_bytes
+from ..kvcache.layout import cache_bytes
 from ..plan.layer import AttentionPlan, LayerAttention
 from ._fields import field as _get
 
@@ -260,17 +260,26 @@ class UniformCost:
         }
 
 
-def uniform_cost(plan: AttentionPlan | Sequence[LayerAttention], dtype: Any = "bf16") -> UniformCost:
-    """What FastDeploy's single shape costs for ``plan`` against sizing each layer to its own need."""
+def uniform_cost(
+    plan: AttentionPlan | Sequence[LayerAttention], dtype: Any = "bf16", kv_cache_quant: Any = None
+) -> UniformCost:
+    """What FastDeploy's single shape costs for ``plan`` against sizing each layer to its own need;
+    quantized (``kv_cache_quant``), one byte per element plus a dynamic format's scales
+    (``[num_blocks, kv_heads, block_size]`` per K and V in ``dtype``, the model's) both ways."""
     layers = list(plan)
     shape = uniform_cache(layers)
-    nbytes = dtype_bytes(dtype)
     per_layer = sum(layer.num_kv_heads * (layer.qk_head_dim + layer.v_head_dim) for layer in layers)
+    token_heads = sum(layer.num_kv_heads for layer in layers)
     return UniformCost(
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        bytes_per_token_uniform=len(layers) * 2 * shape.num_kv_heads * shape.head_dim * nbytes,
-        bytes_per_token_per_layer_sizing=per_layer * nbytes,
+        bytes_per_token_uniform=cache_bytes(
+            len(layers) * 2 * shape.num_kv_heads * shape.head_dim,
+            len(layers) * shape.num_kv_heads,
+            dtype,
+            kv_cache_quant,
+        ),
+        bytes_per_token_per_layer_sizing=cache_bytes(per_layer, token_heads, dtype, kv_cache_quant),
     )
 
 
@@ -280,7 +289,7 @@ def uniform_budget(plan: AttentionPlan | Sequence[LayerAttention], budget: Any) 
     with the single shape (``num_blocks`` / ``max_requests`` of the budget are per-layer sizing)."""
     from ..kvcache.layout import GIB
 
-    cost = uniform_cost(plan, budget.dtype)
+    cost = uniform_cost(plan, budget.dtype, getattr(budget, "kv_cache_quant", None))
     per_block = cost.bytes_per_token_uniform * budget.block_size
     num_blocks = int(budget.memory_gib * GIB) // per_block
     return {
