@@ -97,11 +97,30 @@ def test_tp2_halves_heads_and_slices_sinks(capsys):
 
 def test_budget_options(capsys):
     d = plan_json(
-        capsys, "tiny", "--block-size", "16", "--dtype", "fp8", "--memory-gib", "0.5", "--context", "100"
+        capsys, "tiny", "--block-size", "16", "--dtype", "fp16", "--memory-gib", "0.5", "--context", "100"
     )
     kv = d["kv_cache"]
-    assert (kv["block_size"], kv["dtype_bytes"], kv["memory_gib"], kv["context"]) == (16, 1, 0.5, 100)
-    assert kv["blocks_per_request"] == 7
+    assert (kv["block_size"], kv["dtype_bytes"], kv["memory_gib"], kv["context"]) == (16, 2, 0.5, 100)
+    assert kv["blocks_per_request"] == 7 and kv["kv_cache_quant"] is None
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "FP8", "float8_e4m3fn"])
+def test_quantized_dtype_points_to_kv_cache_quant(capsys, dtype):
+    """``--dtype fp8`` is a quantized cache, which FastDeploy selects with kv_cache_quant_type:
+    refused, naming the flag that does it (an alias would have to guess the format)."""
+    assert exit_code(["plan", "tiny", "--dtype", dtype]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype" in err and "--kv-cache-quant block_wise_fp8" in err and repr(dtype) in err
+
+
+@pytest.mark.parametrize(
+    "value,fragment",
+    [("int8_zp", "zero-point"), ("float8_e4m3", "240"), ("int4_zp", "int4"), ("fp4", "unknown")],
+)
+def test_kv_cache_quant_refused_by_name(capsys, value, fragment):
+    assert exit_code(["plan", "tiny", "--kv-cache-quant", value]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-quant" in err and repr(value) in err and fragment in err
 
 
 def test_config_path(tmp_path, capsys):
@@ -358,3 +377,84 @@ def test_context_mix_subprocess():
     assert [x["context"] for x in rows] == [128, 256, 1024, 2048, 4096, 8192]
     r = fdfleet("plan", "gemma3-27b", "--context", "128,abc")
     assert r.returncode == 2 and "--context" in r.stderr and "'abc'" in r.stderr and r.stdout == ""
+
+
+# ---- quantized KV caches (issue 31): codes one byte each, block_wise_fp8 adds scales --------------
+#
+# Independent count: per token, layer l holds Hkv_l * (qk_l + v_l) one-byte codes and, for
+# block_wise_fp8, one K and one V scale per kv head in the model dtype (2 bytes for bf16).
+
+
+def quant_fd_reference(layers, ctx, memory_gib=40, bs=64, scale_bytes=2):
+    """FastDeploy's allocation of a block_wise_fp8 cache, honestly priced, by hand: max concurrent
+    requests of ``ctx`` tokens (its 2-block decode look-ahead included)."""
+    codes = sum(x["num_kv_heads"] * (x["qk_head_dim"] + x["v_head_dim"]) for x in layers)
+    scales = sum(2 * x["num_kv_heads"] * scale_bytes for x in layers)
+    price = bs * (codes + scales)
+    return int(memory_gib * GIB) // price // fd_blocks_per_request(ctx, bs)
+
+
+def quant_claimed_blocks(layers, memory_gib=40, bs=64):
+    """Blocks FastDeploy's own cal_theortical_kvcache claims: byte_of_dtype = 1, no scales."""
+    return int(memory_gib * GIB) // (
+        bs * sum(x["num_kv_heads"] * (x["qk_head_dim"] + x["v_head_dim"]) for x in layers)
+    )
+
+
+@pytest.mark.parametrize("preset", SLIDING_PRESETS)
+def test_block_wise_fp8_nearly_doubles_concurrency(capsys, preset):
+    bf16 = plan_json(capsys, preset, "--context", "8192")
+    fp8 = plan_json(capsys, preset, "--context", "8192", "--kv-cache-quant", "block_wise_fp8")
+    layers = fp8["layers"]
+    # bytes per token: codes + 2 scales per kv head per layer, against 2 bytes per element
+    codes = sum(x["num_kv_heads"] * (x["qk_head_dim"] + x["v_head_dim"]) for x in layers)
+    heads = sum(x["num_kv_heads"] for x in layers)
+    assert fp8["kv_cache"]["bytes_per_token"] == codes + 2 * heads * 2
+    assert bf16["kv_cache"]["bytes_per_token"] == 2 * codes
+    assert fp8["kv_cache"]["kv_cache_quant"] == "block_wise_fp8"
+    # without recycling (per-layer sizing, no look-ahead): >= 1.9x
+    n_bf16, n_fp8 = bf16["kv_cache"]["max_requests"], fp8["kv_cache"]["max_requests"]
+    per_request = -(-8192 // 64) * 64
+    assert n_fp8 == int(40 * GIB) // (per_request * (codes + 4 * heads))
+    assert n_fp8 >= 1.9 * n_bf16, (n_fp8, n_bf16)
+    # FastDeploy's accounting (look-ahead included) and recycling, both quantized: >= 1.9x each
+    (row_bf16,) = bf16["pools"]["contexts"]
+    (row_fp8,) = fp8["pools"]["contexts"]
+    assert row_fp8["fastdeploy_requests"] == quant_fd_reference(layers, 8192)
+    assert row_fp8["fastdeploy_requests"] >= 1.9 * row_bf16["fastdeploy_requests"]
+    assert row_fp8["recycling_requests"] >= 1.9 * row_bf16["recycling_requests"]
+    # recycling never serves fewer than FastDeploy's (honest) accounting
+    assert row_fp8["recycling_requests"] >= row_fp8["fastdeploy_requests"]
+    # FastDeploy's own count leaves the scales out: it claims more blocks than the memory holds
+    pools = fp8["pools"]
+    assert pools["fastdeploy_claimed_num_blocks"] == quant_claimed_blocks(layers)
+    assert pools["fastdeploy_claimed_num_blocks"] > pools["fastdeploy_num_blocks"]
+    assert pools["page_bytes"] * pools["layout"]["pages_per_block"] == 64 * (codes + 4 * heads)
+
+
+@pytest.mark.parametrize("preset", SLIDING_PRESETS)
+@pytest.mark.parametrize("quant", ["float8_e4m3fn", "cache_int8"])
+def test_static_quant_counts_codes_only(capsys, preset, quant):
+    """Static formats keep their scales as per-layer parameters ([kv_heads] or [kv_heads * D]), not
+    per token: a block is its codes, and FastDeploy's own count is then right."""
+    d = plan_json(capsys, preset, "--context", "256,8192", "--kv-cache-quant", quant)
+    layers = d["layers"]
+    codes = sum(x["num_kv_heads"] * (x["qk_head_dim"] + x["v_head_dim"]) for x in layers)
+    assert d["kv_cache"]["bytes_per_token"] == codes
+    pools = d["pools"]
+    assert (
+        pools["fastdeploy_claimed_num_blocks"]
+        == pools["fastdeploy_num_blocks"]
+        == quant_claimed_blocks(layers)
+    )
+    for row in pools["contexts"]:
+        assert row["recycling_requests"] >= row["fastdeploy_requests"] >= 1
+
+
+@pytest.mark.parametrize("preset", SLIDING_PRESETS)
+def test_block_wise_fp8_recycling_never_serves_fewer(capsys, preset):
+    d = plan_json(capsys, preset, "--context", ctx_arg(CONTEXTS), "--kv-cache-quant", "block_wise_fp8")
+    for r in d["pools"]["contexts"]:
+        assert r["fastdeploy_requests"] == quant_fd_reference(d["layers"], r["context"]), r
+        assert r["recycling_requests"] >= r["fastdeploy_requests"] >= 1, r
+    assert d["pools"]["min_gpu_blocks"] <= d["pools"]["fastdeploy_min_gpu_blocks"]

@@ -104,15 +104,14 @@ def test_uniform_cost_of_tiny_mla():
 def test_settings_with_other_cache_layouts_are_refused_naming_them():
     with pytest.raises(ValueError, match="FD_ATTENTION_BACKEND=MLA_ATTN"):
         check_fastdeploy_cache_settings(None, {"FD_ATTENTION_BACKEND": "MLA_ATTN"})
-    fd = SimpleNamespace(
-        quant_config=SimpleNamespace(kv_cache_quant_type="block_wise_fp8"), model_config=None
-    )
-    with pytest.raises(ValueError, match="kv_cache_quant_type='block_wise_fp8'"):
+    # served quantized caches pass (issue 31); the formats kvcache.quant refuses are named
+    for served in ("block_wise_fp8", "float8_e4m3fn", "int8", "cache_fp8"):
+        fd = SimpleNamespace(quant_config=SimpleNamespace(kv_cache_quant_type=served), model_config=None)
         check_fastdeploy_cache_settings(fd, {})
     fd = SimpleNamespace(
-        quant_config=None, model_config=SimpleNamespace(quantization={"kv_cache_quant_type": "int8"})
+        quant_config=None, model_config=SimpleNamespace(quantization={"kv_cache_quant_type": "int8_zp"})
     )
-    with pytest.raises(ValueError, match="kv_cache_quant_type='int8'"):
+    with pytest.raises(ValueError, match="kv_cache_quant_type='int8_zp'"):
         check_fastdeploy_cache_settings(fd, {})
     check_fastdeploy_cache_settings(SimpleNamespace(quant_config=None, model_config=None), {})  # plain: fine
 

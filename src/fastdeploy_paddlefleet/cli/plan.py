@@ -16,6 +16,14 @@ recycling report prints one row per length (FastDeploy's max concurrent requests
 recycling's, in the same bytes); the per-layer KV budget tables use the LONGEST of them.
 ``--max-model-len`` (default: the longest ``--context``) is what the engine must hold one request
 of; a ``--context`` longer than it is refused (FastDeploy admits no such request).
+
+``--kv-cache-quant TYPE`` (FastDeploy's ``kv_cache_quant_type``: ``block_wise_fp8``,
+``float8_e4m3fn`` / ``cache_fp8``, ``int8`` / ``cache_int8``; default none) counts a quantized cache:
+one byte per element plus, for ``block_wise_fp8``, a K and a V scale per token and kv head in
+``--dtype`` (the model dtype). ``--dtype fp8`` / ``int8`` is refused with a pointer to it:
+FastDeploy's ``--dtype`` is the model's dtype and a quantized cache is chosen by
+``kv_cache_quant_type``, whose formats differ in bytes (dynamic scales) and in what they need
+(calibrated checkpoint scales), so an alias would have to guess.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 from typing import Any
 
 from ..kvcache.layout import KVBudget, format_bytes, kv_budget
+from ..kvcache.quant import ALIASES, FORMATS, kv_cache_quant
 from ..plan import AttentionPlan, LayerAttention, load_config, plan_from_config
 from ..presets import list_presets
 from ..serving.cache_views import uniform_budget
@@ -78,7 +87,21 @@ def add_parser(subparsers: Any) -> None:
         "--block-size", type=int_arg(1, 2**20), default=64, help="tokens per KV block (default 64)"
     )
     p.add_argument(
-        "--dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp8, int8, fp32 (default bf16)"
+        "--dtype",
+        default="bf16",
+        help="model (and unquantized KV cache) dtype: bf16, fp16, fp32 (default bf16); a quantized "
+        "cache is --kv-cache-quant",
+    )
+    p.add_argument(
+        "--kv-cache-quant",
+        type=kv_quant_arg,
+        default=None,
+        metavar="TYPE",
+        help="FastDeploy's kv_cache_quant_type: none (default), "
+        + ", ".join(FORMATS)
+        + "; also "
+        + ", ".join(k for k in ALIASES if k not in FORMATS)
+        + " (codes 1 byte, block_wise_fp8 adds a K and a V scale per token and kv head in --dtype)",
     )
     p.add_argument(
         "--memory-gib",
@@ -110,6 +133,39 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)
+
+
+#: --dtype values that are a quantized cache, not a model dtype: refused with a pointer
+QUANT_DTYPES = ("fp8", "int8", "float8", "float8_e4m3fn", "uint8", "cache_fp8", "cache_int8")
+
+
+def model_dtype(text: str) -> str:
+    """``--dtype``: a float dtype the KV budget knows; ``fp8`` / ``int8`` refused with a pointer to
+    ``--kv-cache-quant`` (:class:`CliError` naming ``--dtype``)."""
+    from ..kvcache.layout import DTYPE_BYTES
+
+    name = str(text).strip().lower()
+    if name in QUANT_DTYPES:
+        raise CliError(
+            f"--dtype {text}: "
+            f"{text!r} is a quantized KV cache, which FastDeploy selects with kv_cache_quant_type, not "
+            "--dtype (the model dtype): use --dtype bf16 --kv-cache-quant block_wise_fp8 (dynamic "
+            "fp8, no calibration), float8_e4m3fn or int8 (static, the checkpoint's scales)"
+        )
+    if name not in DTYPE_BYTES:
+        known = ", ".join(k for k in DTYPE_BYTES if DTYPE_BYTES[k] > 1)
+        raise CliError(f"--dtype: unknown dtype {text!r}; expected one of {known}")
+    return name
+
+
+def kv_quant_arg(text: str) -> str | None:
+    """An argparse ``type`` for ``--kv-cache-quant``: FastDeploy's name of a served format (its
+    canonical name), ``None`` for ``none``; refused formats are named with the reason."""
+    try:
+        fmt = kv_cache_quant(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if fmt is None else fmt.name
 
 
 def context_list(text: str) -> tuple[int, ...]:
@@ -179,7 +235,9 @@ def _fits(source: Any, tp: int, args: argparse.Namespace) -> tuple[int, int] | N
         plan = plan_from_config(source, tp_size=tp, tp_rank=0)
     except ValueError:
         return None
-    budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, budget_context(args))
+    budget = kv_budget(
+        plan, args.block_size, args.dtype, args.memory_gib, budget_context(args), args.kv_cache_quant
+    )
     return budget.max_requests, uniform_budget(plan, budget)["max_requests_uniform"]
 
 
@@ -291,7 +349,8 @@ def format_budget(b: KVBudget) -> str:
             f"{b.max_requests_recycled_equal_pools} with recycling in equal per-layer pools",
         ),
     ]
-    head = f"KV cache per rank ({b.dtype}, block {b.block_size}, {b.memory_gib:g} GiB, context {b.context}):"
+    what = b.dtype if b.kv_cache_quant is None else f"{b.kv_cache_quant} codes, {b.dtype} model"
+    head = f"KV cache per rank ({what}, block {b.block_size}, {b.memory_gib:g} GiB, context {b.context}):"
     return "\n".join([head] + [f"  {label:<18} {value}" for label, value in rows])
 
 
@@ -337,13 +396,16 @@ def checked_contexts(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.dtype = model_dtype(args.dtype)
     try:
         raw = load_config(args.source)
         plan = plan_from_config(args.source, tp_size=args.tp, tp_rank=args.tp_rank)
     except (ValueError, TypeError) as e:  # named by SOURCE, plus the field the message names
         raise about(None, args.source, e) from e
     try:
-        budget = kv_budget(plan, args.block_size, args.dtype, args.memory_gib, budget_context(args))
+        budget = kv_budget(
+            plan, args.block_size, args.dtype, args.memory_gib, budget_context(args), args.kv_cache_quant
+        )
     except ValueError as e:
         raise about("--dtype" if "dtype" in str(e) else None, None, e) from e
     contexts = checked_contexts(args)
@@ -356,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
         contexts,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_quant=args.kv_cache_quant,
     )
     warnings = serving_refusals(raw) + capacity_warnings(raw, plan, budget, args) + pools_warnings(pools)
     if args.json:

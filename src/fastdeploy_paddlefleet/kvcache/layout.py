@@ -17,6 +17,13 @@ needs only the pages that still hold a position visible to the newest token,
 i.e. pages overlapping ``[C - 1 - w, C - 1]``; over every alignment of that
 span to block boundaries the worst case is ``ceil(w / block_size) + 1`` pages,
 capped by the request's own ``ceil(C / block_size)``. Older pages are released.
+
+Quantized caches (FastDeploy's ``kv_cache_quant_type``, ``kvcache/quant.py``): every element is one
+byte (``uint8`` codes) and a dynamic format (``block_wise_fp8``) also stores one K and one V
+dequant scale per token and kv head in the model dtype (``[num_blocks, kv_heads, block_size]``):
+a token of a layer costs ``Hkv * (qk + v) + 2 * Hkv * dtype_bytes`` bytes. ``dtype`` is then the
+model dtype (the scales'). A static format's scales (``[kv_heads]`` / ``[kv_heads * head_dim]``
+per layer, from the checkpoint) do not grow with the cache and are not counted per block.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan.layer import AttentionPlan, LayerAttention
+from .quant import KVCacheQuant, kv_cache_quant
 
 GIB = 1 << 30
 
@@ -49,6 +57,36 @@ def dtype_bytes(dtype: Any) -> int:
     if name.startswith("float8"):
         return 1
     raise ValueError(f"unknown cache dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)} or float8_*")
+
+
+#: model dtypes a quantized cache's scales may take (their bytes are the model dtype's)
+SCALE_DTYPES = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+
+
+def cache_quant(quant: Any) -> KVCacheQuant | None:
+    """``quant`` as a :class:`~.quant.KVCacheQuant` (a format, FastDeploy's name, or ``None`` /
+    ``"none"`` for an unquantized cache); refused and unknown names raise ``ValueError`` naming them."""
+    if quant is None or isinstance(quant, KVCacheQuant):
+        return quant
+    return kv_cache_quant(quant)
+
+
+def cache_bytes(elements: int, token_heads: int, dtype: Any, quant: Any = None) -> int:
+    """Bytes of a cache span holding ``elements`` K + V elements for ``token_heads`` (token, kv
+    head) pairs: ``elements * dtype_bytes(dtype)`` unquantized; quantized, one byte per element plus,
+    for a dynamic format, a K and a V scale per token-head in ``dtype`` (the model dtype):
+    ``elements + 2 * token_heads * dtype_bytes(dtype)``. ``ValueError`` names a ``dtype`` that
+    cannot hold a quantized cache's scales (``fp8``, ``int8``: the model dtype is meant)."""
+    fmt = cache_quant(quant)
+    if fmt is None:
+        return int(elements) * dtype_bytes(dtype)
+    name = str(dtype).strip().lower().rsplit(".", 1)[-1]
+    if name not in SCALE_DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} with kv_cache_quant_type={fmt.name!r}: the dtype is the model's (its "
+            f"scales' dtype), one of {', '.join(SCALE_DTYPES)}; the codes are one byte each"
+        )
+    return int(elements) + (2 * int(token_heads) * dtype_bytes(dtype) if fmt.dynamic else 0)
 
 
 #: sizes (tokens, block sizes) are int32 on the device
@@ -76,9 +114,13 @@ def cache_shapes(
     )
 
 
-def layer_bytes_per_token(layer: LayerAttention, dtype: Any) -> int:
-    """K + V bytes one token takes in ``layer`` (all its kv heads on this rank)."""
-    return layer.num_kv_heads * (layer.qk_head_dim + layer.v_head_dim) * dtype_bytes(dtype)
+def layer_bytes_per_token(layer: LayerAttention, dtype: Any, quant: Any = None) -> int:
+    """K + V bytes one token takes in ``layer`` (all its kv heads on this rank): unquantized
+    ``Hkv * (qk + v) * dtype_bytes``; quantized (``quant``, a ``kv_cache_quant_type``)
+    ``Hkv * (qk + v)`` code bytes plus, dynamic, ``2 * Hkv * dtype_bytes`` of scales."""
+    return cache_bytes(
+        layer.num_kv_heads * (layer.qk_head_dim + layer.v_head_dim), layer.num_kv_heads, dtype, quant
+    )
 
 
 def blocks_for(context: int, block_size: int) -> int:
@@ -111,7 +153,9 @@ class KVBudget:
 
     ``max_requests_recycled`` sizes each layer's cache to its demand;
     ``max_requests_recycled_equal_pools`` keeps FastDeploy's equal ``num_blocks``
-    per layer, where the layer that recycles least decides.
+    per layer, where the layer that recycles least decides. ``kv_cache_quant``: FastDeploy's
+    ``kv_cache_quant_type`` (``None``: unquantized, ``dtype`` the cache's); quantized, ``dtype``
+    is the model's (the scales') and every byte count includes the codes and the scales.
     """
 
     dtype: str
@@ -131,6 +175,7 @@ class KVBudget:
     max_requests: int
     max_requests_recycled: int
     max_requests_recycled_equal_pools: int
+    kv_cache_quant: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -144,8 +189,10 @@ def kv_budget(
     dtype: Any = "bf16",
     memory_gib: float = 40.0,
     context: int = 8192,
+    kv_cache_quant: Any = None,
 ) -> KVBudget:
-    """Capacity of ``memory_gib`` GiB of KV cache for ``plan`` at ``context`` tokens per request."""
+    """Capacity of ``memory_gib`` GiB of KV cache for ``plan`` at ``context`` tokens per request;
+    ``kv_cache_quant``: FastDeploy's ``kv_cache_quant_type`` (codes and scales counted)."""
     bs = _count(block_size, "block_size")
     ctx = _count(context, "context")
     if isinstance(memory_gib, bool) or not isinstance(memory_gib, int | float):
@@ -155,9 +202,10 @@ def kv_budget(
     if len(plan) == 0:
         raise ValueError("plan has no layers")
     nbytes = dtype_bytes(dtype)
+    quant = cache_quant(kv_cache_quant)
     memory = int(memory_gib * GIB)
 
-    per_layer = tuple(layer_bytes_per_token(layer, dtype) for layer in plan)
+    per_layer = tuple(layer_bytes_per_token(layer, dtype, quant) for layer in plan)
     per_token = sum(per_layer)
     per_block = per_token * bs
     num_blocks = memory // per_block
@@ -167,7 +215,8 @@ def kv_budget(
     equal_pools = None
     for layer in plan:
         pages = layer_request_pages(layer, ctx, bs, recycle=True)
-        recycled += pages * bs * (layer.qk_head_dim + layer.v_head_dim) * nbytes
+        # a page is one block of one kv head: bs tokens x (qk + v) elements, bs token-heads of scales
+        recycled += cache_bytes(pages * bs * (layer.qk_head_dim + layer.v_head_dim), pages * bs, dtype, quant)
         fits = num_blocks * layer.num_kv_heads // pages
         equal_pools = fits if equal_pools is None else min(equal_pools, fits)
 
@@ -189,6 +238,7 @@ def kv_budget(
         max_requests=num_blocks // req_blocks,
         max_requests_recycled=memory // recycled,
         max_requests_recycled_equal_pools=int(equal_pools or 0),
+        kv_cache_quant=None if quant is None else quant.name,
     )
 
 
@@ -206,7 +256,10 @@ def format_bytes(n: float) -> str:
 __all__ = [
     "DTYPE_BYTES",
     "KVBudget",
+    "SCALE_DTYPES",
     "blocks_for",
+    "cache_bytes",
+    "cache_quant",
     "cache_shapes",
     "dtype_bytes",
     "format_bytes",

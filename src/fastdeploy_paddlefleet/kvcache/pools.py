@@ -34,6 +34,17 @@ Layout (vLLM's hybrid cache, in FastDeploy's cache shape)
   pages_per_block`` pages in the same bytes, exactly, unless layers differ in head dims (then the
   pages' padding is priced: :meth:`PoolLayout.block_bytes`).
 
+Quantized caches
+----------------
+With FastDeploy's ``kv_cache_quant_type`` a page's codes are one byte per element and a dynamic
+format (``block_wise_fp8``) adds a K and a V scale per token and kv head in the model dtype: page
+bytes = ``page_elements + 2 * page_token_heads * dtype_bytes`` (:meth:`PoolLayout.page_bytes`
+with ``quant``). Each slot then also has a key and a value scale tensor ``[num_pages, G,
+block_size]`` beside its codes. FastDeploy's own price of a block (``cal_theortical_kvcache``: one
+byte per element, scales NOT counted, :func:`fastdeploy_claimed_block_bytes`) under-counts what it
+allocates for ``block_wise_fp8``; :meth:`PoolLayout.layer_block_bytes` is the honest price of
+FastDeploy's allocation, the one recycling is compared with.
+
 Capacity
 --------
 A request at ``c`` tokens with ``n`` allocated holds, per lane, the blocks of ``[0, n)`` (full) or
@@ -50,7 +61,7 @@ from typing import Any
 
 from ..plan.layer import AttentionPlan
 from .headwise import RECYCLE_MODES, LayerGroup, RecycleMode, groups_from_plan, held_units
-from .layout import dtype_bytes
+from .layout import cache_bytes, cache_quant, dtype_bytes
 
 #: tokens FastDeploy allocates beyond the computed ones for a decoding request: 2 blocks
 #: (``enc_dec_block_num``) once 12 or fewer slots are left (``prealloc_dec_block_slot_num_threshold``)
@@ -112,13 +123,32 @@ class PoolLayout:
             out = math.lcm(out, g.num_kv_heads // self.heads_per_page)
         return out
 
-    def page_bytes(self, dtype: Any) -> int:
-        return self.page_elements * dtype_bytes(dtype)
+    @property
+    def page_token_heads(self) -> int:
+        """(token, kv head) pairs one page holds over every slot: each has a K and a V scale in a
+        dynamic quantized cache."""
+        return self.slots * self.heads_per_page * self.block_size
 
-    def block_bytes(self, dtype: Any) -> int:
+    @property
+    def layer_token_heads(self) -> int:
+        """(token, kv head) pairs one FastDeploy block holds over every layer at its own shape,
+        ``block_size * sum_l Hkv_l``."""
+        return self.block_size * sum(g.num_kv_heads * len(g.layers) for g in self.groups)
+
+    def page_bytes(self, dtype: Any, quant: Any = None) -> int:
+        """Bytes of one page: ``page_elements`` in ``dtype``, or quantized (``quant``, a
+        ``kv_cache_quant_type``) one byte each plus a dynamic format's scales in ``dtype``."""
+        return cache_bytes(self.page_elements, self.page_token_heads, dtype, quant)
+
+    def block_bytes(self, dtype: Any, quant: Any = None) -> int:
         """What one FastDeploy block costs in this pool: ``pages_per_block`` pages (the runner's
-        ``cal_theortical_kvcache``). Equals FastDeploy's per-layer price when nothing is padded."""
-        return self.pages_per_block * self.page_bytes(dtype)
+        ``cal_theortical_kvcache``). Equals :meth:`layer_block_bytes` when nothing is padded."""
+        return self.pages_per_block * self.page_bytes(dtype, quant)
+
+    def layer_block_bytes(self, dtype: Any, quant: Any = None) -> int:
+        """Bytes one FastDeploy block takes with every layer at its own shape (no pool): what
+        FastDeploy's allocation of it really holds, codes and scales included."""
+        return cache_bytes(self.layer_elements, self.layer_token_heads, dtype, quant)
 
     def num_pages(self, num_gpu_blocks: int) -> int:
         """Pages the pool manages for ``num_gpu_blocks`` FastDeploy blocks (engine and worker)."""
@@ -354,10 +384,19 @@ def min_gpu_blocks(layout: PoolLayout, max_model_len: int, max_num_batched_token
     return -(-max(decode, prefill) // layout.pages_per_block)
 
 
-def budget_blocks(layout: PoolLayout, budget_bytes: int, dtype: Any) -> int:
+def budget_blocks(layout: PoolLayout, budget_bytes: int, dtype: Any, quant: Any = None) -> int:
     """FastDeploy blocks ``budget_bytes`` of KV memory buy in this pool (the runner's
-    ``available // cal_theortical_kvcache``)."""
-    return _int("budget_bytes", budget_bytes, 0) // layout.block_bytes(dtype)
+    ``available // cal_theortical_kvcache``), codes and scales counted when ``quant`` is given."""
+    return _int("budget_bytes", budget_bytes, 0) // layout.block_bytes(dtype, quant)
+
+
+def fastdeploy_claimed_block_bytes(layout: PoolLayout, dtype: Any, quant: Any = None) -> int:
+    """FastDeploy's own price of one block for this model at every layer's own shape, as its
+    ``cal_theortical_kvcache`` counts (``worker/gpu_model_runner.py``): ``byte_of_dtype`` = 1 for
+    ANY ``kv_cache_quant_type`` (else 2) times the elements; a ``block_wise_fp8`` cache's scale
+    tensors are not counted, so FastDeploy's block count over-commits by their bytes
+    (:meth:`PoolLayout.layer_block_bytes` is what it allocates)."""
+    return layout.layer_elements * (1 if cache_quant(quant) is not None else dtype_bytes(dtype))
 
 
 __all__ = [
@@ -369,6 +408,7 @@ __all__ = [
     "allocation_cap",
     "budget_blocks",
     "capacity",
+    "fastdeploy_claimed_block_bytes",
     "fastdeploy_lookahead",
     "min_gpu_blocks",
     "pages_needed",

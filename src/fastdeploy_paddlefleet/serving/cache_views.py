@@ -19,9 +19,17 @@ fields. A PaddleFleet model's layers need not agree with those fields (per-layer
 * :func:`uniform_cost` / :func:`uniform_budget`: what this costs against sizing each layer to its
   own need (``fdfleet plan``).
 * :func:`check_fastdeploy_cache_settings` refuses, at load time and naming the setting, the cache
-  layouts this plugin cannot read: block-wise fp8 / int8 / int4 KV (``kv_cache_quant_type``: scale
-  tensors between K and V, uint8 data) and ``FD_ATTENTION_BACKEND=MLA_ATTN`` / ``DSA_ATTN`` (one
-  compressed-latent tensor per layer).
+  layouts this plugin cannot read: ``FD_ATTENTION_BACKEND=MLA_ATTN`` / ``DSA_ATTN`` (one
+  compressed-latent tensor per layer) and the ``kv_cache_quant_type`` formats
+  ``kvcache.quant.kv_cache_quant`` refuses (zero-point, int4, fp8 with a 240 bound).
+* Quantized caches (``kv_cache_quant_type`` ``block_wise_fp8``, ``float8_e4m3fn``, ``int8``):
+  FastDeploy allocates ``uint8`` codes in the same shape and, for ``block_wise_fp8``, a key and a
+  value scale tensor ``[num_blocks, kv_heads, block_size]`` (model dtype) per layer, passed as
+  ``[k, v, k_scales, v_scales]`` per layer (``worker/gpu_model_runner.py`` ``initialize_kv_cache``).
+  :func:`quantized_layer_cache_views` gives each layer a
+  :class:`~fastdeploy_paddlefleet.backends.base.QuantizedKVCache` of views (leading heads and
+  channels of the codes, leading heads of the scales); a static format's scales are the layer's
+  dequant multipliers from the checkpoint (``serving/kv_scales.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..kvcache.layout import dtype_bytes
+from ..kvcache.layout import cache_bytes
+from ..kvcache.quant import KVCacheQuant, kv_cache_quant
 from ..plan.layer import AttentionPlan, LayerAttention
 from ._fields import field as _get
 
@@ -148,9 +157,9 @@ def _kv_cache_quant_type(fd_config: Any) -> str | None:
 
 def check_fastdeploy_cache_settings(fd_config: Any = None, environ: Mapping[str, str] | None = None) -> None:
     """Refuse, naming the setting, FastDeploy cache layouts other than one K and one V tensor per
-    layer in the model dtype: ``FD_ATTENTION_BACKEND=MLA_ATTN`` / ``DSA_ATTN`` and a
-    ``kv_cache_quant_type`` (block-wise fp8 puts scale tensors between layers' K/V; int8 / fp8 /
-    int4 caches hold uint8 data the kernels do not dequantize)."""
+    layer (plus a dynamic format's scales): ``FD_ATTENTION_BACKEND=MLA_ATTN`` / ``DSA_ATTN`` and a
+    ``kv_cache_quant_type`` that ``kvcache.quant.kv_cache_quant`` refuses (zero-point, int4, the
+    240-bound fp8). ``block_wise_fp8``, ``float8_e4m3fn`` and ``int8`` pass."""
     env = os.environ if environ is None else environ
     backend = (env.get("FD_ATTENTION_BACKEND") or "").strip()
     if backend.upper() in LATENT_CACHE_BACKENDS:
@@ -160,19 +169,19 @@ def check_fastdeploy_cache_settings(fd_config: Any = None, environ: Mapping[str,
             "per layer). Unset FD_ATTENTION_BACKEND (or use APPEND_ATTN) with --model-impl paddlefleet"
         )
     quant = _kv_cache_quant_type(fd_config) if fd_config is not None else None
-    if quant and quant.lower() not in ("none", "null"):
-        raise ValueError(
-            f"kv_cache_quant_type={quant!r}: quantized KV caches (uint8 data; block-wise fp8 adds scale "
-            "tensors between the layers' K and V) are not supported by the paddlefleet plugin's attention; "
-            "remove kv_cache_quant_type from the quantization config"
-        )
+    kv_cache_quant(quant)  # ValueError naming a refused or unknown format
 
 
-def check_cache_list(caches: Sequence[Any], num_layers: int) -> None:
-    """Refuse ``forward_meta.caches`` laid out other than ``[k0, v0, k1, v1, ...]`` in a float dtype,
-    naming the FastDeploy setting that produces it: one tensor per layer (``MLA_ATTN`` / ``DSA_ATTN``),
-    four per layer (block-wise fp8: ``[k, v, k_scales, v_scales]``), or integer data (a quantized cache)."""
+def check_cache_list(caches: Sequence[Any], num_layers: int, quant: KVCacheQuant | None = None) -> None:
+    """Refuse ``forward_meta.caches`` laid out other than ``[k0, v0, k1, v1, ...]`` in a float dtype
+    (``quant`` None) or as ``quant`` stores it (:func:`split_quantized_caches`), naming the FastDeploy
+    setting that produces it: one tensor per layer (``MLA_ATTN`` / ``DSA_ATTN``), four per layer
+    (block-wise fp8: ``[k, v, k_scales, v_scales]``) or integer data for a model loaded without
+    ``kv_cache_quant_type``."""
     items = list(caches)
+    if quant is not None:
+        split_quantized_caches(items, num_layers, quant)
+        return
     if items and all(isinstance(c, tuple | list) for c in items):
         return  # already paired (our own runner)
     if num_layers and len(items) == num_layers:
@@ -184,15 +193,16 @@ def check_cache_list(caches: Sequence[Any], num_layers: int) -> None:
     if num_layers and len(items) == 4 * num_layers:
         raise ValueError(
             f"forward_meta.caches holds four tensors per layer ({len(items)} for {num_layers} layers): "
-            "kv_cache_quant_type=block_wise_fp8 puts scale tensors between the layers' K and V, which the "
-            "paddlefleet plugin does not read; remove kv_cache_quant_type"
+            "kv_cache_quant_type=block_wise_fp8's layout ([k, v, k_scales, v_scales]), but the model was "
+            "loaded without kv_cache_quant_type; give the same quantization config to the model and the cache"
         )
     for i, c in enumerate(items[:2]):
         name = str(getattr(c, "dtype", "")).rsplit(".", 1)[-1]
         if name.startswith(("uint", "int")):
             raise TypeError(
                 f"forward_meta.caches[{i}] has dtype {name}: a quantized KV cache (kv_cache_quant_type), "
-                "which the paddlefleet plugin does not read; remove kv_cache_quant_type"
+                "but the model was loaded without kv_cache_quant_type; give the same quantization config "
+                "to the model and the cache"
             )
 
 
@@ -236,6 +246,122 @@ def layer_cache_views(
     return out
 
 
+def _dtype_name(t: Any) -> str:
+    return str(getattr(t, "dtype", "")).rsplit(".", 1)[-1]
+
+
+def split_quantized_caches(
+    caches: Sequence[Any], num_layers: int, quant: KVCacheQuant
+) -> list[tuple[Any, Any, Any, Any]]:
+    """A quantized ``forward_meta.caches`` -> per layer ``(key, value, key_scales, value_scales)``
+    (the scales ``None`` for a static format).
+
+    FastDeploy's layout (and the plugin's runner's): ``block_wise_fp8`` four tensors per layer
+    ``[k, v, k_scales, v_scales]`` (codes ``uint8 [NB, H, BS, D]``, scales ``[NB, H, BS]`` float);
+    static formats two ``uint8`` tensors per layer. Entries already grouped per layer (tuples of 4
+    or 2, or :class:`QuantizedKVCache`) pass. ``ValueError`` / ``TypeError`` name the entry."""
+    from ..backends.base import QuantizedKVCache
+
+    items = list(caches)
+    per = 4 if quant.dynamic else 2
+    if items and all(isinstance(c, QuantizedKVCache) for c in items):
+        groups = [(c.key, c.value, c.key_scale, c.value_scale) for c in items]
+    elif items and all(isinstance(c, tuple | list) for c in items):
+        if any(len(c) != per for c in items):
+            raise ValueError(
+                f"forward_meta.caches: kv_cache_quant_type={quant.name!r} needs {per} tensors per layer, "
+                f"got groups of {sorted({len(c) for c in items})}"
+            )
+        groups = [tuple(c) + (None,) * (4 - per) for c in items]
+    else:
+        if len(items) % per or len(items) // per < num_layers:
+            raise ValueError(
+                f"forward_meta.caches holds {len(items)} tensors for {num_layers} layers: "
+                f"kv_cache_quant_type={quant.name!r} caches {per} per layer "
+                f"({'[k, v, k_scales, v_scales]' if quant.dynamic else '[k, v] uint8'})"
+            )
+        groups = [tuple(items[i : i + per]) + (None,) * (4 - per) for i in range(0, len(items), per)]
+    if len(groups) < num_layers:
+        raise ValueError(f"forward_meta.caches holds {len(groups)} layers' caches, the plan has {num_layers}")
+    seen: dict[int, str] = {}
+    for layer, group in enumerate(groups[:num_layers]):
+        for kind, t in zip(("key", "value", "key_scales", "value_scales"), group, strict=True):
+            if t is None:
+                continue
+            where = f"layer {layer} {kind}"
+            first = seen.setdefault(id(t), where)
+            if first != where:
+                raise ValueError(
+                    f"forward_meta.caches: the {where} tensor is the same tensor as the {first} tensor; "
+                    "every cache tensor must be distinct"
+                )
+            name = _dtype_name(t)
+            if kind in ("key", "value") and name != "uint8":
+                raise TypeError(
+                    f"forward_meta.caches: the {where} cache has dtype {name}, kv_cache_quant_type="
+                    f"{quant.name!r} stores uint8 codes (is the same quantization config given to the cache?)"
+                )
+            if kind.endswith("scales") and name not in ("float16", "bfloat16", "float32"):
+                raise TypeError(
+                    f"forward_meta.caches: the {where} tensor has dtype {name}, expected the model's "
+                    "float dtype"
+                )
+    return groups
+
+
+def quantized_layer_cache_views(
+    caches: Sequence[Any],
+    plan: AttentionPlan | Sequence[LayerAttention],
+    quant: KVCacheQuant,
+    static_scales: Mapping[int, tuple[Any, Any]] | None = None,
+) -> list[Any]:
+    """Each layer's :class:`~fastdeploy_paddlefleet.backends.base.QuantizedKVCache` of views.
+
+    ``caches``: a quantized ``forward_meta.caches`` (:func:`split_quantized_caches`), codes
+    ``uint8 [NB, H, BS, D]`` with ``H >= Hkv_l`` and ``D`` at least the layer's dims (FastDeploy's
+    uniform shape or the runner's own), dynamic scales ``[NB, H, BS]``. Returns codes
+    ``key[:, :Hkv_l, :, :qk_l]`` / ``value[:, :Hkv_l, :, :v_l]`` and scales ``[:, :Hkv_l, :]`` (strided
+    views sharing the cache's memory); a static format's scales are ``static_scales[layer.index]``
+    (dequant multipliers ``[Hkv_l]`` or ``[Hkv_l * D]``, ``serving/kv_scales.py``): ``ValueError``
+    naming the checkpoint tensor when absent."""
+    from ..backends.base import QuantizedKVCache
+
+    layers = list(plan)
+    groups = split_quantized_caches(caches, max((la.index for la in layers), default=-1) + 1, quant)
+    codes = [(g[0], g[1]) for g in groups]
+    views = layer_cache_views(codes, layers)
+    out = []
+    for layer, (key, value) in zip(layers, views, strict=True):
+        if quant.dynamic:
+            scales = []
+            for what, t, cache in (
+                ("key", groups[layer.index][2], key),
+                ("value", groups[layer.index][3], value),
+            ):
+                shape = [int(d) for d in t.shape]
+                want = [int(d) for d in cache.shape[:3]]
+                if len(shape) != 3 or shape[0] != want[0] or shape[2] != want[2] or shape[1] < want[1]:
+                    raise ValueError(
+                        f"layer {layer.index}: the {what} scales {shape} do not match the {what} codes "
+                        f"[num_blocks, kv_heads, block_size] = {want} (block_wise_fp8: one scale per token "
+                        "and kv head)"
+                    )
+                scales.append(t if shape[1] == want[1] else t[:, : want[1], :])
+            k_scale, v_scale = scales
+        else:
+            pair = (static_scales or {}).get(layer.index)
+            if pair is None:
+                namer = getattr(static_scales, "tensor_name", None)
+                name = namer(layer.index, "k") if namer else "{layer prefix}.cachek_matmul.activation_scale"
+                raise ValueError(
+                    f"layer {layer.index}: kv_cache_quant_type={quant.name!r} needs the checkpoint's static "
+                    f"cache scales, and {name!r} was not loaded"
+                )
+            k_scale, v_scale = pair
+        out.append(QuantizedKVCache(key, value, k_scale, v_scale, quant))
+    return out
+
+
 @dataclass(frozen=True)
 class UniformCost:
     """Bytes per token (one TP rank, all layers, K + V) of the uniform shape against per-layer sizing."""
@@ -260,17 +386,26 @@ class UniformCost:
         }
 
 
-def uniform_cost(plan: AttentionPlan | Sequence[LayerAttention], dtype: Any = "bf16") -> UniformCost:
-    """What FastDeploy's single shape costs for ``plan`` against sizing each layer to its own need."""
+def uniform_cost(
+    plan: AttentionPlan | Sequence[LayerAttention], dtype: Any = "bf16", kv_cache_quant: Any = None
+) -> UniformCost:
+    """What FastDeploy's single shape costs for ``plan`` against sizing each layer to its own need;
+    quantized (``kv_cache_quant``), one byte per element plus a dynamic format's scales
+    (``[num_blocks, kv_heads, block_size]`` per K and V in ``dtype``, the model's) both ways."""
     layers = list(plan)
     shape = uniform_cache(layers)
-    nbytes = dtype_bytes(dtype)
     per_layer = sum(layer.num_kv_heads * (layer.qk_head_dim + layer.v_head_dim) for layer in layers)
+    token_heads = sum(layer.num_kv_heads for layer in layers)
     return UniformCost(
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        bytes_per_token_uniform=len(layers) * 2 * shape.num_kv_heads * shape.head_dim * nbytes,
-        bytes_per_token_per_layer_sizing=per_layer * nbytes,
+        bytes_per_token_uniform=cache_bytes(
+            len(layers) * 2 * shape.num_kv_heads * shape.head_dim,
+            len(layers) * shape.num_kv_heads,
+            dtype,
+            kv_cache_quant,
+        ),
+        bytes_per_token_per_layer_sizing=cache_bytes(per_layer, token_heads, dtype, kv_cache_quant),
     )
 
 
@@ -280,7 +415,7 @@ def uniform_budget(plan: AttentionPlan | Sequence[LayerAttention], budget: Any) 
     with the single shape (``num_blocks`` / ``max_requests`` of the budget are per-layer sizing)."""
     from ..kvcache.layout import GIB
 
-    cost = uniform_cost(plan, budget.dtype)
+    cost = uniform_cost(plan, budget.dtype, getattr(budget, "kv_cache_quant", None))
     per_block = cost.bytes_per_token_uniform * budget.block_size
     num_blocks = int(budget.memory_gib * GIB) // per_block
     return {
@@ -301,6 +436,8 @@ __all__ = [
     "fastdeploy_kv_heads",
     "fit_fastdeploy_model_config",
     "layer_cache_views",
+    "quantized_layer_cache_views",
+    "split_quantized_caches",
     "uniform_budget",
     "uniform_cache",
     "uniform_cost",

@@ -14,6 +14,12 @@ weight is read. What is refused and why (``docs/fastdeploy.md``):
   checkpoint's ``config.json``): FastDeploy applies it through its own linear
   layers' ``quant_method``; a PaddleFleet model's linears are PaddleFleet's, so
   the setting would be silently ignored. Refused, naming the setting.
+* **KV cache quantization only** is accepted: a quantization config whose only setting is
+  ``kv_cache_quant_type`` (``--quantization '{"quantization": "mix_quant", "kv_cache_quant_type":
+  "block_wise_fp8"}'``, or the same ``quantization_config`` in ``config.json``; FastDeploy builds a
+  ``MixQuantConfig`` with no dense / MoE type). The plugin's attention writes and reads the
+  quantized cache itself (:func:`kv_cache_quant_of`); the format is parsed by
+  ``kvcache.quant.kv_cache_quant``, which refuses the zero-point and 240-bound formats by name.
 """
 
 from __future__ import annotations
@@ -21,7 +27,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..kvcache.quant import KVCacheQuant, kv_cache_quant
 from ._fields import field as _get
+
+#: keys of a quantization config that quantizes only the KV cache (any other set key quantizes weights)
+KV_ONLY_KEYS = frozenset(
+    {
+        "quantization",
+        "kv_cache_quant_type",
+        "is_channel_wise",
+        "has_zero_point",
+        "is_quantized",
+        "is_moe_quantized",
+    }
+)
+#: FastDeploy's quant config fields that name a weight quantization (``MixQuantConfig``)
+WEIGHT_QUANT_FIELDS = ("dense_quant_type", "moe_quant_type", "image_moe_quant_type")
+#: FastDeploy's quant config names that may carry only a KV cache type
+KV_ONLY_METHODS = ("mix_quant", "kvcache")
 
 
 def _value(x: Any) -> Any:
@@ -43,31 +66,103 @@ def check_loader(fd_config: Any, architecture: str) -> None:
         )
 
 
-def check_quantization(fd_config: Any, architecture: str) -> None:
-    """Refuse weight quantization from ``--quantization`` or the checkpoint's ``quantization_config``."""
+def _weight_settings(section: Mapping[str, Any]) -> list[str]:
+    """The set keys of a quantization dict that are not a KV-cache-only setting (``[]``: KV only)."""
+    out = [
+        f"{k}={v!r}"
+        for k, v in section.items()
+        if k not in KV_ONLY_KEYS and v not in (None, False, "", [], {})
+    ]
+    method = section.get("quantization")
+    if method not in (None, *KV_ONLY_METHODS):
+        out.insert(0, f"quantization={method!r}")
+    if not section.get("kv_cache_quant_type"):
+        out.insert(0, "no kv_cache_quant_type")
+    return out
+
+
+def _kv_format(section: Any, where: str) -> KVCacheQuant | None:
+    """``kvcache.quant.kv_cache_quant`` of a config's ``kv_cache_quant_type`` (a dict or FastDeploy's
+    quant config), the error naming ``where``; ``has_zero_point=True`` (a zero-point cache whatever
+    the type) refused by name."""
+    value = _get(section, "kv_cache_quant_type")
+    value = getattr(value, "value", value)  # FastDeploy's enum
+    channel_wise, has_zero_point = _get(section, "is_channel_wise"), _get(section, "has_zero_point")
+    try:
+        fmt = kv_cache_quant(value, None if channel_wise is None else bool(channel_wise))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    if fmt is not None and has_zero_point:
+        raise ValueError(
+            f"{where}: has_zero_point={has_zero_point!r} makes kv_cache_quant_type={value!r} a zero-point "
+            "cache, which the paddlefleet plugin does not serve; remove has_zero_point"
+        )
+    return fmt
+
+
+def kv_cache_quant_of(fd_config: Any, architecture: str = "PaddleFleetForCausalLM") -> KVCacheQuant | None:
+    """The KV cache format FastDeploy will allocate for ``fd_config`` (``None``: unquantized), after
+    refusing, naming the setting, any weight quantization (``--quantization``, the checkpoint's
+    ``quantization_config``, ``fd_config.quant_config``) and any KV format the plugin does not serve.
+
+    Accepted: a quantization config whose only setting is ``kv_cache_quant_type`` (FastDeploy's
+    ``mix_quant`` with no dense / MoE type, e.g. ``--quantization '{"quantization": "mix_quant",
+    "kv_cache_quant_type": "block_wise_fp8"}'``)."""
     mc = _get(fd_config, "model_config")
+    found: list[tuple[str, KVCacheQuant | None]] = []
     cli = _get(mc, "quantization")
     if cli:
-        raise ValueError(
-            f"{architecture}: --quantization {cli!r} (model_config.quantization) is not applied by the "
-            "paddlefleet plugin (PaddleFleet's linear layers have no FastDeploy quant_method); "
-            "serve unquantized weights without --quantization"
-        )
+        section = cli if isinstance(cli, Mapping) else {"quantization": cli}
+        bad = _weight_settings(section)
+        if bad:
+            raise ValueError(
+                f"{architecture}: --quantization {cli!r} (model_config.quantization: {', '.join(bad)}) "
+                "quantizes weights, which the paddlefleet plugin does not apply (PaddleFleet's linear "
+                "layers have no FastDeploy quant_method); serve unquantized weights, quantizing at most "
+                'the KV cache: --quantization \'{"quantization": "mix_quant", "kv_cache_quant_type": '
+                '"block_wise_fp8"}\''
+            )
+        where = f"{architecture}: --quantization kv_cache_quant_type"
+        found.append((where, _kv_format(section, where)))
     ckpt = _get(mc, "quantization_config")
     if isinstance(ckpt, Mapping) and ckpt:
-        method = ckpt.get("quant_method") or ckpt.get("quantization") or "?"
-        raise ValueError(
-            f"{architecture}: the checkpoint's config.json has quantization_config (quant_method="
-            f"{method!r}), which the paddlefleet plugin does not apply (PaddleFleet's linear layers "
-            "have no FastDeploy quant_method); serve an unquantized (bf16/fp16/fp32) checkpoint"
-        )
+        bad = _weight_settings(ckpt)
+        if bad:
+            method = ckpt.get("quant_method") or ckpt.get("quantization") or "?"
+            raise ValueError(
+                f"{architecture}: the checkpoint's config.json has quantization_config (quant_method="
+                f"{method!r}; {', '.join(bad)}), which the paddlefleet plugin does not apply (PaddleFleet's "
+                "linear layers have no FastDeploy quant_method); serve an unquantized (bf16/fp16/fp32) "
+                "checkpoint (a quantization_config with only kv_cache_quant_type is served)"
+            )
+        where = f"{architecture}: the checkpoint's quantization_config kv_cache_quant_type"
+        found.append((where, _kv_format(ckpt, where)))
     quant = _get(fd_config, "quant_config")
     if quant is not None:
         name = quant.name() if callable(getattr(quant, "name", None)) else type(quant).__name__
-        raise ValueError(
-            f"{architecture}: fd_config.quant_config ({name}) is set, and the paddlefleet plugin "
-            "does not apply quantization; serve without --quantization / quantization_config"
-        )
+        weights = [f"{f}={_get(quant, f)!r}" for f in WEIGHT_QUANT_FIELDS if _get(quant, f) is not None]
+        kv_type = _get(quant, "kv_cache_quant_type")
+        if name not in KV_ONLY_METHODS or weights or kv_type is None:
+            what = ", ".join(weights) if weights else ("no kv_cache_quant_type" if kv_type is None else name)
+            raise ValueError(
+                f"{architecture}: fd_config.quant_config ({name}: {what}) quantizes weights, and the "
+                "paddlefleet plugin does not apply weight quantization; serve without --quantization / "
+                "quantization_config, or with one that sets only kv_cache_quant_type"
+            )
+        where = f"{architecture}: fd_config.quant_config.kv_cache_quant_type"
+        found.append((where, _kv_format(quant, where)))
+    # FastDeploy gives the checkpoint's config priority; every source that is set must name one format
+    fmts = {f.name if f else None: (w, f) for w, f in found}
+    if len(fmts) > 1:
+        listed = "; ".join(f"{w} -> {n}" for n, (w, _) in fmts.items())
+        raise ValueError(f"{architecture}: the KV cache quantization settings disagree ({listed})")
+    return found[-1][1] if found else None
+
+
+def check_quantization(fd_config: Any, architecture: str) -> None:
+    """Refuse weight quantization from ``--quantization`` or the checkpoint's ``quantization_config``
+    (a config with only ``kv_cache_quant_type`` is accepted: :func:`kv_cache_quant_of`)."""
+    kv_cache_quant_of(fd_config, architecture)
 
 
 #: the parameter dtypes the plugin serves (``model_config.dtype``)

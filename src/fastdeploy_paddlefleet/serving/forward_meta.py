@@ -100,15 +100,28 @@ def _check_distinct_tensors(pairs: list[tuple[Any, Any]]) -> None:
                 )
 
 
-def layer_caches(caches: Sequence[Any] | None, plan: AttentionPlan) -> list[tuple[Any, Any]]:
-    """FastDeploy's flat ``forward_meta.caches`` -> each layer's ``(key, value)`` views.
+def layer_caches(
+    caches: Sequence[Any] | None,
+    plan: AttentionPlan,
+    quant: Any = None,
+    static_scales: Mapping[int, tuple[Any, Any]] | None = None,
+) -> list[Any]:
+    """FastDeploy's flat ``forward_meta.caches`` -> each layer's ``(key, value)`` views, or with
+    ``quant`` (the model's ``kv_cache_quant_type``, a ``KVCacheQuant``) each layer's
+    ``QuantizedKVCache`` of views (``[k, v, k_scales, v_scales]`` per layer for ``block_wise_fp8``,
+    ``[k, v]`` uint8 plus ``static_scales[layer]`` for a static format).
 
     FastDeploy allocates one shape for every layer; each layer reads its leading kv heads and
-    channels through strided views (``serving/cache_views.py``). Layouts other than one K and one V
-    per layer (``FD_ATTENTION_BACKEND=MLA_ATTN``, block-wise fp8) are refused naming the setting.
+    channels through strided views (``serving/cache_views.py``). Layouts other than the model's
+    (``FD_ATTENTION_BACKEND=MLA_ATTN``, a quantized cache for an unquantized model) are refused
+    naming the setting.
     """
-    from .cache_views import check_cache_list, layer_cache_views
+    from .cache_views import check_cache_list, layer_cache_views, quantized_layer_cache_views
 
+    if quant is not None:
+        if caches is None:
+            raise ValueError("forward_meta.caches is required (the paged KV caches), got None")
+        return quantized_layer_cache_views(caches, plan, quant, static_scales)
     if caches is not None:
         check_cache_list(caches, len(plan))
     return layer_cache_views(pair_caches(caches, len(plan)), plan)

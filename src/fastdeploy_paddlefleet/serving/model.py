@@ -35,6 +35,11 @@ step without head-wise tables logs one warning (attention then reads
 ``block_tables``: correct, but no page is recycled). ``fdfleet verify
 --headwise-kv`` runs the whole path on the manager's tables.
 
+Quantized KV cache (``kv_cache_quant_type``: ``block_wise_fp8``, ``float8_e4m3fn``, ``int8``; a
+quantization config with nothing else, ``serving/checks.py``): each layer's cache reaches the
+backend as a ``QuantizedKVCache`` (``serving/cache_views.py``); a static format's scales come from
+the checkpoint (``serving/kv_scales.py``), taken out of the weights before they are assigned.
+
 Idle expert-parallel rank: with zero tokens and expert parallelism on, the
 other ranks' MoE layers still wait for this rank's collectives. The forward
 then runs ONE fake token through every layer — attention on a private
@@ -119,6 +124,9 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
 
         ep_group = parallel_setup(fd_config).ep_group  # FastDeploy's expert-parallel group (or None)
         self._attach(model, plan, None, ep_group, _get(cache_config, "block_size"), expert_parallel=ep)
+        from .checks import kv_cache_quant_of
+
+        self._set_kv_cache_quant(kv_cache_quant_of(fd_config, self.name()))
         self._weights_preloaded = preloaded
         mc = _get(fd_config, "model_config")
         self._ori_vocab_size = _get(mc, "ori_vocab_size")
@@ -163,21 +171,47 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         backend: str | AttentionBackend | None = None,
         ep_group: Any = None,
         block_size: int | None = None,
+        kv_cache_quant: Any = None,
     ) -> PaddleFleetForCausalLM:
         """Wrap an already built ``GPTModel`` (minifleet or PaddleFleet), patching it in place.
 
         ``backend``: a name (``auto``/``reference``/``triton``), an instance,
         or ``None`` for ``FDFLEET_BACKEND``. ``ep_group``: the expert-parallel
         group handed to every MoE layer (``set_ep_group``). ``block_size``:
-        default for steps whose metadata does not say it.
+        default for steps whose metadata does not say it. ``kv_cache_quant``: FastDeploy's
+        ``kv_cache_quant_type`` of the caches the steps bring (``None``: unquantized).
         """
+        from ..kvcache.layout import cache_quant
+
         self = cls.__new__(cls)
         paddle.nn.Layer.__init__(self)
         self.fd_config = None
         self._attach(model, plan, backend, ep_group, block_size, expert_parallel=ep_group is not None)
+        self._set_kv_cache_quant(cache_quant(kv_cache_quant))
         self._weights_preloaded = False
         self._ori_vocab_size = None
         return self
+
+    #: the KV cache format (``kvcache.quant.KVCacheQuant``; None: unquantized)
+    kv_quant: Any = None
+    #: a static format's per-layer dequant scales (``kv_scales.StaticKVScales``), None otherwise
+    kv_scales: Any = None
+
+    def _set_kv_cache_quant(self, quant: Any) -> None:
+        """Record the cache format; a static one gets a scale store keyed by the layers' prefixes."""
+        self.kv_quant = quant
+        self.kv_scales = None
+        if quant is not None and not quant.dynamic:
+            from .kv_scales import StaticKVScales
+
+            suffix = ".core_attention"
+            prefixes = {
+                p.layer_index: p.name[: -len(suffix)] if p.name.endswith(suffix) else p.name
+                for p in self.patch_report.patched
+            }
+            self.kv_scales = StaticKVScales(prefixes, quant)
+        if quant is not None:
+            logger.info("PaddleFleetForCausalLM: %s KV cache", quant.name)
 
     #: most query tokens of one request in a decode-only step (1 + speculative draft tokens)
     _decode_tokens: int = 1
@@ -307,7 +341,7 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
                 "FDFLEET_HEADWISE_KV is on but forward_meta has no block_tables_headwise: the scheduler "
                 "does not run head-wise; attention reads block_tables and no page is recycled"
             )
-        caches = layer_caches(_get(forward_meta, "caches"), self.plan)
+        caches = layer_caches(_get(forward_meta, "caches"), self.plan, self.kv_quant, self.kv_scales)
         positions = packed_positions(meta, num_tokens)
         with self.holder.step(StepContext(meta, caches, positions)):
             return self._run_body(ids.astype("int64").reshape([1, num_tokens]), positions.reshape([1, -1]))
@@ -378,10 +412,40 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         Names are the host model's own (``decoder.layers.1.self_attn.core_attention.softmax_offset``),
         optionally prefixed ``model.``. Unknown names or wrong shapes raise ``ValueError``.
         """
+        state_dict = self._take_cache_scales(state_dict)
         if self._weights_preloaded:  # FastDeploy's v0 loader calls this with the checkpoint it read
             logger.info("set_state_dict: weights were loaded by PaddleFormers from_pretrained; skipping")
+            self._finish_cache_scales()
             return []
-        return assign_weights(self.model, state_dict)
+        missing = assign_weights(self.model, state_dict)
+        self._finish_cache_scales()
+        return missing
+
+    def _take_cache_scales(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state_dict`` without FastDeploy's static KV cache tensors (the model has no parameter for
+        them): a static format keeps the scales, otherwise they are dropped with a log line."""
+        from .kv_scales import is_cache_scale_name
+
+        if not any(is_cache_scale_name(n) for n in state_dict):
+            return state_dict
+        rest = dict(state_dict)
+        if self.kv_scales is not None:
+            self.kv_scales.take(rest)
+        else:
+            names = [n for n in rest if is_cache_scale_name(n)]
+            for n in names:
+                rest.pop(n)
+            logger.info(
+                "%d static KV cache scale tensors in the checkpoint are not used (kv_cache_quant_type=%s)",
+                len(names),
+                None if self.kv_quant is None else self.kv_quant.name,
+            )
+        return rest
+
+    def _finish_cache_scales(self) -> None:
+        """A static format's scales as dequant multipliers (``ValueError`` naming a missing tensor)."""
+        if self.kv_scales is not None:
+            self.kv_scales.finish(self.plan, self.dtype)
 
     def load_weights(self, weights_iterator: Iterable[tuple[str, Any]]) -> list[str]:
         """FastDeploy's loader: ``(name, array or tensor)`` pairs, same names as :meth:`set_state_dict`.
@@ -390,6 +454,9 @@ class PaddleFleetForCausalLM(paddle.nn.Layer):
         checkpoint: the iterator is not consumed then.
         """
         if self._weights_preloaded:
+            if self.kv_scales is not None:  # the static cache scales are not PaddleFormers' to load
+                self.kv_scales.take_from(weights_iterator)
+                self._finish_cache_scales()
             logger.info("load_weights: weights were loaded by PaddleFormers from_pretrained; skipping")
             return []
         return self.set_state_dict(dict(weights_iterator))

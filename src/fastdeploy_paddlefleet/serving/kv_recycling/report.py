@@ -18,6 +18,12 @@ Per request length (``context``) the report compares, in the same bytes per rank
   pool, each request holding what its lanes hold at ``context`` tokens, less the pages one step's
   prefill chunk (``max_num_batched_tokens``) takes on the sliding lanes
   (:class:`~kvcache.pools.Capacity`).
+
+With a quantized cache (``kv_cache_quant``, FastDeploy's ``kv_cache_quant_type``) both prices count
+one byte per element plus a dynamic format's scales (``PoolLayout.layer_block_bytes`` /
+``block_bytes``): FastDeploy's own ``cal_theortical_kvcache`` leaves ``block_wise_fp8``'s scales
+out, so the block count it claims (``fastdeploy_claimed_num_blocks``) over-commits the memory; the
+comparison uses what its allocation really takes.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...kvcache.headwise import MAX_TOKENS, LayerGroup
-from ...kvcache.layout import GIB, dtype_bytes, format_bytes
+from ...kvcache.layout import GIB, cache_quant, format_bytes
 from ...kvcache.pools import (
     FASTDEPLOY_LOOKAHEAD_BLOCKS,
     Capacity,
     PoolLayout,
     budget_blocks,
     capacity,
+    fastdeploy_claimed_block_bytes,
     fastdeploy_lookahead,
     min_gpu_blocks,
 )
@@ -113,6 +120,14 @@ class PoolsReport:
     block_bytes: int
     min_gpu_blocks: int
     rows: tuple[ContextRow, ...]
+    kv_cache_quant: str | None = None
+    fastdeploy_claimed_block_bytes: int | None = None
+
+    @property
+    def fastdeploy_claimed_num_blocks(self) -> int:
+        """Blocks FastDeploy's own ``cal_theortical_kvcache`` says the memory holds (more than it
+        does for ``block_wise_fp8``: the scale tensors are not counted)."""
+        return self.memory_bytes // (self.fastdeploy_claimed_block_bytes or self.fastdeploy_block_bytes)
 
     @property
     def num_pages(self) -> int:
@@ -127,16 +142,20 @@ class PoolsReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "dtype": self.dtype,
+            "kv_cache_quant": self.kv_cache_quant,
             "memory_bytes": self.memory_bytes,
             "max_model_len": self.max_model_len,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "layout": self.layout.to_dict(),
             "fastdeploy_num_blocks": self.fastdeploy_num_blocks,
             "fastdeploy_block_bytes": self.fastdeploy_block_bytes,
+            "fastdeploy_claimed_num_blocks": self.fastdeploy_claimed_num_blocks,
+            "fastdeploy_claimed_block_bytes": self.fastdeploy_claimed_block_bytes
+            or self.fastdeploy_block_bytes,
             "num_gpu_blocks": self.num_gpu_blocks,
             "block_bytes": self.block_bytes,
             "num_pages": self.num_pages,
-            "page_bytes": self.layout.page_bytes(self.dtype),
+            "page_bytes": self.layout.page_bytes(self.dtype, self.kv_cache_quant),
             "min_gpu_blocks": self.min_gpu_blocks,
             "fastdeploy_min_gpu_blocks": self.fastdeploy_min_gpu_blocks,
             "contexts": [row.to_dict() for row in self.rows],
@@ -212,11 +231,13 @@ def pools_report(
     *,
     max_model_len: int | None = None,
     max_num_batched_tokens: int = REPORT_BATCHED_TOKENS,
+    kv_cache_quant: Any = None,
 ) -> PoolsReport | str:
     """The report for ``layout`` (:func:`pool_layout` of the plan every rank agrees on) in
     ``memory_bytes`` per rank, one row per ``contexts`` entry (in the order given); or why there is
     none (:data:`NOTHING_TO_RECYCLE`, :func:`cannot_hold`). ``max_model_len`` defaults to the
-    longest context and may not be shorter than any."""
+    longest context and may not be shorter than any. ``kv_cache_quant``: FastDeploy's
+    ``kv_cache_quant_type`` (``dtype`` is then the model's, the scales' dtype)."""
     if not isinstance(layout, PoolLayout):
         raise TypeError(f"layout must be a PoolLayout, got {type(layout).__name__}")
     memory = _count("memory_bytes", memory_bytes, 0, 2**62)
@@ -224,9 +245,10 @@ def pools_report(
     ctxs, mml = check_contexts(contexts, max_model_len, layout.block_size)
     if not layout.slides:
         return NOTHING_TO_RECYCLE
-    fd_price = layout.layer_elements * dtype_bytes(dtype)
+    quant = cache_quant(kv_cache_quant)
+    fd_price = layout.layer_block_bytes(dtype, quant)  # what FastDeploy's allocation of a block takes
     fd_blocks = memory // fd_price
-    blocks = budget_blocks(layout, memory, dtype)
+    blocks = budget_blocks(layout, memory, dtype, quant)
     needed = min_gpu_blocks(layout, mml, batched or None)
     if blocks < needed:
         return cannot_hold(blocks, needed, mml, memory)
@@ -244,9 +266,11 @@ def pools_report(
         fastdeploy_num_blocks=fd_blocks,
         fastdeploy_block_bytes=fd_price,
         num_gpu_blocks=blocks,
-        block_bytes=layout.block_bytes(dtype),
+        block_bytes=layout.block_bytes(dtype, quant),
         min_gpu_blocks=needed,
         rows=tuple(rows),
+        kv_cache_quant=None if quant is None else quant.name,
+        fastdeploy_claimed_block_bytes=fastdeploy_claimed_block_bytes(layout, dtype, quant),
     )
 
 
@@ -260,6 +284,7 @@ def pools_for(
     *,
     max_model_len: int | None = None,
     max_num_batched_tokens: int = REPORT_BATCHED_TOKENS,
+    kv_cache_quant: Any = None,
 ) -> PoolsReport | str:
     """:func:`pools_report` for ``source`` (``plan_from_config``'s input) over ``tp_size`` ranks,
     ``memory_gib`` GiB of KV cache per rank."""
@@ -274,6 +299,7 @@ def pools_for(
         contexts,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_quant=kv_cache_quant,
     )
 
 
@@ -310,12 +336,19 @@ def format_pools(report: PoolsReport | str) -> str:
     """Text lines: the one pool's layout and, per context, FastDeploy's max concurrent requests
     beside recycling's."""
     head = "Window recycling (FDFLEET_KV_RECYCLE=auto): one KV pool for every layer, same bytes:"
+    if not isinstance(report, str) and report.kv_cache_quant:
+        head = head[:-1] + f" ({report.kv_cache_quant} cache, codes and scales counted):"
     if isinstance(report, str):
         return f"{head}\n  {report}"
     lay = report.layout
     pad = f", padding {lay.padding:.1%} of the pool" if lay.padding else ", no padding"
     fd_price, price = format_bytes(report.fastdeploy_block_bytes), format_bytes(report.block_bytes)
     fd_line = f"{report.fastdeploy_num_blocks} FastDeploy blocks ({fd_price} each)"
+    if report.fastdeploy_claimed_num_blocks != report.fastdeploy_num_blocks:
+        fd_line += (
+            f" (FastDeploy's own count says {report.fastdeploy_claimed_num_blocks}: it leaves the "
+            f"{report.kv_cache_quant} scales out)"
+        )
     if report.num_gpu_blocks != report.fastdeploy_num_blocks:
         fd_line += f"; the padded pool buys {report.num_gpu_blocks} ({price} each)"
     rows = [
@@ -329,7 +362,7 @@ def format_pools(report: PoolsReport | str) -> str:
         (
             "memory",
             f"{format_bytes(report.memory_bytes)}: {fd_line} -> {report.num_pages} pages of "
-            f"{format_bytes(lay.page_bytes(report.dtype))}",
+            f"{format_bytes(lay.page_bytes(report.dtype, report.kv_cache_quant))}",
         ),
         (
             "max_model_len",

@@ -19,6 +19,12 @@ FastDeploy's own at once: the runner IS FastDeploy's. For the plugin's model:
   ``initialize_forward_meta`` hands them to the model as ``forward_meta.block_tables_headwise``
   (``{layer: [bsz * Hkv, max_blocks]}``, read by ``serving/forward_meta.py`` into ``BatchMeta``).
 
+With ``kv_cache_quant_type`` (a quantization config with nothing else, ``serving/checks.py``) the
+codes are ``uint8`` and ``block_wise_fp8`` adds per layer a key and a value scale tensor
+``[num_blocks, Hkv_l, block_size]`` (per slot with recycling) in the model dtype, passed as
+FastDeploy does, ``[k, v, k_scales, v_scales]`` per layer; the price of a block counts the scales
+(FastDeploy's own ``cal_theortical_kvcache`` does not: its block count would over-commit them).
+
 Where FastDeploy already prices every layer by its own shape (a runner newer than c1b7c083d that
 derives per-layer kv heads itself) and no recycling is asked for, the runner defers to FastDeploy's
 sizing (:meth:`FleetKV.defers`). FastDeploy's single shape is also kept, with one WARNING naming the
@@ -66,6 +72,10 @@ class FleetKV:
         mc = _get(fd_config, "model_config")
         cc = _get(fd_config, "cache_config")
         self.dtype = str(_get(mc, "dtype") or "bfloat16")
+        from ..checks import kv_cache_quant_of
+
+        #: the KV cache format (``kvcache.quant.KVCacheQuant``; None: ``dtype`` caches)
+        self.quant = kv_cache_quant_of(fd_config)
         self.block_size = host_int("cache_config.block_size", _get(cc, "block_size"), 1)  # 4.7 refused
         #: the engine hook's decision, made by the same function on the same config (None: no recycling)
         self.setup = decide(fd_config, warn=False)  # the prefix-caching WARNING is the engine's line
@@ -98,17 +108,26 @@ class FleetKV:
         from .sizing import block_bytes, pool_block_bytes
 
         if self.layout is not None:
-            return pool_block_bytes(self.layout.pool, self.layers, self.dtype)
-        return block_bytes(self.layers, self.block_size, self.dtype)
+            return pool_block_bytes(self.layout.pool, self.layers, self.dtype, self.quant)
+        return block_bytes(self.layers, self.block_size, self.dtype, self.quant)
 
     def defers(self, fastdeploy_price: int) -> bool:
         """No recycling and FastDeploy's own price already equals the per-layer sum (at FastDeploy's
-        2 bytes per element): FastDeploy sizes every layer by its shape itself, or all layers are
-        alike. FastDeploy's own sizing is kept then."""
+        2 bytes per element; quantized, the honest price with codes and scales): FastDeploy sizes
+        every layer by its shape itself, or all layers are alike. FastDeploy's own sizing is kept
+        then. A ``block_wise_fp8`` cache is never deferred: FastDeploy's price leaves its scales out."""
         from .sizing import block_bytes
 
-        per_layer = block_bytes(self.layers, self.block_size, "bf16")
+        if self.quant is not None:
+            per_layer = block_bytes(self.layers, self.block_size, self.dtype, self.quant)
+        else:
+            per_layer = block_bytes(self.layers, self.block_size, "bf16")
         return self.layout is None and int(fastdeploy_price) == per_layer
+
+    @property
+    def code_dtype(self) -> str:
+        """The K / V tensors' dtype: ``uint8`` codes when quantized, else the model dtype."""
+        return self.dtype if self.quant is None else "uint8"
 
 
 def _shared_cache_setting(fd_config: Any) -> str | None:
@@ -205,10 +224,10 @@ def _make_runner_class() -> type:
             if paddle.is_compiled_with_cuda():
                 paddle.device.cuda.empty_cache()
 
-        def _new_cache(self, name: str, shape: Any) -> Any:
+        def _new_cache(self, name: str, shape: Any, dtype: str | None = None) -> Any:
             import paddle
 
-            tensor = paddle.full(shape=list(shape), fill_value=0, dtype=self.fleet.dtype)
+            tensor = paddle.full(shape=list(shape), fill_value=0, dtype=dtype or self.fleet.code_dtype)
             fd_runner.set_data_ipc(tensor, name)
             self.cache_kvs_map[name] = tensor
             return tensor
@@ -216,19 +235,26 @@ def _make_runner_class() -> type:
         def _allocate_layers(self, fleet: FleetKV, suffix: str) -> tuple[list, int, str]:
             from .sizing import worker_caches
 
-            caches = worker_caches(fleet.layers, fleet.block_size, fleet.dtype, int(self.num_gpu_blocks))
+            caches = worker_caches(
+                fleet.layers, fleet.block_size, fleet.dtype, int(self.num_gpu_blocks), fleet.quant
+            )
             out = []
-            for c in caches.layers:
+            for c in caches.layers:  # FastDeploy's order and names: [k, v(, k_scales, v_scales)] per layer
                 out.append(self._new_cache(f"key_caches_{c.index}_{suffix}", c.key_shape))
                 out.append(self._new_cache(f"value_caches_{c.index}_{suffix}", c.value_shape))
-            return out, caches.nbytes, f"{len(caches.layers)} layers sized one by one"
+                if c.scale_shape is not None:
+                    for kind in ("key", "value"):
+                        name = f"{kind}_cache_scales_{c.index}_{suffix}"
+                        out.append(self._new_cache(name, c.scale_shape, fleet.dtype))
+            quant = "" if fleet.quant is None else f", {fleet.quant.name}"
+            return out, caches.nbytes, f"{len(caches.layers)} layers sized one by one{quant}"
 
         def _allocate_pool(self, fleet: FleetKV, suffix: str) -> tuple[list, int, str]:
             from .sizing import pool_caches
 
             pool = fleet.layout.pool
             fleet.num_pages = pool.num_pages(int(self.num_gpu_blocks))
-            caches = fleet.pool = pool_caches(pool, fleet.layers, fleet.num_pages, fleet.dtype)
+            caches = fleet.pool = pool_caches(pool, fleet.layers, fleet.num_pages, fleet.dtype, fleet.quant)
             keys = [
                 self._new_cache(f"key_caches_slot{t}_{suffix}", caches.key_shape) for t in range(caches.slots)
             ]
@@ -236,6 +262,17 @@ def _make_runner_class() -> type:
                 self._new_cache(f"value_caches_slot{t}_{suffix}", caches.value_shape)
                 for t in range(caches.slots)
             ]
+            scales = None
+            if caches.scale_shape is not None:  # block_wise_fp8: [rows, G, block_size] per slot, K and V
+                scales = [
+                    [
+                        self._new_cache(
+                            f"{kind}_cache_scales_slot{t}_{suffix}", caches.scale_shape, fleet.dtype
+                        )
+                        for t in range(caches.slots)
+                    ]
+                    for kind in ("key", "value")
+                ]
             out = []
             for v in caches.layers:  # each layer's view of its slot: a reshape, then its leading channels
                 k = keys[v.slot].reshape(
@@ -246,6 +283,9 @@ def _make_runner_class() -> type:
                 )
                 out.append(k if v.key_shape[3] == caches.key_shape[3] else k[..., : v.key_shape[3]])
                 out.append(val if v.value_shape[3] == caches.value_shape[3] else val[..., : v.value_shape[3]])
+                if scales is not None:  # the scales' view [rows * G / Hkv, Hkv, block_size]: a reshape
+                    out += [scales[0][v.slot].reshape(list(v.scale_shape)),
+                            scales[1][v.slot].reshape(list(v.scale_shape))]  # fmt: skip
             what = (
                 f"one pool of {fleet.num_pages} pages ({caches.slots} slots, {len(pool.groups)} groups, "
                 f"{pool.pages_per_block} pages per FastDeploy block)"

@@ -16,6 +16,12 @@ With window recycling the caches are the ONE pool of ``kvcache/pools.py`` instea
 (pages) any group can take, each layer a view of its slot, ``layout.num_pages(num_gpu_blocks)``
 pages managed by the engine's hook as by this worker; one FastDeploy block is priced at
 :func:`pool_block_bytes` (the per-layer sum unless head dims differ between layers).
+
+Quantized caches (``quant``, FastDeploy's ``kv_cache_quant_type``): the codes are ``uint8`` in the
+same shapes and a dynamic format (``block_wise_fp8``) adds a key and a value scale tensor per layer
+``[num_blocks_l, Hkv_l, block_size]`` (per slot ``[rows, G, block_size]``) in the model dtype;
+every price and byte count includes them (FastDeploy's own ``cal_theortical_kvcache`` counts one
+byte per element and no scales).
 """
 
 from __future__ import annotations
@@ -25,46 +31,55 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...kvcache.layout import cache_shapes, dtype_bytes, layer_bytes_per_token
+from ...kvcache.layout import cache_bytes, cache_quant, cache_shapes, layer_bytes_per_token
 from ...plan.layer import LayerAttention
 
 Shape = tuple[int, int, int, int]
+ScaleShape = tuple[int, int, int]
 
 
-def block_bytes(layers: Sequence[LayerAttention], block_size: int, dtype: Any) -> int:
+def block_bytes(layers: Sequence[LayerAttention], block_size: int, dtype: Any, quant: Any = None) -> int:
     """Bytes of one block over every layer (K + V, all kv heads of this rank):
-    ``block_size * sum_l Hkv_l * (qk_head_dim_l + v_head_dim_l) * dtype_bytes``."""
-    return int(block_size) * sum(layer_bytes_per_token(layer, dtype) for layer in layers)
+    ``block_size * sum_l Hkv_l * (qk_head_dim_l + v_head_dim_l) * dtype_bytes``; quantized, one byte
+    per element plus a dynamic format's ``2 * Hkv_l`` scales per token in ``dtype``."""
+    return int(block_size) * sum(layer_bytes_per_token(layer, dtype, quant) for layer in layers)
 
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's cache: ``key_shape`` / ``value_shape`` are ``[blocks, Hkv, block_size, D]``."""
+    """One layer's cache: ``key_shape`` / ``value_shape`` are ``[blocks, Hkv, block_size, D]``;
+    ``scale_shape`` ``[blocks, Hkv, block_size]`` for each of a dynamic quantized cache's key and
+    value scales (``None`` otherwise)."""
 
     index: int
     num_blocks: int
     key_shape: Shape
     value_shape: Shape
+    scale_shape: ScaleShape | None = None
 
 
 @dataclass(frozen=True)
 class WorkerCaches:
-    """Every layer's cache shape on this rank (no recycling)."""
+    """Every layer's cache shape on this rank (no recycling). ``quant``: the
+    ``kv_cache_quant_type`` (codes ``uint8``, ``dtype`` the scales'); ``None``: ``dtype`` caches."""
 
     block_size: int
     dtype: str
     layers: tuple[LayerCache, ...]
+    quant: str | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every layer's K and V cache."""
+        """Bytes of every layer's K and V cache (codes and scales when quantized)."""
         elements = sum(math.prod(c.key_shape) + math.prod(c.value_shape) for c in self.layers)
-        return elements * dtype_bytes(self.dtype)
+        token_heads = sum(math.prod(c.key_shape[:3]) for c in self.layers)
+        return cache_bytes(elements, token_heads, self.dtype, self.quant)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
             "dtype": self.dtype,
+            "quant": self.quant,
             "nbytes": self.nbytes,
             "layers": [
                 {
@@ -79,14 +94,16 @@ class WorkerCaches:
 
 
 def worker_caches(
-    layers: Sequence[LayerAttention], block_size: int, dtype: Any, num_gpu_blocks: int
+    layers: Sequence[LayerAttention], block_size: int, dtype: Any, num_gpu_blocks: int, quant: Any = None
 ) -> WorkerCaches:
     """Each layer's own cache of ``num_gpu_blocks`` blocks (no recycling, or the profile run)."""
+    fmt = cache_quant(quant)
     out = []
     for layer in layers:
         key, value = cache_shapes(layer, int(num_gpu_blocks), int(block_size))
-        out.append(LayerCache(layer.index, int(num_gpu_blocks), key, value))
-    return WorkerCaches(int(block_size), str(dtype), tuple(out))
+        scales = key[:3] if fmt is not None and fmt.dynamic else None
+        out.append(LayerCache(layer.index, int(num_gpu_blocks), key, value, scales))
+    return WorkerCaches(int(block_size), str(dtype), tuple(out), None if fmt is None else fmt.name)
 
 
 @dataclass(frozen=True)
@@ -100,12 +117,19 @@ class LayerView:
     key_shape: Shape
     value_shape: Shape
 
+    @property
+    def scale_shape(self) -> ScaleShape:
+        """The view ``[rows * G / Hkv, Hkv, block_size]`` of its slot's scales (dynamic quant)."""
+        return self.key_shape[:3]
+
 
 @dataclass(frozen=True)
 class PoolCaches:
     """The one pool on this rank (``kvcache/pools.py``): ``slots`` key tensors ``key_shape`` and
     value tensors ``value_shape`` (``[rows, G, block_size, D]``), and each layer's view.
-    ``num_pages`` pages are managed (the engine's count), ``rows >= num_pages`` allocated."""
+    ``num_pages`` pages are managed (the engine's count), ``rows >= num_pages`` allocated.
+    Quantized (``quant``): the codes are ``uint8`` and a dynamic format adds per slot a key and a
+    value scale tensor ``scale_shape`` ``[rows, G, block_size]`` in ``dtype``."""
 
     block_size: int
     dtype: str
@@ -115,17 +139,23 @@ class PoolCaches:
     key_shape: Shape
     value_shape: Shape
     layers: tuple[LayerView, ...]
+    quant: str | None = None
+
+    @property
+    def scale_shape(self) -> ScaleShape | None:
+        fmt = cache_quant(self.quant)
+        return self.key_shape[:3] if fmt is not None and fmt.dynamic else None
 
     @property
     def nbytes(self) -> int:
-        return (
-            self.slots * (math.prod(self.key_shape) + math.prod(self.value_shape)) * dtype_bytes(self.dtype)
-        )
+        elements = self.slots * (math.prod(self.key_shape) + math.prod(self.value_shape))
+        return cache_bytes(elements, self.slots * math.prod(self.key_shape[:3]), self.dtype, self.quant)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
             "dtype": self.dtype,
+            "quant": self.quant,
             "num_pages": self.num_pages,
             "rows": self.rows,
             "slots": self.slots,
@@ -145,15 +175,19 @@ def slot_dims(layers: Sequence[LayerAttention]) -> tuple[int, int]:
     return max(la.qk_head_dim for la in layers), max(la.v_head_dim for la in layers)
 
 
-def pool_block_bytes(pool: Any, layers: Sequence[LayerAttention], dtype: Any) -> int:
+def pool_block_bytes(pool: Any, layers: Sequence[LayerAttention], dtype: Any, quant: Any = None) -> int:
     """What one FastDeploy block costs in the pool on this rank: ``pages_per_block`` pages of
-    ``slots * G * block_size * (qk + v)`` elements (the slots' dims: this rank's largest)."""
+    ``slots * G * block_size * (qk + v)`` elements (the slots' dims: this rank's largest), plus a
+    dynamic quantized cache's ``2 * slots * G * block_size`` scales per page."""
     dk, dv = slot_dims(layers)
-    page = pool.slots * pool.heads_per_page * pool.block_size * (dk + dv)
-    return pool.pages_per_block * page * dtype_bytes(dtype)
+    token_heads = pool.slots * pool.heads_per_page * pool.block_size
+    page = cache_bytes(token_heads * (dk + dv), token_heads, dtype, quant)
+    return pool.pages_per_block * page
 
 
-def pool_caches(pool: Any, layers: Sequence[LayerAttention], num_pages: int, dtype: Any) -> PoolCaches:
+def pool_caches(
+    pool: Any, layers: Sequence[LayerAttention], num_pages: int, dtype: Any, quant: Any = None
+) -> PoolCaches:
     """The slot tensors and each layer's view for ``num_pages`` pages of ``pool``
     (:class:`~...kvcache.pools.PoolLayout`); ``ValueError`` names a layer the layout does not place."""
     check_layout_matches(layers, pool)
@@ -174,8 +208,17 @@ def pool_caches(pool: Any, layers: Sequence[LayerAttention], num_pages: int, dty
                 (n, la.num_kv_heads, bs, la.v_head_dim),
             )
         )
+    fmt = cache_quant(quant)
     return PoolCaches(
-        bs, str(dtype), int(num_pages), rows, pool.slots, (rows, g, bs, dk), (rows, g, bs, dv), tuple(views)
+        bs,
+        str(dtype),
+        int(num_pages),
+        rows,
+        pool.slots,
+        (rows, g, bs, dk),
+        (rows, g, bs, dv),
+        tuple(views),
+        None if fmt is None else fmt.name,
     )
 
 

@@ -1,0 +1,144 @@
+"""Static KV cache scales from the checkpoint (``kv_cache_quant_type`` ``float8_e4m3fn`` / ``int8``).
+
+A static quantized cache is written and read at scales calibrated offline and stored in the
+checkpoint beside each attention layer, under FastDeploy's names
+``{layer prefix}.cachek_matmul.activation_scale`` and ``{layer prefix}.cachev_matmul.activation_scale``
+(``model_executor/layers/quantization/kv_cache.py``), where the layer prefix is the attention
+module's path (``decoder.layers.3.self_attn``; a leading ``model.`` is accepted as for weights).
+Each holds ``s`` per kv head ``[kv_heads]`` or per channel ``[kv_heads * head_dim]`` (``int8`` is
+always per channel). FastDeploy's ``load_scale`` casts ``s`` to the model dtype and keeps the
+dequant multiplier ``s / max_bound`` (``cache_k_out_scale``); so does :meth:`StaticKVScales.finish`,
+which also cuts a full-size tensor to this tensor-parallel rank's kv heads (``layer.kv_head_range``),
+as the kv heads themselves are cut. A layer whose tensor is missing is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+from ..kvcache.quant import KVCacheQuant
+from ..plan.layer import AttentionPlan, LayerAttention
+
+logger = logging.getLogger(__name__)
+
+K_SUFFIX = "cachek_matmul.activation_scale"
+V_SUFFIX = "cachev_matmul.activation_scale"
+#: FastDeploy's other static-cache tensors (zero points, ``in_scale`` variants): a served checkpoint
+#: may hold them; they are dropped (block_wise_fp8 computes its scales, zero-point formats are refused)
+OTHER_SUFFIXES = (
+    "cachek_matmul.activation_zero_point",
+    "cachev_matmul.activation_zero_point",
+    "cachek_matmul.in_scale",
+    "cachev_matmul.in_scale",
+)
+
+
+def is_cache_scale_name(name: str) -> bool:
+    """Whether ``name`` is one of FastDeploy's static KV cache tensors."""
+    return name.endswith((K_SUFFIX, V_SUFFIX, *OTHER_SUFFIXES))
+
+
+class StaticKVScales(Mapping):
+    """``{layer index: (key_scale, value_scale)}``: each layer's dequant multipliers (model dtype,
+    ``[Hkv_l]`` or ``[Hkv_l * D]`` on this rank) once :meth:`finish` ran.
+
+    ``prefixes``: ``{layer index: attention module path}`` (the patch report's names less
+    ``.core_attention``)."""
+
+    def __init__(self, prefixes: Mapping[int, str], quant: KVCacheQuant) -> None:
+        if quant.dynamic:
+            raise ValueError(f"kv_cache_quant_type={quant.name!r} computes its scales: no checkpoint scales")
+        self.prefixes = dict(prefixes)
+        self.quant = quant
+        self._raw: dict[str, Any] = {}
+        self._scales: dict[int, tuple[Any, Any]] = {}
+
+    # -- Mapping --------------------------------------------------------------------------------
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return self._scales[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._scales)
+
+    def __len__(self) -> int:
+        return len(self._scales)
+
+    def tensor_name(self, index: int, which: str) -> str:
+        """The checkpoint name of layer ``index``'s ``"k"`` or ``"v"`` scale."""
+        prefix = self.prefixes.get(index, f"<layer {index} prefix>")
+        return f"{prefix}.{K_SUFFIX if which == 'k' else V_SUFFIX}"
+
+    def take(self, state_dict: MutableMapping[str, Any]) -> int:
+        """Move every static cache tensor out of ``state_dict`` (the model has no parameter for it);
+        keep the scales. Returns how many were taken."""
+        names = [n for n in state_dict if is_cache_scale_name(n)]
+        for name in names:
+            value = state_dict.pop(name)
+            key = name[len("model.") :] if name.startswith("model.") else name
+            if key.endswith((K_SUFFIX, V_SUFFIX)):
+                self._raw[key] = value
+        return len(names)
+
+    def take_from(self, pairs: Any) -> int:
+        """Keep the static cache scales of ``(name, tensor)`` pairs, dropping the rest (weights that
+        PaddleFormers already loaded)."""
+        n = 0
+        for name, value in pairs:
+            if is_cache_scale_name(name):
+                n += self.take({name: value})
+        return n
+
+    def finish(self, plan: AttentionPlan, dtype: Any) -> None:
+        """Turn the taken tensors into each layer's dequant multipliers ``s / max_bound`` in
+        ``dtype`` (FastDeploy's ``load_scale``), cut to this rank's kv heads. ``ValueError`` names a
+        missing tensor or one of the wrong size."""
+        import paddle
+
+        for layer in plan:
+            pair = []
+            for which, dim in (("k", layer.qk_head_dim), ("v", layer.v_head_dim)):
+                name = self.tensor_name(layer.index, which)
+                raw = self._raw.get(name)
+                if raw is None:
+                    raise ValueError(
+                        f"kv_cache_quant_type={self.quant.name!r}: the checkpoint has no {name!r} (layer "
+                        f"{layer.index}'s static {which.upper()} cache scale); a static quantized cache "
+                        "needs calibrated scales: use kv_cache_quant_type=block_wise_fp8 for a checkpoint "
+                        "without them"
+                    )
+                t = raw if isinstance(raw, paddle.Tensor) else paddle.to_tensor(raw)
+                t = local_scale(t.cast(dtype).reshape([-1]), layer, dim, self.quant, name)
+                pair.append(t / self.quant.max_bound)  # FastDeploy's cache_k_out_scale, in the model dtype
+            self._scales[layer.index] = (pair[0], pair[1])
+        logger.info(
+            "static %s cache scales loaded for %d layers (%s)",
+            self.quant.name,
+            len(self._scales),
+            "per channel" if self.quant.channel_wise else "per kv head",
+        )
+
+
+def local_scale(t: Any, layer: LayerAttention, head_dim: int, quant: KVCacheQuant, name: str) -> Any:
+    """This rank's part of a flat scale tensor ``t``: ``[Hkv_l]`` (per kv head) or ``[Hkv_l * D]``
+    (per channel, ``quant.channel_wise``), from a tensor that is already this size or covers every
+    kv head (cut at ``layer.kv_head_range``). ``ValueError`` naming ``name`` otherwise."""
+    unit = head_dim if quant.channel_wise else 1
+    n = int(t.shape[0])
+    local = layer.num_kv_heads * unit
+    start, stop = layer.kv_head_range
+    if n == local:  # this rank's already (or one rank)
+        return t
+    if n % unit == 0 and n >= stop * unit and stop - start == layer.num_kv_heads:  # every kv head's
+        return t[start * unit : stop * unit]
+    what = (
+        f"[kv_heads * head_dim] = [{layer.num_kv_heads} * {head_dim}]" if quant.channel_wise else "[kv_heads]"
+    )
+    raise ValueError(
+        f"{name} has {n} values: kv_cache_quant_type={quant.name!r} expects {what} per rank "
+        f"({local}), or every kv head's (this rank's kv heads are {start}..{stop - 1})"
+    )
+
+
+__all__ = ["K_SUFFIX", "OTHER_SUFFIXES", "V_SUFFIX", "StaticKVScales", "is_cache_scale_name", "local_scale"]
