@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan.layer import LayerAttention
-from .base import BatchMeta
+from .base import BatchMeta, QuantizedKVCache
 
 #: dtypes q/k/v and the cache may have (the part of ``str(dtype)`` after the last dot)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -189,8 +189,11 @@ def _shape(x: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in x.shape)
 
 
-def _check_tensor(name: str, x: Any, expected: tuple[int | None, ...]) -> tuple[int, ...]:
-    """Check rank, sizes (``None`` = any) and float dtype of ``x``; return its shape."""
+def _check_tensor(
+    name: str, x: Any, expected: tuple[int | None, ...], dtypes: tuple[str, ...] | None = None
+) -> tuple[int, ...]:
+    """Check rank, sizes (``None`` = any) and dtype of ``x`` (one of ``dtypes``, default
+    :data:`FLOAT_DTYPES`); return its shape."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
     if type(x).__module__.split(".")[0] == "numpy":  # backends write and compute on the device
@@ -206,8 +209,10 @@ def _check_tensor(name: str, x: Any, expected: tuple[int | None, ...]) -> tuple[
                 f"{name}.shape[{axis}] must be {want} (expected {list(expected)}), "
                 f"got {name}.shape={list(shape)}"
             )
-    if dtype_name(x.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have a float dtype {FLOAT_DTYPES}, got {name}.dtype={x.dtype}")
+    allowed = FLOAT_DTYPES if dtypes is None else dtypes
+    if dtype_name(x.dtype) not in allowed:
+        kind = "a float dtype" if dtypes is None else "dtype"
+        raise TypeError(f"{name} must have {kind} {allowed}, got {name}.dtype={x.dtype}")
     return shape
 
 
@@ -415,15 +420,26 @@ def _check_operands(q: Any, k: Any, v: Any, layer: LayerAttention, meta: BatchMe
     bs = meta.block_size
     if isinstance(bs, bool) or not isinstance(bs, int) or bs <= 0:
         raise ValueError(f"meta.block_size must be a positive int, got {bs!r}")
-    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+    quantized = isinstance(kv_cache, QuantizedKVCache)
+    if not quantized and (not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2):
         raise TypeError(f"kv_cache must be a (key_cache, value_cache) pair, got {type(kv_cache).__name__}")
-    nb = _check_tensor("kv_cache[0] (key cache)", kv_cache[0], (None, hkv, bs, dqk))[0]
-    _check_tensor("kv_cache[1] (value cache)", kv_cache[1], (nb, hkv, bs, dv))
+    if quantized:  # uint8 codes; the scales' shapes are checked where the kernels' plan is built
+        for i in (0, 1):
+            if dtype_name(kv_cache[i].dtype) != "uint8":
+                raise TypeError(
+                    f"a QuantizedKVCache ({kv_cache.quant.name}) holds uint8 codes, got kv_cache[{i}].dtype="
+                    f"{kv_cache[i].dtype}"
+                )
+    codes = ("uint8",) if quantized else None
+    nb = _check_tensor("kv_cache[0] (key cache)", kv_cache[0], (None, hkv, bs, dqk), codes)[0]
+    _check_tensor("kv_cache[1] (value cache)", kv_cache[1], (nb, hkv, bs, dv), codes)
     if dtype_name(kv_cache[0].dtype) != dtype_name(kv_cache[1].dtype):
         raise TypeError(
             f"key and value caches must share one dtype, got {kv_cache[0].dtype} and {kv_cache[1].dtype}"
         )
-    if dtype_name(kv_cache[0].dtype) != dtype_name(q.dtype):  # no silent rounding into the cache
+    if not quantized and dtype_name(kv_cache[0].dtype) != dtype_name(
+        q.dtype
+    ):  # no silent rounding into the cache
         raise TypeError(f"kv_cache dtype must match q ({q.dtype}), got {kv_cache[0].dtype}")
     check_distinct_caches(kv_cache[0], kv_cache[1])
     check_cache_strides("kv_cache[0] (key cache)", kv_cache[0])
