@@ -539,3 +539,87 @@ def test_gpu_cuda_graph_captures_a_quantized_decode():
             q, LaunchStep(s.cu, dec, s.table, max_q_len=1, max_context_len=2100), num_splits=splits
         )
         torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------- the triton backend
+
+
+class _RecordedWrite:
+    """Stands in for the quantized cache write (``kernels/cache_write.py``'s, another change): the
+    step's codes are in the cache already (:class:`QStep`); records that the backend wrote, with what."""
+
+    static_aligned = False
+
+    def __init__(self, cache, headwise):
+        self.cache, self.headwise, self.calls = cache, headwise, []
+
+    def run_step(self, k, v, launch, stream=None):
+        self.calls.append((k, v, launch))
+
+    def launch_kept(self, *args):  # pragma: no cover - never reached: static_aligned is False
+        return False
+
+
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "int8"])
+def test_backend_attends_a_quantized_cache(fmt, monkeypatch):
+    """``TritonBackend.forward`` with a ``QuantizedKVCache``: checked (host checks on), written through
+    the write plan built from the cache whole, attended by the quantized kernels; the fused decode
+    write stays off for it."""
+    from fastdeploy_paddlefleet.backends import triton as tb
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+
+    writes = []
+
+    def fake_write_plan(cache, headwise):
+        assert isinstance(cache, QuantizedKVCache) and cache.quant.name == fmt_of(fmt).name
+        writes.append(_RecordedWrite(cache, headwise))
+        return writes[-1]
+
+    monkeypatch.setattr(tb, "_write_plan", fake_write_plan)
+    monkeypatch.setenv("FDFLEET_FUSED_DECODE_WRITE", "1")
+    layer = tk._layer(2, 4, 32, 16, kind="headwise", window=3, sliding=(1, 2), sink="learnable")
+    for reqs in ([(9, 4), (20, 1)], [(9, 1), (20, 1)]):
+        s = tk.make_step(
+            reqs, hkv=2, group=4, dqk=32, dv=16, block_size=8, headwise=True, window_left=3,
+            sliding_heads=(1, 2), release=True,
+        )  # fmt: skip
+        qs = QStep(s, fmt_of(fmt))
+        sinks = torch.randn(8, device=DEVICE)
+        cache = QuantizedKVCache(qs.kc, qs.vc, qs.ks, qs.vs, qs.fmt)
+        out = tb.TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8, as_mapping=True), cache, sinks)
+        assert writes[-1].calls and writes[-1].calls[-1][0] is s.k
+        qs.check(
+            out.view(s.q.shape[0], 8, 16), scale=layer.softmax_scale, sinks=sinks, window_left=3,
+            sliding_heads=(1, 2), sink_kind="learnable",
+        )  # fmt: skip
+
+
+def test_backend_names_a_missing_quantized_write():
+    """Until ``kernels/cache_write.py`` quantizes, a quantized cache is refused by name (not written as
+    if it held floats)."""
+    import inspect
+
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+    from fastdeploy_paddlefleet.backends.triton import TritonBackend
+    from fastdeploy_paddlefleet.kernels.cache_write import CacheWritePlan
+
+    if "kv_quant" in inspect.signature(CacheWritePlan).parameters:
+        pytest.skip("kernels/cache_write.py has the quantized write")
+    layer = tk._layer(2, 2, 16, 16)
+    s = tk.make_step([(3, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    cache = QuantizedKVCache(qs.kc, qs.vc, qs.ks, qs.vs, qs.fmt)
+    with pytest.raises(ValueError, match="no quantized write"):
+        TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8), cache)
+
+
+def test_backend_refuses_float_codes_in_a_quantized_cache():
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+    from fastdeploy_paddlefleet.backends.triton import TritonBackend
+
+    layer = tk._layer(2, 2, 16, 16)
+    s = tk.make_step([(3, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    cache = QuantizedKVCache(s.key_cache, s.value_cache, qs.ks, qs.vs, qs.fmt)
+    with pytest.raises(TypeError, match="holds uint8 codes"):
+        TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8), cache)
