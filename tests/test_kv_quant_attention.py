@@ -541,6 +541,33 @@ def test_gpu_cuda_graph_captures_a_quantized_decode():
         torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "int8"])
+def test_gpu_direct_launches_equal_tritons_path(fmt, monkeypatch):
+    """Kept kernels launched by addresses (``kernels/launch/``, the own launcher) compute bitwise what
+    Triton's own launch path computes on a quantized cache: decode (split and not), a mixed batch."""
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
+
+    kw = dict(hkv=2, group=4, dqk=128, dv=128, block_size=64, dtype=torch.bfloat16)
+    for reqs, splits in (
+        ([(700, 1), (33, 1), (2000, 1)], None),
+        ([(700, 1), (33, 1)], 4),
+        ([(90, 70), (500, 1)], None),
+    ):
+        s = tk.make_step(reqs, **kw)
+        qs = QStep(s, fmt_of(fmt))
+        mq, mc = max(n for _, n in reqs), max(c + n for c, n in reqs)
+        outs = []
+        for direct in (True, False):
+            monkeypatch.setattr(_launch, "DIRECT_LAUNCH", direct)
+            for _ in range(3):  # compiled, kept, launched by addresses
+                out = qs.attend(scale=0.09, max_q_len=mq, max_context_len=mc, num_splits=splits)
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[1]), (fmt, reqs)
+
+
 # ---------------------------------------------------------------------------- the triton backend
 
 
