@@ -64,6 +64,11 @@ DEFAULT_OUT = os.path.join(HERE, "results", "attention-h200.jsonl")
 RECORDS: list[dict] = []
 #: FlexAttention among the peers (``--no-flex``: SDPA only; Flex compiles for about a minute per mask)
 FLEX = True
+#: quantized KV cache formats timed beside each case's unquantized run (``--kv-cache-quant``): records
+#: ``impl: triton-<format>``, ``kv_cache_dtype: <format>``, ``vs_bf16`` (the unquantized run's ms over
+#: this one's); the unquantized records keep their meaning and carry ``kv_cache_dtype: <dtype>``
+KV_QUANTS: list[str] = []
+KV_QUANT_CHOICES = ("none", "block_wise_fp8", "float8_e4m3fn", "int8")
 
 
 #: the launch modules by their names since ``kernels/launch/`` (issue 30) and before (an older tree
@@ -134,6 +139,83 @@ def _cumsum(xs):
     for x in xs:
         s += x
         yield s
+
+
+def quantize_batch(batch: dict, fmt_name: str, dequant: bool) -> dict:
+    """``batch``'s caches as a quantized cache of format ``fmt_name`` (``kvcache/quant.py``): uint8 codes
+    (round to nearest e4m3, or int8 ``code + 128``) and dequant scales (per token and kv head in the
+    model dtype, or static per head / per channel in float32); with ``dequant`` also ``code * scale`` in
+    float32 (``kc`` / ``vc`` of the returned batch: what the dense check reads). Kept on ``batch``."""
+    import torch
+
+    from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant
+
+    done = batch.setdefault("_quant", {})
+    if fmt_name in done and (not dequant or "kc" in done[fmt_name]):
+        return done[fmt_name]
+    fmt = kv_cache_quant(fmt_name)
+    out = {"fmt": fmt}
+    for which in ("k", "v"):
+        x = batch[which + "c"]
+        hkv, d = x.shape[1], x.shape[3]
+        if fmt.dynamic:
+            scale = (x.abs().amax(dim=-1).float().clamp_min(1e-6) / fmt.max_bound).to(x.dtype)
+            full = scale.float()[..., None]
+        else:
+            amax = x.abs().amax(dim=(0, 2)).float()  # [Hkv, D]
+            if not fmt.channel_wise:
+                amax = amax.amax(dim=1, keepdim=True).expand(hkv, d)
+            scale2 = amax.clamp_min(1e-6) / fmt.max_bound
+            full = scale2[None, :, None, :]
+            scale = scale2.reshape(-1).contiguous() if fmt.channel_wise else scale2[:, 0].contiguous()
+        y = x.float() / full
+        if fmt.code == "fp8":
+            codes = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+            deq = codes.view(torch.float8_e4m3fn).float() * full if dequant else None
+        else:
+            codes = (y.round().clamp(-127, 127) + 128).to(torch.uint8)
+            deq = (codes.float() - 128.0) * full if dequant else None
+        out[which + "codes"], out[which + "s"] = codes, scale
+        if deq is not None:
+            out[which + "c"] = deq
+        del y
+    done[fmt_name] = out
+    return out
+
+
+def quant_kv_bytes(kv_bytes: int, batch: dict, fmt_name: str) -> int:
+    """The bytes a decode of ``kv_bytes`` (unquantized, 2-byte elements) reads from a quantized cache of
+    format ``fmt_name``: one byte per element, plus the per-token scales of a dynamic format."""
+    from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant
+
+    d = batch["kc"].shape[3] + batch["vc"].shape[3]
+    token_heads = kv_bytes // (d * 2)
+    scales = token_heads * 2 * batch["kc"].element_size() if kv_cache_quant(fmt_name).dynamic else 0
+    return kv_bytes // 2 + scales
+
+
+def emit_quant(fh, rec: dict, batch: dict, **run_kw) -> None:
+    """Time ``rec``'s case again for each of :data:`KV_QUANTS` (``run_ours`` with ``run_kw``, the caches
+    quantized) and emit a record beside it: the same case, kind and work, ``impl`` ``triton-<format>``,
+    bytes read (decode), ``vs_bf16`` (ms of the unquantized run over this one's)."""
+    for fmt_name in KV_QUANTS:
+        try:
+            ms, errs = run_ours(rec["case"], batch, kv_quant=fmt_name, **run_kw)
+        except Exception as e:  # noqa: BLE001 - keep the other formats' numbers
+            emit({"case": rec["case"], "impl": f"triton-{fmt_name}", "kind": rec.get("kind"),
+                  "kv_cache_dtype": fmt_name, "error": repr(e)[:500]}, fh)  # fmt: skip
+            continue
+        out = {"case": rec["case"], "impl": f"triton-{fmt_name}", "kind": rec.get("kind"), "ms": round(ms, 4)}
+        if "kv_bytes" in rec:
+            nbytes = quant_kv_bytes(rec["kv_bytes"], batch, fmt_name)
+            out.update(kv_bytes=nbytes, gbps=round(nbytes / (ms * 1e-3) / 1e9, 1))
+        if "flops" in rec:
+            out.update(flops=rec["flops"], tflops=round(rec["flops"] / (ms * 1e-3) / 1e12, 1))
+        if "prefill_flops" in rec:
+            out["prefill_flops"] = rec["prefill_flops"]
+        out["vs_bf16"] = round(rec["ms"] / ms, 3)
+        emit({**out, "kernel": "portable", **errs} if rec.get("kind") == "prefill" else {**out, **errs}, fh)
+    batch.pop("_quant", None)
 
 
 def visible_keys(pos: int, window: int | None) -> int:
@@ -261,7 +343,10 @@ def run_ours(
     dv=None,
     prefill_impl=None,
     new_kv=None,
+    kv_quant=None,
 ):
+    """Time (and check) our kernels on ``batch``; ``kv_quant``: a quantized cache of that format
+    (:func:`quantize_batch`; checked against the dense reference on the dequantized cache)."""
     import inspect
 
     import torch
@@ -269,6 +354,16 @@ def run_ours(
     from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention
 
     q = batch["q"]
+    caches = (batch["kc"], batch["vc"])
+    quant_kw, check_batch = {}, batch
+    if kv_quant is not None:
+        qb = quantize_batch(batch, kv_quant, dequant=bool(check))
+        caches = (qb["kcodes"], qb["vcodes"])
+        quant_kw = dict(kv_quant=qb["fmt"], key_scale=qb["ks"], value_scale=qb["vs"])
+        if prefill_impl == "hopper":
+            prefill_impl = None  # the portable prefill reads quantized caches (auto picks it)
+        if check:
+            check_batch = {**batch, "kc": qb["kc"], "vc": qb["vc"]}
     flag_kw, check_kernel_errors = {}, None
     if "errors" in inspect.signature(paged_attention).parameters:  # (--src: an older tree has no flag)
         from fastdeploy_paddlefleet.kernels.errors import check_kernel_errors, new_error_flag
@@ -283,8 +378,8 @@ def run_ours(
     def fn():
         return paged_attention(
             q,
-            batch["kc"],
-            batch["vc"],
+            caches[0],
+            caches[1],
             batch["cu"],
             batch["dec"],
             batch["table"],
@@ -302,6 +397,7 @@ def run_ours(
             decode_config=decode_config,
             prefill_impl=prefill_impl,
             **flag_kw,
+            **quant_kw,
             **({} if new_kv is None else {"new_kv": new_kv}),
         )
 
@@ -315,7 +411,7 @@ def run_ours(
         worst = (0.0, 0.0)
         for b, rows in check:
             e = check_rows(
-                batch,
+                check_batch,
                 out,
                 b,
                 rows,
@@ -328,7 +424,8 @@ def run_ours(
             worst = (max(worst[0], e[0]), max(worst[1], e[1]))
         errs = {"max_abs_err": float(f"{worst[0]:.3g}"), "rel_err": float(f"{worst[1]:.3g}")}
     t = bench_best(fn)
-    return t["ms"], {**errs, **{k: v for k, v in t.items() if k != "ms"}}
+    kv_dtype = {"kv_cache_dtype": kv_quant or str(batch["kc"].dtype).rsplit(".", 1)[-1]}
+    return t["ms"], {**errs, **{k: v for k, v in t.items() if k != "ms"}, **kv_dtype}
 
 
 # ------------------------------------------------------------------------------ peers
@@ -489,9 +586,7 @@ def decode_cases(fh, check, peers):
             h0, h1 = sliding or (0, HKV)
             keys = bsz * ((HKV - (h1 - h0)) * ctx + (h1 - h0) * visible_keys(ctx - 1, window))
         nbytes = keys * (D + D) * 2
-        ms, errs = run_ours(
-            name,
-            batch,
+        run_kw = dict(
             window=window,
             sliding=sliding,
             sink_kind=sink_kind,
@@ -499,18 +594,18 @@ def decode_cases(fh, check, peers):
             max_ctx=ctx,
             check=[(0, [0]), (bsz - 1, [0])] if check else None,
         )
-        emit(
-            {
-                "case": name,
-                "impl": "triton",
-                "kind": "decode",
-                "ms": round(ms, 4),
-                "kv_bytes": nbytes,
-                "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
-                **errs,
-            },
-            fh,
-        )
+        ms, errs = run_ours(name, batch, **run_kw)
+        rec = {
+            "case": name,
+            "impl": "triton",
+            "kind": "decode",
+            "ms": round(ms, 4),
+            "kv_bytes": nbytes,
+            "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+            **errs,
+        }
+        emit(rec, fh)
+        emit_quant(fh, rec, batch, **run_kw)
         if name == "decode-full":  # the served decode: the step's K/V written by the same launch
             try:
                 rows = [(0, [0]), (bsz - 1, [0])] if check else None
@@ -562,29 +657,27 @@ def prefill_cases(fh, check, peers, *, hq=HQ, hkv=HKV, dqk=D, dv=D, prefix="pref
         for impl, kernel in (("triton", default), ("triton-portable", "portable")):
             if impl != "triton" and kernel == default:
                 continue
-            ms, errs = run_ours(
-                name,
-                batch,
+            run_kw = dict(
                 window=window,
                 sink_kind=sink_kind,
                 max_q_len=n,
                 max_ctx=n,
                 check=[(0, rows)] if check else None,
-                prefill_impl=kernel,
             )
-            emit(
-                {
-                    "case": name,
-                    "impl": impl,
-                    "kind": "prefill",
-                    "kernel": kernel,
-                    "ms": round(ms, 4),
-                    "flops": flops,
-                    "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
-                    **errs,
-                },
-                fh,
-            )
+            ms, errs = run_ours(name, batch, prefill_impl=kernel, **run_kw)
+            rec = {
+                "case": name,
+                "impl": impl,
+                "kind": "prefill",
+                "kernel": kernel,
+                "ms": round(ms, 4),
+                "flops": flops,
+                "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
+                **errs,
+            }
+            emit(rec, fh)
+            if impl == "triton":  # quantized: the portable prefill, beside the default kernel's run
+                emit_quant(fh, rec, batch, **run_kw)
         del batch
         if peers:
             q = torch.randn(1, hq, n, dqk, device=SH["dev"], dtype=DT())
@@ -612,25 +705,21 @@ def mixed_case(fh, check):
     batch = paged_batch([ctx - 1] * nd + [0], [1] * nd + [npf], HQ, HKV, D, D, seed=3)
     nbytes = nd * HKV * ctx * 2 * D * 2
     flops = 2 * visible_pairs(0, npf, None) * 2 * D * HQ
-    ms, errs = run_ours(
-        "mixed",
-        batch,
-        max_q_len=npf,
-        max_ctx=ctx,
-        check=[(0, [0]), (nd, [0, npf // 3, npf - 1])] if check else None,
+    run_kw = dict(
+        max_q_len=npf, max_ctx=ctx, check=[(0, [0]), (nd, [0, npf // 3, npf - 1])] if check else None
     )
-    emit(
-        {
-            "case": "mixed",
-            "impl": "triton",
-            "kind": "mixed",
-            "ms": round(ms, 4),
-            "decode_kv_bytes": nbytes,
-            "prefill_flops": flops,
-            **errs,
-        },
-        fh,
-    )
+    ms, errs = run_ours("mixed", batch, **run_kw)
+    rec = {
+        "case": "mixed",
+        "impl": "triton",
+        "kind": "mixed",
+        "ms": round(ms, 4),
+        "decode_kv_bytes": nbytes,
+        "prefill_flops": flops,
+        **errs,
+    }
+    emit(rec, fh)
+    emit_quant(fh, rec, batch, **run_kw)
     del batch
     for part, (ctxs, qs) in {"decode": ([ctx - 1] * nd, [1] * nd), "prefill": ([0], [npf])}.items():
         batch = paged_batch(ctxs, qs, HQ, HKV, D, D, seed=4)
@@ -662,9 +751,20 @@ def gptoss_case(fh, check):
         ms, errs = run_ours("gptoss-prefill-swa128-sinks", batch, window=window, sink_kind="learnable",
                             max_q_len=n, max_ctx=n, check=[(0, rows)] if check else None,
                             prefill_impl=kernel)  # fmt: skip
-        emit({"case": "gptoss-prefill-swa128-sinks", "impl": impl, "kind": "prefill", "kernel": kernel,
-              "ms": round(ms, 4), "flops": flops, "tflops": round(flops / (ms * 1e-3) / 1e12, 1), **errs},
-             fh)  # fmt: skip
+        rec = {
+            "case": "gptoss-prefill-swa128-sinks",
+            "impl": impl,
+            "kind": "prefill",
+            "kernel": kernel,
+            "ms": round(ms, 4),
+            "flops": flops,
+            "tflops": round(flops / (ms * 1e-3) / 1e12, 1),
+            **errs,
+        }
+        emit(rec, fh)
+        if impl == "triton":
+            emit_quant(fh, rec, batch, window=window, sink_kind="learnable", max_q_len=n, max_ctx=n,
+                       check=[(0, rows)] if check else None)  # fmt: skip
     del batch
 
 
@@ -674,19 +774,19 @@ def mla_cases(fh, check, peers):
     h, dqk, dv, bsz, ctx = 16, 192, 128, SH["bsz"], SH["ctx"]
     batch = paged_batch([ctx - 1] * bsz, [1] * bsz, h, h, dqk, dv, seed=5)
     nbytes = bsz * h * ctx * (dqk + dv) * 2
-    ms, errs = run_ours("mla-decode", batch, max_q_len=1, max_ctx=ctx, check=[(0, [0])] if check else None)
-    emit(
-        {
-            "case": "mla-decode",
-            "impl": "triton",
-            "kind": "decode",
-            "ms": round(ms, 4),
-            "kv_bytes": nbytes,
-            "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
-            **errs,
-        },
-        fh,
-    )
+    run_kw = dict(max_q_len=1, max_ctx=ctx, check=[(0, [0])] if check else None)
+    ms, errs = run_ours("mla-decode", batch, **run_kw)
+    rec = {
+        "case": "mla-decode",
+        "impl": "triton",
+        "kind": "decode",
+        "ms": round(ms, 4),
+        "kv_bytes": nbytes,
+        "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+        **errs,
+    }
+    emit(rec, fh)
+    emit_quant(fh, rec, batch, **run_kw)
     del batch
     if peers:
         q = torch.randn(bsz, h, 1, dqk, device=SH["dev"], dtype=DT())
@@ -1100,8 +1200,13 @@ def summary(records: list[dict]) -> list[dict]:
 
 def ratios(records: list[dict]) -> list[dict]:
     """Per case: ours (``triton``) over every other implementation measured in the same run
-    (``ours / peer`` in the case's unit; > 1 means ours is faster)."""
-    rows = [r for r in records if "impl" in r and "error" not in r and r.get("kind") != "copy"]
+    (``ours / peer`` in the case's unit; > 1 means ours is faster). Quantized-cache runs carry their own
+    ``vs_bf16`` and stay out."""
+    rows = [
+        r
+        for r in records
+        if "impl" in r and "error" not in r and r.get("kind") != "copy" and "vs_bf16" not in r
+    ]
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
         group = [r for r in rows if r["case"] == case]
@@ -1214,6 +1319,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time tile / split / TMA variants instead")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter without a GPU)")
     ap.add_argument(
+        "--kv-cache-quant",
+        default="none",
+        help=f"comma list of {', '.join(KV_QUANT_CHOICES)}: also time each of our decode / prefill / mixed / "
+        "MLA / gpt-oss cases on a quantized KV cache of these formats (records impl triton-<format>, with "
+        "kv_cache_dtype and vs_bf16); default %(default)s",
+    )
+    ap.add_argument(
         "--err-scan",
         action="store_true",
         help="portable kernels find bad table entries by one scan after the key loop (not in the loop)",
@@ -1245,6 +1357,11 @@ def main(argv=None) -> int:
         help="import fastdeploy_paddlefleet from this source tree instead (A/B against an older commit)",
     )
     args = ap.parse_args(argv)
+    quants = [x.strip() for x in args.kv_cache_quant.split(",") if x.strip()]
+    bad = [x for x in quants if x not in KV_QUANT_CHOICES]
+    if bad:
+        ap.error(f"--kv-cache-quant {args.kv_cache_quant!r}: {bad} not among {', '.join(KV_QUANT_CHOICES)}")
+    KV_QUANTS[:] = [x for x in quants if x != "none"]
     then = None
     try:  # where this run writes, and what it reads: refused by name before any work (_outputs.py)
         if args.plot_only:

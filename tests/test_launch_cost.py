@@ -272,15 +272,17 @@ class _RecordingJit:
         return call
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill", "write"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "write", "decode-fp8", "prefill-int8"])
 def test_direct_launches_pass_the_addresses_of_tritons_arguments(monkeypatch, kind):
     """On the direct path every pointer argument is the address (an int) of the tensor Triton's path was
-    given, every other argument the same value: the compiled launcher sees what Triton's would."""
+    given, every other argument the same value: the compiled launcher sees what Triton's would (a
+    quantized cache's scales and their strides included)."""
     from fastdeploy_paddlefleet.kernels import cache_write as cw
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
     from fastdeploy_paddlefleet.kernels.launch import direct as _launch
 
     monkeypatch.setattr(_launch.KernelCache, "stream", lambda self: 7)
+    kind, _, quant = kind.partition("-")
     name = {"decode": "_decode_kernel", "prefill": "_prefill_kernel", "write": "_write_kv_kernel"}[kind]
     module = cw if kind == "write" else pa
     fake = _RecordingJit(getattr(module, name))
@@ -296,14 +298,22 @@ def test_direct_launches_pass_the_addresses_of_tritons_arguments(monkeypatch, ki
     if kind == "write":
         plan = cw.CacheWritePlan(s.key_cache, s.value_cache)
     else:
+        caches, qkw = (s.key_cache, s.value_cache), {}
+        if quant:  # uint8 codes; per-token scales (fp8) or per-channel ones (int8)
+            caches = tuple(torch.zeros(c.shape, dtype=torch.uint8) for c in caches)
+            if quant == "fp8":
+                scales = [torch.ones(c.shape[:3]) for c in caches]
+                qkw = dict(kv_quant="block_wise_fp8", key_scale=scales[0], value_scale=scales[1])
+            else:
+                qkw = dict(kv_quant="int8", key_scale=torch.ones(2 * 16), value_scale=torch.ones(2 * 16))
         plan = pa.AttentionPlan(
-            s.key_cache,
-            s.value_cache,
+            *caches,
             s.q,
             scale=0.25,
             sink_kind="learnable",
             sinks=sinks,
             prefill_impl="portable",
+            **qkw,
         )
     plan.kernels.direct = True  # as on a GPU without launch hooks
     for _ in range(3):

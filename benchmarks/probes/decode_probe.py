@@ -72,12 +72,12 @@ _END = """    t_end = _probe_time(tl.sum(l_i).to(tl.int32))
 _DECODE_DEF = '=["stride_tbl", "n_blk", "n_pages", "n_tok"])\ndef _decode'
 EDITS = [
     ("stamp helpers", "\n@triton.jit(do_not_specialize" + _DECODE_DEF, _GTIME + _DECODE_DEF, 1),
-    ("decode signature", "stride_knt, stride_knh, stride_vnt, stride_vnh,\n    G: tl.constexpr,",
-     "stride_knt, stride_knh, stride_vnt, stride_vnh, Trace,\n    G: tl.constexpr,", 1),
+    ("decode signature", "stride_ksp, stride_ksr, stride_vsp, stride_vsr,\n    G: tl.constexpr, BLOCK_H",
+     "stride_ksp, stride_ksr, stride_vsp, stride_vsr, Trace,\n    G: tl.constexpr, BLOCK_H", 1),
     ("program start", "    split = tl.program_id(2)\n",
      "    split = tl.program_id(2)\n    t_beg = _probe_time(b)\n", 1),
-    ("after the key loop", "    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]\n"
-     "    dv_ok = offs_dv[None, :] < DV\n    if NUM_SPLITS == 1:", None, 1),
+    ("after the key loop", "    out = _apply_v_scale(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], VS, kvh, "
+     "offs_dv, DV, SCALE_MODE)\n    dv_ok = offs_dv[None, :] < DV\n    if NUM_SPLITS == 1:", None, 1),
 ]  # fmt: skip
 
 

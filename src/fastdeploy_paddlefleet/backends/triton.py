@@ -42,6 +42,11 @@ where the step is synchronised anyway:
 * ``PaddleFleetForCausalLM`` (under FastDeploy) reads ``backend.error_flags()`` one step late, through
   an asynchronous host copy (``backends/deferred_errors.py``): no sync in the serving loop.
 
+Quantized caches (a :class:`~.base.QuantizedKVCache` for ``kv_cache``: uint8 codes plus dequant
+scales, ``kvcache/quant.py``): the write goes through ``kernels/cache_write.py`` with the cache whole
+(:func:`_write_plan`), never fused into the decode; the attention kernels read the codes and scales
+(the portable prefill; ``FDFLEET_PREFILL_KERNEL=hopper`` is refused by name).
+
 Create the flag before capturing a CUDA graph (``backend.error_flag(tensor_on_device)``, or any eager
 call such as the warm-up run): a flag first allocated inside a capture would be cleared by every
 replay.
@@ -57,7 +62,7 @@ from ..kernels import _framework as fw
 from ..kernels._framework import is_torch
 from ..kernels.launch.direct import LaunchStep, tensor_version
 from ..plan.layer import LayerAttention
-from .base import AttentionBackend, BatchMeta
+from .base import AttentionBackend, BatchMeta, QuantizedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +160,7 @@ class _LayerPlan:
         "kv_cache",
         "layer",
         "ptrs",
+        "scale_ptrs",
         "sinks",
         "sinks_version",
         "write",
@@ -166,17 +172,40 @@ class _LayerPlan:
         self.kernels = attend.kernels
         self.direct = attend.kernels.direct
         self.ptrs = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+        self.scale_ptrs = _scale_ptrs(kv_cache)
         self.sinks_version = tensor_version(sinks)
 
-    def current(self, kc: Any, vc: Any, sinks: Any) -> bool:
-        """Whether the plan still serves caches ``kc`` / ``vc`` and ``sinks``: the same memory, the same
-        sinks tensor, not written in place since."""
+    def current(self, kc: Any, vc: Any, sinks: Any, kv_cache: Any = None) -> bool:
+        """Whether the plan still serves caches ``kc`` / ``vc`` (of ``kv_cache``: a quantized cache's
+        scales too) and ``sinks``: the same memory, the same sinks tensor, not written in place since."""
         return (
             sinks is self.sinks
             and (sinks is None or tensor_version(sinks) == self.sinks_version)
             and kc.data_ptr() == self.ptrs[0]
             and vc.data_ptr() == self.ptrs[1]
+            and (self.scale_ptrs is None or _scale_ptrs(kv_cache) == self.scale_ptrs)
         )
+
+
+def _scale_ptrs(kv_cache: Any) -> tuple[int, int] | None:
+    """The scales' addresses of a :class:`~.base.QuantizedKVCache` (``None`` for a plain pair)."""
+    if type(kv_cache) is not QuantizedKVCache:
+        return None
+    return (kv_cache.key_scale.data_ptr(), kv_cache.value_scale.data_ptr())
+
+
+def _write_plan(cache: Any, headwise: bool) -> Any:
+    """The cache-write plan of one layer's ``cache`` (the kernels' framework), taken whole: a
+    ``(key, value)`` pair, or a :class:`~.base.QuantizedKVCache` (codes, scales, format), whose write
+    quantizes by FastDeploy's rule (``kernels/cache_write.py``, ``kernels/kv_quant.py``)."""
+    from ..kernels.cache_write import CacheWritePlan
+
+    if type(cache) is not QuantizedKVCache:
+        return CacheWritePlan(cache[0], cache[1], headwise=headwise)
+    return CacheWritePlan(
+        cache.key, cache.value, headwise=headwise, quant=cache.quant, key_scale=cache.key_scale,
+        value_scale=cache.value_scale,
+    )  # fmt: skip
 
 
 class _StepState:
@@ -426,9 +455,9 @@ class TritonBackend(AttentionBackend):
         if lt is None:
             lt = step.layer(meta, layer.index)
         launch, headwise = lt
-        kc, vc = kv_cache
+        kc, vc = kv_cache[0], kv_cache[1]
         plan = self._plans.get((id(layer), id(kc), id(vc), headwise, q.dtype))
-        if plan is None or not plan.current(kc, vc, sinks):  # caches moved, other sinks, written in place
+        if plan is None or not plan.current(kc, vc, sinks, kv_cache):  # moved, other sinks, written in place
             plan = self._new_plan(q, layer, kv_cache, sinks, headwise, torch_views)
         stream = plan.kernels.stream() if plan.direct else None
         if launch.max_q_len == 1 and plan.attend.fuse_write:  # decode only: the write inside the decode
@@ -470,13 +499,13 @@ class TritonBackend(AttentionBackend):
             lt = step.layer(meta, layer.index)
         launch, headwise = lt
         tdt = self._paddle_dtypes[q.dtype] if paddle else q.dtype
-        kc, vc = kv_cache
+        kc, vc = kv_cache[0], kv_cache[1]
         plan = self._plans.get((id(layer), id(kc), id(vc), headwise, tdt))
         if (  # as _run: no plan yet, or a stale one; and what a direct launch needs of the step and caches
             plan is None
             or not plan.direct
             or not launch.direct_ok
-            or not plan.current(kc, vc, sinks)
+            or not plan.current(kc, vc, sinks, kv_cache)
             or not (q.is_cuda and k.is_cuda and v.is_cuda)
         ):
             return None
@@ -530,16 +559,19 @@ class TritonBackend(AttentionBackend):
     def _new_plan(self, q, layer, kv_cache, sinks, headwise, torch_views) -> _LayerPlan:
         """Check the layer against the backend and the caches, and derive its launch plans (once per
         layer and cache)."""
-        from ..kernels.cache_write import CacheWritePlan
         from ..kernels.paged_attention import AttentionPlan
 
         self.check_layer(layer)
-        kc, vc = kv_cache
-        tkc, tvc = (_to_torch(kc), _to_torch(vc)) if torch_views else (kc, vc)
+        quant = kv_cache.quant if type(kv_cache) is QuantizedKVCache else None
+        # the cache in the kernels' framework (torch views of paddle tensors), taken whole by the write
+        cache = tuple(_to_torch(x) if torch_views else x for x in kv_cache[: 4 if quant else 2])
+        if quant is not None:
+            cache = QuantizedKVCache(*cache, quant)
+        tkc, tvc = cache[0], cache[1]
         dtype = str(q.dtype).rsplit(".", 1)[-1]
         if dtype not in _DTYPES:
             raise TypeError(f"the triton backend runs {_DTYPES}, got q.dtype={q.dtype}")
-        if tkc.dtype != q.dtype or tvc.dtype != q.dtype:
+        if quant is None and (tkc.dtype != q.dtype or tvc.dtype != q.dtype):
             raise TypeError(f"kv_cache dtype must match q ({q.dtype}), got {tkc.dtype} / {tvc.dtype}")
         if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -554,13 +586,14 @@ class TritonBackend(AttentionBackend):
             tkc, tvc, q, scale=layer.softmax_scale, headwise=headwise,
             window_left=layer.window_left if slides else None,
             sliding_heads=layer.sliding_kv_heads if slides else None, sink_kind=layer.sink, sinks=tsinks,
-            logits_soft_cap=layer.logits_soft_cap,
+            logits_soft_cap=layer.logits_soft_cap, kv_quant=quant,
+            key_scale=cache[2] if quant else None, value_scale=cache[3] if quant else None,
         )  # fmt: skip
-        write = CacheWritePlan(tkc, tvc, headwise=headwise)
+        write = _write_plan(cache, headwise)
         plan = _LayerPlan(layer, kv_cache, sinks, write, attend)
         if len(self._plans) >= _MAX_PLANS:  # caches replaced many times: drop the oldest plans
             self._plans.pop(next(iter(self._plans)))
-        self._plans[(id(layer), id(kc), id(vc), headwise, q.dtype)] = plan
+        self._plans[(id(layer), id(kv_cache[0]), id(kv_cache[1]), headwise, q.dtype)] = plan
         return plan
 
     def _validate(self, q, k, v, layer, meta, kv_cache, sinks) -> tuple | None:

@@ -27,6 +27,42 @@ def _dot(a, b, acc):
 
 
 @triton.jit
+def _codes(x, dtype, KV_CODE: tl.constexpr):
+    """Cache codes ``x`` (uint8) as ``dtype`` values, exactly: ``KV_CODE`` 1 reads e4m3fn bits, 2 an int8
+    code stored as ``code + 128``; 0 (an unquantized cache) returns ``x`` as it is."""
+    if KV_CODE == 1:
+        y = x.to(tl.float8e4nv, bitcast=True).to(dtype)
+    elif KV_CODE == 2:
+        y = (x.to(tl.int16) - 128).to(dtype)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _fold_k_scale(q, KS, kvh, offs_dk, DQK: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """``q [M, BLOCK_DQK]`` times a static K scale (``SCALE_MODE`` 2: ``KS [Hkv]``, 3: ``KS [Hkv * Dqk]``),
+    rounded back to q's dtype: the scores then read the codes as they are. Other modes: ``q``."""
+    if SCALE_MODE == 2:
+        q = (q.to(tl.float32) * tl.load(KS + kvh).to(tl.float32)).to(q.dtype)
+    elif SCALE_MODE == 3:
+        ks = tl.load(KS + kvh * DQK + offs_dk, mask=offs_dk < DQK, other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) * ks[None, :]).to(q.dtype)
+    return q
+
+
+@triton.jit
+def _apply_v_scale(out, VS, kvh, offs_dv, DV: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """The normalised output ``out [M, BLOCK_DV]`` (fp32) times a static V scale (``SCALE_MODE`` 2: per
+    head, 3: per channel); per-token V scales (1) were applied to P's columns in ``_tile``."""
+    if SCALE_MODE == 2:
+        out = out * tl.load(VS + kvh).to(tl.float32)
+    elif SCALE_MODE == 3:
+        out = out * tl.load(VS + kvh * DV + offs_dv, mask=offs_dv < DV, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
 def _pages(
     tbl_row, blk, n_blk, kvh, Err, n_pages, req, need,
     HKV: tl.constexpr, HEADWISE: tl.constexpr, PAGE_H: tl.constexpr = 0,
@@ -86,6 +122,8 @@ def _tile(
     BLOCK_N: tl.constexpr, BS: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
     USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0, ROWS_ALIKE: tl.constexpr = False,
+    KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
 ):  # fmt: skip
     """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
     in one page) or one page per key; ``ok`` marks keys whose page exists.
@@ -100,7 +138,14 @@ def _tile(
 
     ``EXP_BF16``: exponentials as packed bf16 (``ex2.approx.ftz.bf16x2``, half the special-function
     issue of fp32 ``ex2``; P feeds the bf16 P @ V dot anyway). ``PROFILE`` (timing ablations only,
-    wrong results): 1 drops the softmax (P = S), 2 drops the P @ V dot."""
+    wrong results): 1 drops the softmax (P = S), 2 drops the P @ V dot.
+
+    Quantized caches (``KV_CODE`` 1: e4m3fn, 2: int8 + 128): the codes convert exactly to q's dtype for
+    the dots; per-token scales (``SCALE_MODE`` 1: ``KS`` / ``VS`` ``[pages, block_size]`` at strides
+    ``stride_ksp`` / ``stride_ksr``) multiply the scores' columns (K) and P's columns (V), in fp32. A
+    key's scale is loaded like its codes (zero where not loaded); in prefill's masked tiles a
+    non-finite V scale counts as a non-finite V entry (zeroed for the dot, NaN where seen), a
+    non-finite K scale scores NaN, which only reaches scores the mask replaces (or a row that sees it)."""
     keys = s + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -108,8 +153,8 @@ def _tile(
         ok = ok & (keys >= lo_key) & (keys < kv_len)
     if USE_TMA:  # an absent page (-1) reads page 0 instead, and everything read from it is masked
         row = (tl.maximum(page, 0) * BS + s % BS).to(tl.int32)
-        k = k_desc.load([row, 0])
-        v = v_desc.load([row, 0])
+        k = _codes(k_desc.load([row, 0]), q.dtype, KV_CODE)
+        v = _codes(v_desc.load([row, 0]), q.dtype, KV_CODE)
         if MASK:  # stale slots may hold NaN and 0 * NaN = NaN in the P @ V dot
             v = tl.where(ok[:, None], v, 0.0)
     else:
@@ -125,9 +170,19 @@ def _tile(
             k_mask = k_mask & (offs_dk[None, :] < DQK)
         if BLOCK_DV != DV:
             v_mask = v_mask & (offs_dv[None, :] < DV)
-        k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
-        v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
+        if KV_CODE == 0:
+            k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
+            v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
+        else:  # codes: what is not loaded reads as the code of 0
+            zero_code = 128 if KV_CODE == 2 else 0
+            k = _codes(tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=zero_code), q.dtype, KV_CODE)
+            v = _codes(tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=zero_code), q.dtype, KV_CODE)
+    if SCALE_MODE == 1:  # per-token scales, loaded like the keys' codes (page: a scalar or per key)
+        ks = tl.load(KS + page * stride_ksp + slot * stride_ksr, mask=ok, other=0.0).to(tl.float32)
+        vs = tl.load(VS + page * stride_vsp + slot * stride_vsr, mask=ok, other=0.0).to(tl.float32)
     qk = _dot(q, tl.trans(k), None)
+    if SCALE_MODE == 1:  # a non-finite K scale scores NaN (an infinite one times q.k could read -inf)
+        qk = qk * tl.where(tl.abs(ks) < float("inf"), ks, float("nan"))[None, :]
     if SOFTCAP != 0.0:  # soft-capping: qk_scale is scale / cap, SOFTCAP is cap * log2(e)
         qk = _tanh(qk * qk_scale) * (SOFTCAP / qk_scale)  # the scaling below makes it SOFTCAP * tanh
     if PROFILE == 1:
@@ -142,6 +197,10 @@ def _tile(
             finite = tl.abs(v) < float("inf")  # False for NaN too
             v = tl.where(finite, v, 0.0)
             key_bad = tl.max(tl.where(finite, 0, 1), 1)
+            if SCALE_MODE == 1:  # a non-finite V scale: as a non-finite V entry
+                vs_ok = tl.abs(vs) < float("inf")
+                vs = tl.where(vs_ok, vs, 0.0)
+                key_bad = tl.where(vs_ok, key_bad, 1)
             qk = tl.where(key_bad[None, :] == 0, qk * qk_scale, float("nan"))
             qk = tl.where(vis, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -166,7 +225,10 @@ def _tile(
     l_i = l_i * alpha + p_sum
     acc = acc * alpha[:, None]
     if PROFILE != 2:
-        acc = _dot(p.to(v.dtype), v, acc)
+        if SCALE_MODE == 1:  # V's per-token scales on P's columns (fp32), then P @ codes
+            acc = _dot((p.to(tl.float32) * vs[None, :]).to(v.dtype), v, acc)
+        else:
+            acc = _dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
@@ -181,6 +243,8 @@ def _attend(
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, KERNEL: tl.constexpr = 0,
     ROWS_ALIKE: tl.constexpr = False,
+    KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions (all the
     same with ``ROWS_ALIKE``: a decode query's group heads, see ``_tile``).
@@ -214,7 +278,8 @@ def _attend(
                     acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, pos, lo_key,
                     kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                     BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
-                    SOFTCAP, ROWS_ALIKE,
+                    SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+                    KV_CODE, SCALE_MODE,
                 )  # fmt: skip
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
@@ -230,7 +295,8 @@ def _attend(
                 acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                 BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
-                SOFTCAP, ROWS_ALIKE,
+                SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+                KV_CODE, SCALE_MODE,
             )  # fmt: skip
     return acc, l_i, m_i, bad
 
@@ -274,13 +340,17 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
     num_reqs, min_q_len, qk_scale, window, win_h0, win_h1,
+    KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
     G: tl.constexpr, GP: tl.constexpr, HKV: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
     HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
 ):  # fmt: skip
+    """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
+    quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid = tl.program_id(0)
     kvh = pid % HKV
@@ -317,6 +387,7 @@ def _prefill_kernel(
     q_rows = (q0 + tok).to(tl.int64) * stride_qt + head * stride_qh
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
     q = tl.load(Q + q_rows[:, None] + offs_dk[None, :], mask=q_mask, other=0.0)
+    q = _fold_k_scale(q, KS, kvh, offs_dk, DQK, SCALE_MODE)
 
     w = _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW)
     p_first = ctx + tok0
@@ -335,21 +406,24 @@ def _prefill_kernel(
         a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         ul, uh, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL,
+        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
     )  # fmt: skip
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:
@@ -358,7 +432,7 @@ def _prefill_kernel(
             )
     elif HAS_ERR:  # one scan of the table entries of the keys these rows see
         _scan_table(Err, tbl_row, n_blk, n_pages, b, kvh, lo_key, p_last + 1, BS, HEADWISE, KERNEL_PREFILL)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = _apply_v_scale(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], VS, kvh, offs_dv, DV, SCALE_MODE)
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
         O + o_rows[:, None] + offs_dv[None, :],
@@ -420,17 +494,20 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
     qk_scale, window, win_h0, win_h1, Kn, Vn, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
     G: tl.constexpr, BLOCK_H: tl.constexpr, HKV: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
-    FUSE_WRITE: tl.constexpr = False,
+    FUSE_WRITE: tl.constexpr = False, KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
 ):  # fmt: skip
     """One (request, kv head, split) of a decode step. ``FUSE_WRITE``: the step's own K/V (row ``q0``
     of ``Kn [T, Hkv, Dqk]`` / ``Vn [T, Hkv, Dv]``) are not in the cache yet: the split holding the
     query's position writes them there (as ``_write_kv_kernel`` would) and attends them from
-    registers, every other key comes from the cache (no program reads the slot being written)."""
+    registers, every other key comes from the cache (no program reads the slot being written).
+    ``KV_CODE`` / ``SCALE_MODE``: a quantized cache, as in ``_prefill_kernel`` (never with
+    ``FUSE_WRITE``: the plan refuses it)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -460,7 +537,7 @@ def _decode_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     q_rows = q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
-    q = tl.load(Q + q_rows, mask=q_mask, other=0.0)
+    q = _fold_k_scale(tl.load(Q + q_rows, mask=q_mask, other=0.0), KS, kvh, offs_dk, DQK, SCALE_MODE)
     posv = tl.full([BLOCK_H], 0, tl.int32) + pos
     if NUM_SPLITS == 1:
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
@@ -482,6 +559,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -489,6 +567,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -496,6 +575,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
     )  # fmt: skip
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:
@@ -506,7 +586,7 @@ def _decode_kernel(
         _scan_table(
             Err, tbl_row, n_blk, n_pages, b, kvh, tl.maximum(start, lo_key), stop, BS, HEADWISE, KERNEL_DECODE
         )
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = _apply_v_scale(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], VS, kvh, offs_dv, DV, SCALE_MODE)
     dv_ok = offs_dv[None, :] < DV
     if NUM_SPLITS == 1:
         o_ptr = O + q0.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]

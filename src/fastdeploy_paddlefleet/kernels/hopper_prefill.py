@@ -163,16 +163,28 @@ def choose_prefill_impl(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    kv_quant: object = None,
 ) -> str:
     """``"hopper"`` or ``"portable"``: ``impl`` if given, else ``FDFLEET_PREFILL_KERNEL``; ``auto`` picks
     the Hopper kernel when :func:`supported` and no portable ``prefill_config`` was asked for.
-    ``hopper`` on inputs it cannot run raises ``ValueError`` with the reason."""
+    ``hopper`` on inputs it cannot run raises ``ValueError`` with the reason. ``kv_quant``: the cache's
+    quantized format (``kvcache/quant.py``), which only the portable prefill reads: ``auto`` picks it,
+    ``hopper`` raises ``ValueError`` naming the setting."""
     from .. import envs
 
     choice = impl if impl is not None else envs.prefill_kernel()
     if choice not in envs.PREFILL_KERNELS:
         raise ValueError(f"prefill_impl must be one of {envs.PREFILL_KERNELS}, got {choice!r}")
     if choice == "portable" or (choice == "auto" and prefill_config is not None):
+        return "portable"
+    if kv_quant is not None:
+        if choice == "hopper":
+            setting = "prefill_impl='hopper'" if impl is not None else "FDFLEET_PREFILL_KERNEL=hopper"
+            name = getattr(kv_quant, "name", kv_quant)
+            raise ValueError(
+                f"{setting}: the hopper prefill kernel does not read a quantized KV cache "
+                f"(kv_cache_quant_type={name!r}); use FDFLEET_PREFILL_KERNEL=auto or portable"
+            )
         return "portable"
     why = supported(q, key_cache, value_cache)
     if why is None:

@@ -21,6 +21,14 @@ Cache layout (FastDeploy): ``key_cache [num_blocks, Hkv, block_size, Dqk]``, ``v
 [num_blocks, Hkv, block_size, Dv]``. Page ``p`` is slice ``p`` of the cache viewed as
 ``[num_blocks * Hkv, block_size, D]``; a block table entry ``blk`` gives page ``blk * Hkv + h``, a
 head-wise table gives the page directly. ``-1`` entries are never dereferenced.
+
+Quantized caches (``kv_quant``, ``kvcache/quant.py``): ``uint8`` codes in the same layout (e4m3fn bits,
+or int8 codes stored as ``code + 128``) with dequant scales ``x ~= code * scale``: per token and kv head
+``[num_blocks, Hkv, block_size]`` (``block_wise_fp8``, beside the codes), per kv head ``[Hkv]`` or per
+channel ``[Hkv * D]`` (static). The kernels convert codes exactly to q's dtype for the tensor-core dots
+(fp32 accumulation) and apply the scales where they cost least: per-token K scales on the scores'
+columns, per-token V scales on P's columns, static K scales folded into q, static V scales on the
+output. The Hopper prefill does not read them: ``auto`` picks the portable prefill.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import envs
+from ..kvcache.quant import KVCacheQuant, kv_cache_quant
 from ._framework import empty, is_torch, num_sms, to_float32, torch
 from .attention_kernels import _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl
@@ -51,6 +60,10 @@ from .split_kv_reduce import reduce_kept, split_kv_reduce
 
 LOG2E = 1.4426950408889634
 SINK_MODES = {"vanilla": 0, "learnable": 1, "off-by-one": 2}
+#: the kernels' ``KV_CODE`` per :attr:`KVCacheQuant.code` (0: an unquantized cache)
+KV_CODES = {"fp8": 1, "int8": 2}
+#: the kernels' ``SCALE_MODE``: 0 none, 1 per token and kv head, 2 per kv head, 3 per channel
+SCALE_TOKEN, SCALE_HEAD, SCALE_CHANNEL = 1, 2, 3
 #: how the portable kernels find the first bad table entry: True, the key loop carries the smallest bad
 #: block and the kernel records it after the loop; False, one scan of the visible table range after the
 #: loop. Measured on the H200 against the unchecked kernels (benchmarks/NOTES.md): the loop costs the
@@ -176,6 +189,80 @@ def _check_cache(name: str, cache: torch.Tensor, hkv: int, d: int) -> int:
     return s0 // s1
 
 
+_SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _check_quant(
+    quant: KVCacheQuant | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
+    q: torch.Tensor,
+    page_h: int,
+) -> tuple[int, torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
+    """Check a cache's codes and scales against its format ``quant`` (``None``: unquantized, the caches
+    in a float dtype); return the kernels' ``SCALE_MODE``, the K and V scale arguments (the key cache
+    where there are none: any pointer; static scales flat) and the per-token scales' strides
+    ``(K page, K slot, V page, V slot)`` (zeros for static scales).
+
+    Dynamic scales are ``[num_blocks, Hkv, block_size]`` with the caches' heads per block
+    (``stride(0) == page_h * stride(1)``: a view of the leading heads of a wider tensor is read in
+    place); static ones ``[Hkv]`` (per head) or ``[Hkv * D]`` (per channel, ``D`` the cache's own dim),
+    contiguous. ``TypeError`` / ``ValueError`` name the bad tensor."""
+    code_dtypes = [str(c.dtype).rsplit(".", 1)[-1] for c in (key_cache, value_cache)]
+    if quant is None:
+        if "uint8" in code_dtypes or key_scale is not None or value_scale is not None:
+            given = "given" if key_scale is not None or value_scale is not None else "none"
+            raise ValueError(
+                f"key_cache / value_cache are {code_dtypes[0]} / {code_dtypes[1]} with scales {given}: a "
+                "quantized cache needs kv_quant (its format) and both scales; an unquantized one neither"
+            )
+        return 0, key_cache, key_cache, (0, 0, 0, 0)
+    if code_dtypes != ["uint8", "uint8"]:
+        raise TypeError(
+            f"kv_quant={quant.name!r} needs uint8 key_cache / value_cache (one code per element), got "
+            f"{key_cache.dtype} / {value_cache.dtype}"
+        )
+    if key_scale is None or value_scale is None:
+        raise ValueError(f"kv_quant={quant.name!r} needs key_scale and value_scale (dequant multipliers)")
+    hkv, bs = key_cache.shape[1], key_cache.shape[2]
+    out = []
+    for name, sc, cache in (("key_scale", key_scale, key_cache), ("value_scale", value_scale, value_cache)):
+        dt = str(sc.dtype).rsplit(".", 1)[-1]
+        if dt not in _SCALE_DTYPES:
+            raise TypeError(f"{name} must be one of {_SCALE_DTYPES}, got {sc.dtype}")
+        if getattr(sc, "device", None) != getattr(q, "device", None):
+            raise ValueError(f"{name} is on {sc.device} but q is on {q.device}: one device for all")
+        d = cache.shape[3]
+        if quant.dynamic:
+            st = sc.stride()
+            if (
+                sc.dim() != 3
+                or tuple(sc.shape) != (cache.shape[0], hkv, bs)
+                or st[1] <= 0
+                or st[0] != page_h * st[1]
+                or st[2] * (bs - 1) >= st[1]
+            ):
+                raise ValueError(
+                    f"{name} of kv_quant={quant.name!r} must be [{cache.shape[0]}, {hkv}, {bs}] (per token "
+                    f"and kv head) with the caches' {page_h} heads per block, got shape {list(sc.shape)} "
+                    f"strides {st}"
+                )
+            out.append((sc, st[1], st[2]))
+        else:
+            want = hkv * d if quant.channel_wise else hkv
+            if sc.numel() != want or not sc.is_contiguous():
+                raise ValueError(
+                    f"{name} of kv_quant={quant.name!r} must hold {want} contiguous values "
+                    f"([{hkv}{' * ' + str(d) if quant.channel_wise else ''}]), got shape {list(sc.shape)}"
+                )
+            out.append((sc.reshape(-1), 0, 0))
+    mode = SCALE_TOKEN if quant.dynamic else (SCALE_CHANNEL if quant.channel_wise else SCALE_HEAD)
+    (ks, ksp, ksr), (vs, vsp, vsr) = out
+    return mode, ks, vs, (ksp, ksr, vsp, vsr)
+
+
 def paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -200,6 +287,9 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     errors: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_quant: KVCacheQuant | str | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the paged cache (which already holds this step's K/V, unless
     ``new_kv`` is given).
@@ -228,7 +318,11 @@ def paged_attention(
       decode launch writes them there itself (what :func:`~.cache_write.write_kv_cache` would write,
       bad table entries recorded as the cache write's) and attends them from registers: one launch
       instead of two. Only for steps where every request decodes one token (``max_q_len=1``;
-      ``ValueError`` otherwise).
+      ``ValueError`` otherwise), and not for a quantized cache.
+    * ``kv_quant``: the caches hold ``uint8`` codes of this format (a :class:`KVCacheQuant` or its
+      FastDeploy name, e.g. ``"block_wise_fp8"``), with dequant multipliers ``key_scale`` /
+      ``value_scale``: ``[num_blocks, Hkv, block_size]`` (dynamic formats), ``[Hkv]`` or ``[Hkv * D]``
+      (static). ``None``: the caches hold q's dtype.
 
     Returns ``out [T, Hq, Dv]`` in q's dtype. Requests with one query token go through the decode
     kernel (split-KV when the batch is too small to fill the GPU), longer ones through the prefill
@@ -264,6 +358,8 @@ def paged_attention(
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
         HopperPlan,
+        None if kv_quant is None or key_scale is None or value_scale is None
+        else (kv_quant, caches_key(key_scale, value_scale)),
     )  # fmt: skip
     try:
         plan, slot = _PLANS.take(key)
@@ -274,9 +370,10 @@ def paged_attention(
             key_cache, value_cache, q, scale=scale, headwise=headwise, window_left=window_left,
             sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks, prefill_config=prefill_config,
             decode_config=decode_config, prefill_impl=prefill_impl, logits_soft_cap=logits_soft_cap,
+            kv_quant=kv_quant, key_scale=key_scale, value_scale=value_scale,
         )  # fmt: skip
     else:
-        plan.bind(key_cache, value_cache)
+        plan.bind(key_cache, value_cache, key_scale, value_scale)
     try:
         t = qsh[0]
         if out is not None:
@@ -354,6 +451,9 @@ class AttentionPlan:
         prefill_impl: str | None = None,
         logits_soft_cap: float | None = None,
         cached: bool = True,
+        kv_quant: KVCacheQuant | str | None = None,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
     ) -> None:
         q = q_like
         if q.dim() != 3:
@@ -368,6 +468,8 @@ class AttentionPlan:
             )
         if hkv <= 0 or hq % hkv:
             raise ValueError(f"q heads {hq} must be a multiple of the cache's kv heads {hkv}")
+        quant = kv_cache_quant(kv_quant) if not isinstance(kv_quant, KVCacheQuant) else kv_quant
+        scales = _check_quant(quant, key_cache, value_cache, key_scale, value_scale, q, page_h)
         for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
             # named here: Triton's own message ("cpu tensor?") names neither the tensor nor the devices
             if getattr(c, "device", None) != getattr(q, "device", None):
@@ -412,12 +514,17 @@ class AttentionPlan:
         self.consts = dict(
             HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
             BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h, SOFTCAP=softcap,
+            KV_CODE=KV_CODES[quant.code] if quant is not None else 0, SCALE_MODE=scales[0],
         )  # fmt: skip
+        self.kv_quant = quant
+        #: the scales as the kernels take them (the key cache where unused: any pointer), their strides
+        self.key_scale, self.value_scale = scales[1], scales[2]
+        self.scale_strides = scales[3]
         elem = q.element_size()
         self.prefill = "portable"
         self.hopper = None
         self._hopper_args = None
-        if choose_prefill_impl(prefill_impl, prefill_config, q, key_cache, value_cache) == "hopper":
+        if choose_prefill_impl(prefill_impl, prefill_config, q, key_cache, value_cache, quant) == "hopper":
             self.prefill = "hopper"
             # built on the first prefill (its TMA descriptors cost ~20 us: a decode-only plan skips them)
             self._hopper_args = dict(
@@ -428,15 +535,17 @@ class AttentionPlan:
         self.prefill_cfg = cfg
         self.gp = _next_pow2(g)
         self.block_q = max(1, cfg.block_m // self.gp)
-        self.prefill_desc = (
-            _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv) if cfg.use_tma else None
+        self.prefill_desc = (  # a quantized cache loads through pointers
+            _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv)
+            if cfg.use_tma and quant is None
+            else None
         )
         self.exp_bf16 = cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda
         self.all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
         self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
         self.decode_desc = (
             _tma_descriptors(key_cache, value_cache, self.decode_cfg.block_n, dqk, dv)
-            if self.decode_cfg.use_tma
+            if self.decode_cfg.use_tma and quant is None
             else None
         )
         self.sms = _num_sms(q.device)
@@ -447,7 +556,7 @@ class AttentionPlan:
         self._splits: dict = {}  # (requests, max_context_len, table width) -> split count
         self.torch_out = is_torch(q)  # outputs by q.new_empty, else _framework.empty
         #: a server's decode-only steps write their K/V in the decode launch (``FDFLEET_FUSED_DECODE_WRITE``)
-        self.fuse_write = envs.fused_decode_write()
+        self.fuse_write = envs.fused_decode_write() and quant is None
         self.hqdv = hq * dv
         #: the kernels' trailing scalars, and their TMA descriptor arguments (None: no TMA)
         self.scalars = (self.qk_scale, self.window, self.win_h0, self.win_h1)
@@ -462,14 +571,29 @@ class AttentionPlan:
             value_cache.data_ptr(),
             sinks.data_ptr() if sinks is not None else 0,
         )
-        self.static_aligned = not ((self.ptrs[0] | self.ptrs[1] | self.ptrs[2]) & 15)
+        #: the scales' addresses (the key cache's where unused)
+        self.scale_ptrs = (self.key_scale.data_ptr(), self.value_scale.data_ptr())
+        self.static_aligned = not (
+            (self.ptrs[0] | self.ptrs[1] | self.ptrs[2] | self.scale_ptrs[0] | self.scale_ptrs[1]) & 15
+        )
         self.out_strides = (hq * dv, dv)  # of an output the plan allocates ([T, Hq, Dv] or [T, Hq * Dv])
 
-    def bind(self, key_cache: torch.Tensor | None, value_cache: torch.Tensor | None) -> None:
-        """Point the plan at ``key_cache`` / ``value_cache``: tensors equal to the ones it was built for
-        in :func:`~.launch.direct.tensor_key` (same memory, same layout), or ``None`` to hold none between
-        calls (a memoised one-shot plan)."""
+    def bind(
+        self,
+        key_cache: torch.Tensor | None,
+        value_cache: torch.Tensor | None,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Point the plan at ``key_cache`` / ``value_cache`` (and a quantized cache's ``key_scale`` /
+        ``value_scale``): tensors equal to the ones it was built for in :func:`~.launch.direct.tensor_key`
+        (same memory, same layout), or ``None`` to hold none between calls (a memoised one-shot plan)."""
         self.key_cache, self.value_cache = key_cache, value_cache
+        if self.kv_quant is None:  # the unused scale arguments are the key cache
+            key_scale = value_scale = key_cache
+        elif self.consts["SCALE_MODE"] != SCALE_TOKEN and key_scale is not None:  # static: flat views
+            key_scale, value_scale = key_scale.reshape(-1), value_scale.reshape(-1)
+        self.key_scale, self.value_scale = key_scale, value_scale
         hop = self.hopper
         if hop is not None:  # its TMA descriptors read the caches' addresses at each launch
             try:
@@ -546,6 +670,11 @@ class AttentionPlan:
         """``(k, v, k strides, v strides)`` of a fused write's ``new_kv``, checked: a decode-only step,
         ``k [>= T, Hkv, Dqk]`` / ``v [>= T, Hkv, Dv]`` with contiguous last dims, in the caches' dtype
         or one the kernel converts (float)."""
+        if self.kv_quant is not None:
+            raise ValueError(
+                f"new_kv (the cache write fused into the decode) is not available for a quantized cache "
+                f"(kv_quant={self.kv_quant.name!r}): write it first (kernels/cache_write.py), then attend"
+            )
         if step.max_q_len != 1:
             raise ValueError(
                 f"new_kv (the cache write fused into the decode) needs a step where every request decodes "
@@ -712,6 +841,8 @@ class AttentionPlan:
                 if red is None:
                     return False
         kp, vp, sp = self.ptrs
+        ksp, vsp = self.scale_ptrs
+        g0, g1, g2, g3 = self.scale_strides
         if self.sink_mode != 1:
             sp = qp  # unused: any pointer
         p0, p1, p2, p3 = ptrs
@@ -727,7 +858,8 @@ class AttentionPlan:
                 ((t // self.block_q + num_reqs) * self.hkv,),
                 (
                     qp, kp, vp, op, d0, d1, sp, p0, p1, p2, p3, qs[0], qs[1], ost[0], ost[1], c0, c1, c2, c3,
-                    stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3,
+                    stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3, ksp, vsp, g0, g1, g2,
+                    g3,
                 ),
                 stream,
             )  # fmt: skip
@@ -752,7 +884,7 @@ class AttentionPlan:
             (
                 qp, kp, vp, op, d0, d1, pmo, pml, sp, p0, p1, p2, p3, qs[0], qs[1], ost[0], ost[1],
                 c0, c1, c2, c3, stride_tbl, n_blk, self.n_pages, t, s0, s1, s2, s3,
-                knp, vnp, ks0, ks1, vs0, vs1,
+                knp, vnp, ks0, ks1, vs0, vs1, ksp, vsp, g0, g1, g2, g3,
             ),
             stream,
         )  # fmt: skip
@@ -832,6 +964,9 @@ class AttentionPlan:
                 num_reqs,
                 2,
                 *self.scalars,
+                self.key_scale,
+                self.value_scale,
+                *self.scale_strides,
             )
             grid = ((t // self.block_q + num_reqs) * self.hkv,)
             if hit is not None and not cache.addresses:
@@ -857,6 +992,7 @@ class AttentionPlan:
         fused = (new[0], new[1], new[2][0], new[2][1], new[3][0], new[3][1]) if new else (pq, pq, 0, 0, 0, 0)
         args = (
             pq, pk, pv, po, *self.ddescs, pmo, pml, ps, pcu, pdec, ptbl, perr, *sizes, *self.scalars, *fused,
+            self.key_scale, self.value_scale, *self.scale_strides,
         )  # fmt: skip
         grid = (num_reqs, self.hkv, splits)
         if hit is not None and not cache.addresses:

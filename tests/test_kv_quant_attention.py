@@ -1,0 +1,652 @@
+"""The portable kernels read quantized KV caches (issue 31): uint8 codes plus dequant scales.
+
+Each case builds a packed step the way ``test_triton_kernels.py`` does (NaN-filled float caches,
+shuffled blocks, released pages), writes this step's K/V, then quantizes the *whole* cache with a
+plain torch quantizer (round-to-nearest e4m3 through ``torch.float8_e4m3fn``, or int8 ``code + 128``):
+NaN slots become NaN codes (and NaN per-token scales), so a read of an unwritten slot or a released
+page shows. The reference is the dense attention (``kernels/dense_reference.py``) over each request's
+*dequantized* history (``code * scale``), in float64 on CPU; the kernels run under the interpreter on
+CPU (fp32 / fp16 q) and compiled on a GPU (``gpu`` cases: bf16, realistic shapes, CUDA graphs).
+
+Masked keys contribute exactly nothing, with scales too: a NaN / max code or a NaN / Inf / huge scale
+planted where a query may not see leaves that row's output bit-identical to a run with zeros there;
+a row that sees it is non-finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import test_masked_keys as mk  # noqa: E402
+import test_triton_kernels as tk  # noqa: E402  (sets TRITON_INTERPRET before the kernels exist)
+
+from fastdeploy_paddlefleet.kernels.cache_write import write_kv_cache  # noqa: E402
+from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention, gather_request_kv  # noqa: E402
+from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
+from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant  # noqa: E402
+
+#: the first variant of each parametrized GPU test stays in ``-m gpu`` (conftest.py)
+GPU_LONG_VARIANTS = True
+CUDA = tk.CUDA
+DEVICE = tk.DEVICE
+gpu = tk.gpu
+#: (FastDeploy format name, static fp8 per channel) -> what the cases run
+FORMATS = {
+    "block_wise_fp8": ("block_wise_fp8", None),
+    "fp8_per_head": ("float8_e4m3fn", False),
+    "fp8_per_channel": ("float8_e4m3fn", True),
+    "int8": ("int8", None),
+}
+#: max |out - dense on the dequantized cache| allowed per q dtype (the brief's 1e-3 for fp32; fp16's
+#: own rounding of q, P and the output; bf16 on the GPU: plus 1 % of the reference)
+ATOL = {torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 4e-3}
+RTOL = {torch.float32: 0.0, torch.float16: 0.0, torch.bfloat16: 1e-2}
+
+
+def fmt_of(name: str):
+    base, channel = FORMATS[name]
+    return kv_cache_quant(base, channel_wise=channel)
+
+
+def _fp8_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest e4m3fn codes (uint8 bits) of ``x`` (already divided by its scale); NaN stays NaN."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def page_heads(s: tk.Step) -> torch.Tensor:
+    """``[NB * Hkv]`` the logical kv head whose values each page holds: its head slot, except for pages
+    a head-wise table maps to another head (a static scale belongs to the logical head)."""
+    nb, hkv = s.key_cache.shape[0], s.key_cache.shape[1]
+    heads = torch.arange(nb * hkv) % hkv
+    if s.headwise:
+        table = s.table.cpu().long()
+        rows = torch.arange(table.shape[0])[:, None].expand_as(table) % hkv
+        used = table >= 0
+        heads[table[used]] = rows[used]
+    return heads
+
+
+def quantize_cache(
+    cache: torch.Tensor, fmt, scale_dtype: torch.dtype, heads: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache [NB, Hkv, BS, D]`` (float, NaN in unwritten slots) -> (uint8 codes, dequant scales):
+    per token and kv head ``[NB, Hkv, BS]`` in ``scale_dtype`` (dynamic), per kv head ``[Hkv]`` or per
+    channel ``[Hkv * D]`` float32 (static, from the finite values of each logical head's pages:
+    ``heads`` from :func:`page_heads`)."""
+    x = cache.float().cpu()
+    nb, hkv, bs, d = x.shape
+    if fmt.dynamic:
+        amax = x.abs().amax(dim=-1)  # NaN where the slot is NaN
+        scale = (amax.clamp_min(1e-6) / fmt.max_bound).to(scale_dtype)
+        codes = _fp8_codes(x / scale.float()[..., None])
+        return codes.to(cache.device), scale.to(cache.device)
+    pages = torch.nan_to_num(x, nan=0.0).reshape(nb * hkv, bs, d).abs().amax(dim=1)  # [P, D]
+    amax = torch.zeros(hkv, d).index_reduce_(0, heads, pages, "amax")  # [Hkv, D]
+    if not fmt.channel_wise:
+        amax = amax.amax(dim=1, keepdim=True).expand(hkv, d)
+    scale = (amax.clamp_min(1e-6) / fmt.max_bound).float()  # [Hkv, D]
+    y = x.reshape(nb * hkv, bs, d) / scale[heads][:, None, :]
+    if fmt.code == "fp8":
+        codes = _fp8_codes(y)
+    else:  # int8: code + 128 (NaN slots: an arbitrary code, never read)
+        codes = (torch.nan_to_num(y, nan=77.0).round().clamp(-127, 127) + 128).to(torch.uint8)
+    out_scale = scale.reshape(-1) if fmt.channel_wise else scale[:, 0].contiguous()
+    return codes.view(nb, hkv, bs, d).to(cache.device), out_scale.to(cache.device)
+
+
+def dequantize_cache(codes: torch.Tensor, scale: torch.Tensor, fmt, heads: torch.Tensor) -> torch.Tensor:
+    """``code * scale`` as float64 ``[NB, Hkv, BS, D]`` (static scales by each page's logical head)."""
+    c = codes.cpu()
+    if fmt.code == "fp8":
+        x = c.view(torch.float8_e4m3fn).double()
+    else:
+        x = c.double() - 128.0
+    s = scale.cpu().double()
+    nb, hkv, bs, d = c.shape
+    if fmt.dynamic:
+        return x * s[..., None]
+    per = s.view(hkv, d) if fmt.channel_wise else s.view(hkv, 1).expand(hkv, d)
+    return (x.reshape(nb * hkv, bs, d) * per[heads][:, None, :]).view(nb, hkv, bs, d)
+
+
+class QStep:
+    """A step of ``tk.make_step`` with its caches quantized: ``kc`` / ``vc`` codes, ``ks`` / ``vs``
+    scales, ``deq_k`` / ``deq_v`` the dequantized caches (float64, CPU)."""
+
+    def __init__(self, s: tk.Step, fmt, *, write: bool = True) -> None:
+        if write:
+            write_kv_cache(
+                s.k, s.v, s.key_cache, s.value_cache, s.bid, s.cu, s.dec, s.table, headwise=s.headwise
+            )
+        sdt = s.q.dtype  # dynamic scales in the model dtype
+        self.s, self.fmt, self.heads = s, fmt, page_heads(s)
+        self.kc, self.ks = quantize_cache(s.key_cache, fmt, sdt, self.heads)
+        self.vc, self.vs = quantize_cache(s.value_cache, fmt, sdt, self.heads)
+        self.deq_k = dequantize_cache(self.kc, self.ks, fmt, self.heads)
+        self.deq_v = dequantize_cache(self.vc, self.vs, fmt, self.heads)
+
+    def history(self, b: int, which: str, cache: torch.Tensor | None = None) -> torch.Tensor:
+        """Request ``b``'s dequantized K or V history ``[L, Hkv, D]`` (float64, CPU)."""
+        s = self.s
+        ctx, n = s.reqs[b]
+        hkv = s.key_cache.shape[1]
+        c = cache if cache is not None else (self.deq_k if which == "k" else self.deq_v)
+        rows = s.table[b * hkv : (b + 1) * hkv] if s.headwise else s.table[b]
+        return gather_request_kv(c, rows.cpu(), ctx + n, headwise=s.headwise)
+
+    def attend(self, *, kc=None, vc=None, ks=None, vs=None, **kw) -> torch.Tensor:
+        s = self.s
+        return paged_attention(
+            s.q, self.kc if kc is None else kc, self.vc if vc is None else vc, s.cu, s.dec, s.table,
+            headwise=s.headwise, kv_quant=self.fmt, key_scale=self.ks if ks is None else ks,
+            value_scale=self.vs if vs is None else vs, **kw,
+        )  # fmt: skip
+
+    def check(self, out: torch.Tensor, *, scale: float, sinks=None, **kw) -> float:
+        """Max abs error of ``out [T, Hq, Dv]`` against the dense attention on the dequantized caches;
+        asserts it is within :data:`ATOL` / :data:`RTOL` and that the output is finite."""
+        s = self.s
+        worst = 0.0
+        for b, (_, n) in enumerate(s.reqs):
+            if n == 0:
+                continue
+            lo, hi = int(s.cu[b]), int(s.cu[b + 1])
+            want = dense_attention(
+                s.q[lo:hi].cpu(), self.history(b, "k"), self.history(b, "v"), scale=scale,
+                sinks=None if sinks is None else sinks.cpu(), compute_dtype=torch.float64, **kw,
+            )  # fmt: skip
+            got = out[lo:hi].cpu().double()
+            assert torch.isfinite(got).all(), f"request {b}: non-finite output (read an unwritten slot?)"
+            err = (got - want).abs()
+            bound = ATOL[s.q.dtype] + RTOL[s.q.dtype] * want.abs()
+            assert (err <= bound).all(), f"request {b}: max abs error {float(err.max()):.2e}"
+            worst = max(worst, float(err.max()))
+        return worst
+
+
+def run_quant(
+    reqs, fmt_name: str, *, hkv=2, group=2, dqk=16, dv=16, block_size=8, dtype=torch.float32,
+    headwise=False, window_left=None, sliding_heads=None, release=False, sink_kind="vanilla",
+    logits_soft_cap=None, seed=0, **kw,
+) -> float:  # fmt: skip
+    """Build, quantize, attend, compare; returns the max abs error."""
+    s = tk.make_step(
+        reqs, hkv=hkv, group=group, dqk=dqk, dv=dv, block_size=block_size, dtype=dtype, headwise=headwise,
+        window_left=window_left, sliding_heads=sliding_heads, release=release, seed=seed,
+    )  # fmt: skip
+    qs = QStep(s, fmt_of(fmt_name))
+    scale = 1.0 / math.sqrt(dqk)
+    sinks = None
+    if sink_kind == "learnable":
+        sinks = torch.linspace(-1.0, 2.0, s.q.shape[1]).to(s.q.device)
+    out = qs.attend(
+        scale=scale, window_left=window_left, sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks,
+        logits_soft_cap=logits_soft_cap, **kw,
+    )  # fmt: skip
+    return qs.check(
+        out, scale=scale, sinks=sinks, window_left=window_left, sliding_heads=sliding_heads,
+        sink_kind=sink_kind, logits_soft_cap=logits_soft_cap,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- interpreter / any GPU
+
+MIXED = [(9, 4), (20, 1), (0, 5), (3, 1)]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_mixed_batch_every_format(fmt):
+    """Prefill chunks with and without context and decode tokens in one batch, GQA."""
+    run_quant(MIXED, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "int8"])
+def test_split_kv_decode(fmt):
+    run_quant([(70, 1), (41, 1)], fmt, num_splits=4)
+
+
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "fp8_per_channel"])
+def test_sliding_window_with_released_pages(fmt):
+    """Released pages are -1 and hold NaN codes (and NaN scales): never read."""
+    run_quant([(30, 6), (27, 1), (40, 1)], fmt, window_left=5, release=True)
+    run_quant([(45, 1), (38, 1)], fmt, window_left=9, release=True, num_splits=2)
+
+
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "int8"])
+def test_headwise_lanes(fmt):
+    """Head-wise page tables, kv heads 1..2 slide (their old pages released), the others full."""
+    run_quant(
+        [(20, 5), (31, 1)], fmt, hkv=3, group=2, headwise=True, window_left=4, sliding_heads=(1, 3),
+        release=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("sink_kind", ["learnable", "off-by-one"])
+def test_sinks(sink_kind):
+    run_quant(MIXED, "block_wise_fp8", sink_kind=sink_kind)
+    run_quant([(50, 1), (7, 1)], "fp8_per_head", sink_kind=sink_kind, num_splits=2)
+
+
+def test_soft_cap():
+    run_quant(MIXED, "block_wise_fp8", logits_soft_cap=3.0)
+    run_quant(MIXED, "int8", logits_soft_cap=2.0, window_left=6)
+
+
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "fp8_per_channel", "int8"])
+def test_qk_dim_differs_from_v_dim(fmt):
+    run_quant([(9, 6), (12, 1)], fmt, dqk=48, dv=16)
+
+
+def test_mla_dims():
+    """MLA's 192 / 128 (one kv head per query head)."""
+    run_quant([(5, 3), (9, 1)], "block_wise_fp8", hkv=2, group=1, dqk=192, dv=128, block_size=16)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_head_dims(d):
+    run_quant([(6, 2), (10, 1)], "block_wise_fp8", hkv=1, group=2, dqk=d, dv=d, block_size=16)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_block_sizes_around_the_key_tile(block_size):
+    """Key tiles inside one page and tiles gathering one page per key."""
+    run_quant([(40, 3), (70, 1)], "block_wise_fp8", block_size=block_size)
+
+
+def test_fp16_inputs():
+    run_quant(MIXED, "block_wise_fp8", dtype=torch.float16)
+    run_quant(MIXED, "int8", dtype=torch.float16, num_splits=2)
+
+
+def test_dynamic_scales_may_be_a_view_of_wider_heads():
+    """A layer reading the leading kv heads of a wider cache (strided views): codes and per-token
+    scales share the heads per block."""
+    s = tk.make_step([(9, 4), (20, 1)], hkv=4, group=1, dqk=16, dv=16, block_size=8)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    hkv = 2
+    q = s.q[:, : hkv * 1].contiguous()
+    out = paged_attention(
+        q, qs.kc[:, :hkv], qs.vc[:, :hkv], s.cu, s.dec, s.table, scale=0.25, kv_quant="block_wise_fp8",
+        key_scale=qs.ks[:, :hkv], value_scale=qs.vs[:, :hkv],
+    )  # fmt: skip
+    full = qs.attend(scale=0.25)
+    torch.testing.assert_close(out, full[:, :hkv], atol=1e-6, rtol=1e-6)
+
+
+def test_hopper_prefill_is_refused_by_name_and_auto_routes_to_portable(monkeypatch):
+    s = tk.make_step([(3, 4)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    with pytest.raises(ValueError, match="prefill_impl='hopper'.*quantized"):
+        qs.attend(scale=0.25, prefill_impl="hopper")
+    monkeypatch.setenv("FDFLEET_PREFILL_KERNEL", "hopper")
+    with pytest.raises(ValueError, match="FDFLEET_PREFILL_KERNEL=hopper"):
+        qs.attend(scale=0.25)
+    monkeypatch.setenv("FDFLEET_PREFILL_KERNEL", "auto")
+    from fastdeploy_paddlefleet.kernels.paged_attention import AttentionPlan
+
+    plan = AttentionPlan(
+        qs.kc, qs.vc, s.q, scale=0.25, kv_quant=qs.fmt, key_scale=qs.ks, value_scale=qs.vs
+    )  # fmt: skip
+    assert plan.prefill == "portable"
+
+
+def test_bad_quantized_arguments_raise():
+    s = tk.make_step([(3, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    args = (s.q, qs.kc, qs.vc, s.cu, s.dec, s.table)
+    with pytest.raises(ValueError, match="needs kv_quant"):
+        paged_attention(*args, scale=0.25)
+    with pytest.raises(TypeError, match="needs uint8"):
+        paged_attention(
+            s.q, s.key_cache, s.value_cache, s.cu, s.dec, s.table, scale=0.25, kv_quant="block_wise_fp8",
+            key_scale=qs.ks, value_scale=qs.vs,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs key_scale and value_scale"):
+        paged_attention(*args, scale=0.25, kv_quant="block_wise_fp8")
+    with pytest.raises(ValueError, match=r"key_scale of kv_quant='block_wise_fp8' must be"):
+        paged_attention(
+            *args, scale=0.25, kv_quant="block_wise_fp8", key_scale=qs.ks[:, :, :4], value_scale=qs.vs
+        )
+    with pytest.raises(ValueError, match=r"value_scale of kv_quant='int8' must hold 32"):
+        paged_attention(
+            *args, scale=0.25, kv_quant="int8", key_scale=torch.ones(32), value_scale=torch.ones(2)
+        )
+    with pytest.raises(TypeError, match="key_scale must be one of"):
+        paged_attention(
+            *args, scale=0.25, kv_quant="int8", key_scale=torch.ones(32, dtype=torch.int32),
+            value_scale=torch.ones(32),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="zero-point"):
+        paged_attention(*args, scale=0.25, kv_quant="int8_zp", key_scale=qs.ks, value_scale=qs.vs)
+    with pytest.raises(ValueError, match="not available for a quantized cache"):
+        paged_attention(
+            *args, scale=0.25, kv_quant="block_wise_fp8", key_scale=qs.ks, value_scale=qs.vs,
+            new_kv=(s.k, s.v), max_q_len=1,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- masked keys, with scales
+
+NAN_CODE = 0x7F  # e4m3fn NaN (the interpreter reads it as 480: still not what a zero slot holds)
+MAX_CODE = 0x7E  # 448
+
+
+def check_masked_quant(
+    reqs, plants, what: str, bad, fmt_name: str = "block_wise_fp8", *, hkv=2, group=2, dqk=16, dv=16,
+    block_size=8, headwise=False, window_left=None, sliding_heads=None, sink_kind="vanilla", **kw,
+) -> None:  # fmt: skip
+    """Plant ``bad`` at ``plants`` in ``what`` (``k`` / ``v`` codes, ``ks`` / ``vs`` per-token scales),
+    run with it and with zeros there (code 0 and scale 0), and check the contract: rows blind to every
+    plant are bit-identical, the zero run matches the dense reference (the zeros in its history), a
+    row that sees a NaN code or a non-finite scale is non-finite."""
+    s = tk.make_step(
+        reqs, hkv=hkv, group=group, dqk=dqk, dv=dv, block_size=block_size, headwise=headwise,
+        window_left=window_left, sliding_heads=sliding_heads,
+    )  # fmt: skip
+    mk._extend_tables(s, plants, hkv, block_size)
+    qs = QStep(s, fmt_of(fmt_name))
+    slots = []
+    for p in plants:
+        for h in range(hkv) if p.h is None else (p.h,):
+            slots.append((mk._page(s, p.b, h, p.pos, hkv, block_size), p.pos % block_size))
+    scale = 1.0 / math.sqrt(dqk)
+    sinks = torch.linspace(-1.0, 1.0, s.q.shape[1]).to(s.q.device) if sink_kind == "learnable" else None
+    outs = {}
+    for run in ("bad", "zero"):
+        t = {"k": qs.kc.clone(), "v": qs.vc.clone(), "ks": qs.ks.clone(), "vs": qs.vs.clone()}
+        pages = {n: t[n].view(-1, block_size, t[n].shape[-1]) for n in ("k", "v")}
+        pages.update({n: t[n].view(-1, block_size) for n in ("ks", "vs")})
+        for page, slot in slots:
+            for n in ("k", "v", "ks", "vs"):
+                if run == "zero":  # a zero slot: code 0 and scale 0
+                    pages[n][page, slot] = 0
+            if run == "bad":
+                pages[what][page, slot] = bad
+        outs[run] = qs.attend(
+            kc=t["k"], vc=t["v"], ks=t["ks"], vs=t["vs"], scale=scale, window_left=window_left,
+            sliding_heads=sliding_heads, sink_kind=sink_kind, sinks=sinks, **kw,
+        ).cpu()  # fmt: skip
+        if run == "zero":
+            zeroed = t
+    bad_out, zero_out = outs["bad"], outs["zero"]
+    sees = mk._sees(s, plants, group, window_left, sliding_heads)
+    blind = ~sees
+    assert blind.any(), "the case plants nothing any row is blind to"
+    assert torch.equal(bad_out[blind], zero_out[blind]), (
+        "a masked planted key changed a row that cannot see it"
+    )
+    non_finite = what in ("ks", "vs") and not math.isfinite(bad)
+    nan_code = what in ("k", "v") and bad == NAN_CODE and CUDA  # the interpreter reads it as 480
+    if sees.any() and (non_finite or nan_code):
+        assert (~torch.isfinite(bad_out[sees])).any(dim=-1).all(), "a seen non-finite value was hidden"
+    deq_k = dequantize_cache(zeroed["k"], zeroed["ks"], qs.fmt, qs.heads)
+    deq_v = dequantize_cache(zeroed["v"], zeroed["vs"], qs.fmt, qs.heads)
+    for b in range(len(s.reqs)):
+        lo, hi = int(s.cu[b]), int(s.cu[b + 1])
+        want = dense_attention(
+            s.q[lo:hi].cpu(), qs.history(b, "k", deq_k), qs.history(b, "v", deq_v), scale=scale,
+            window_left=window_left, sliding_heads=sliding_heads, sink_kind=sink_kind,
+            sinks=None if sinks is None else sinks.cpu(), logits_soft_cap=kw.get("logits_soft_cap"),
+        )  # fmt: skip
+        err = float((zero_out[lo:hi].double() - want).abs().max())
+        assert err <= ATOL[s.q.dtype] + RTOL[s.q.dtype] * float(want.abs().max()), f"request {b}: {err:.2e}"
+
+
+BAD_SCALES = [float("nan"), float("inf"), float("-inf"), 1.0e30]
+WHATS = [("k", NAN_CODE), ("v", NAN_CODE), ("k", MAX_CODE), ("v", MAX_CODE)] + [
+    (w, x) for w in ("ks", "vs") for x in BAD_SCALES
+]
+
+
+@pytest.mark.parametrize("what,bad", WHATS)
+def test_masked_causal_future_and_past_the_context(what, bad):
+    """This chunk's later tokens (prefill's causal diagonal), slots past the keys in the last page and
+    in a page not yet written (prefill and decode)."""
+    reqs = [(0, 20), (6, 11), (13, 1)]
+    plants = [mk.Plant(0, 9), mk.Plant(1, 6 + 4), mk.Plant(1, 19), mk.Plant(2, 14), mk.Plant(2, 21)]
+    check_masked_quant(reqs, plants, what, bad)
+
+
+@pytest.mark.parametrize("what,bad", [("v", NAN_CODE), ("vs", float("nan")), ("ks", float("inf"))])
+def test_masked_outside_the_window_split_kv(what, bad):
+    reqs = [(30, 12), (60, 1), (25, 1)]
+    plants = [mk.Plant(0, 3), mk.Plant(0, 30 - 5), mk.Plant(1, 60 - 11), mk.Plant(1, 2), mk.Plant(2, 25 - 7)]
+    check_masked_quant(reqs, plants, what, bad, window_left=6, sink_kind="learnable", num_splits=3)
+
+
+@pytest.mark.parametrize("what,bad", [("vs", float("nan")), ("v", NAN_CODE)])
+def test_masked_headwise_windows(what, bad):
+    reqs = [(20, 9), (30, 1)]
+    plants = [
+        mk.Plant(0, 20 - 6, h=3),
+        mk.Plant(0, 24, h=1),
+        mk.Plant(1, 30 - 6, h=2),
+        mk.Plant(1, 30 - 6, h=0),
+    ]
+    check_masked_quant(
+        reqs, plants, what, bad, hkv=4, group=2, headwise=True, window_left=4, sliding_heads=(2, 4),
+        sink_kind="off-by-one",
+    )  # fmt: skip
+
+
+def test_masked_static_formats_codes():
+    """Static formats: only codes live in the cache (a max / NaN code planted)."""
+    reqs = [(0, 20), (13, 1)]
+    plants = [mk.Plant(0, 9), mk.Plant(1, 14), mk.Plant(1, 20)]
+    for fmt in ("fp8_per_channel", "int8"):
+        for what in ("k", "v"):
+            check_masked_static(reqs, plants, what, fmt)
+
+
+def check_masked_static(reqs, plants, what, fmt_name, block_size=8, hkv=2, group=2):
+    """:func:`check_masked_quant` for a static format: a max code planted, zeros as the zero code."""
+    s = tk.make_step(reqs, hkv=hkv, group=group, dqk=16, dv=16, block_size=block_size)
+    mk._extend_tables(s, plants, hkv, block_size)
+    qs = QStep(s, fmt_of(fmt_name))
+    zero_code = 128 if qs.fmt.code == "int8" else 0
+    outs = {}
+    for fill in (0xFF if qs.fmt.code == "int8" else MAX_CODE, zero_code):
+        t = {"k": qs.kc.clone(), "v": qs.vc.clone()}
+        pages = {n: t[n].view(-1, block_size, 16) for n in ("k", "v")}
+        for p in plants:
+            for h in range(hkv):
+                page = mk._page(s, p.b, h, p.pos, hkv, block_size)
+                pages["k"][page, p.pos % block_size] = zero_code
+                pages["v"][page, p.pos % block_size] = zero_code
+                pages[what][page, p.pos % block_size] = fill
+        outs[fill] = qs.attend(kc=t["k"], vc=t["v"], scale=0.25).cpu()
+    sees = mk._sees(s, plants, group, None, None)
+    a, b = outs.values()
+    assert torch.equal(a[~sees], b[~sees])
+
+
+# ---------------------------------------------------------------------------- GPU: bf16, real shapes
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "fp8_per_channel", "int8"])
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (256, 256), (192, 128)])
+def test_gpu_decode_and_mixed_bf16(fmt, dims):
+    """bf16 q, realistic contexts: decode (split and not), a mixed batch, a sliding window."""
+    dqk, dv = dims
+    group = 1 if dims == (192, 128) else 4
+    kw = dict(hkv=2, group=group, dqk=dqk, dv=dv, block_size=64, dtype=torch.bfloat16)
+    decode = [(1000, 1), (37, 1), (513, 1), (4000, 1)]
+    run_quant(decode, fmt, **kw)
+    run_quant(decode, fmt, num_splits=8, **kw)
+    run_quant([(100, 300), (0, 257), (700, 1), (64, 130)], fmt, **kw)
+    run_quant(
+        [(100, 300), (700, 1), (900, 1)], fmt, window_left=90, release=True, sink_kind="learnable", **kw
+    )
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_headwise_and_soft_cap_bf16():
+    kw = dict(hkv=4, group=2, dqk=128, dv=128, block_size=64, dtype=torch.bfloat16)
+    reqs = [(300, 40), (1200, 1), (70, 1)]
+    run_quant(
+        reqs, "block_wise_fp8", headwise=True, window_left=127, sliding_heads=(2, 4), release=True, **kw
+    )
+    run_quant(reqs, "block_wise_fp8", logits_soft_cap=30.0, sink_kind="off-by-one", **kw)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_masked_nan_codes_and_scales():
+    """On the GPU the code 0x7F is a real NaN."""
+    reqs = [(0, 100), (60, 40), (300, 1)]
+    plants = [mk.Plant(0, 50), mk.Plant(1, 90), mk.Plant(1, 120), mk.Plant(2, 301), mk.Plant(2, 20)]
+    for what, bad in (("k", NAN_CODE), ("v", NAN_CODE), ("ks", float("nan")), ("vs", float("inf"))):
+        check_masked_quant(reqs, plants, what, bad, block_size=16, window_left=200, dqk=64, dv=64)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cuda_graph_captures_a_quantized_decode():
+    """A quantized decode (split-KV and not) captured in a CUDA graph replays on new contents: new q,
+    new codes and scales in place, longer contexts (same shapes), as an eager run computes."""
+    from fastdeploy_paddlefleet.kernels.launch.direct import LaunchStep
+    from fastdeploy_paddlefleet.kernels.paged_attention import AttentionPlan
+
+    reqs = [(700, 1), (33, 1), (2000, 1), (129, 1)]
+    s = tk.make_step(reqs, hkv=2, group=4, dqk=128, dv=128, block_size=64, dtype=torch.bfloat16)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    plan = AttentionPlan(
+        qs.kc, qs.vc, s.q, scale=0.088, kv_quant=qs.fmt, key_scale=qs.ks, value_scale=qs.vs
+    )  # fmt: skip
+    for splits in (1, 4):
+        q, dec = s.q.clone(), s.dec.clone()
+        step = LaunchStep(s.cu, dec, s.table, max_q_len=1, max_context_len=2100)
+        out = torch.empty(q.shape[0], q.shape[1], 128, dtype=q.dtype, device=q.device)
+        plan.run_step(q, step, out=out, num_splits=splits)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan.run_step(q, step, out=out, num_splits=splits)
+        q.copy_(torch.randn_like(q))
+        dec.copy_(s.dec - 5)
+        qs.ks.mul_(1.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = plan.run_step(
+            q, LaunchStep(s.cu, dec, s.table, max_q_len=1, max_context_len=2100), num_splits=splits
+        )
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "int8"])
+def test_gpu_direct_launches_equal_tritons_path(fmt, monkeypatch):
+    """Kept kernels launched by addresses (``kernels/launch/``, the own launcher) compute bitwise what
+    Triton's own launch path computes on a quantized cache: decode (split and not), a mixed batch."""
+    from fastdeploy_paddlefleet.kernels.launch import direct as _launch
+
+    kw = dict(hkv=2, group=4, dqk=128, dv=128, block_size=64, dtype=torch.bfloat16)
+    for reqs, splits in (
+        ([(700, 1), (33, 1), (2000, 1)], None),
+        ([(700, 1), (33, 1)], 4),
+        ([(90, 70), (500, 1)], None),
+    ):
+        s = tk.make_step(reqs, **kw)
+        qs = QStep(s, fmt_of(fmt))
+        mq, mc = max(n for _, n in reqs), max(c + n for c, n in reqs)
+        outs = []
+        for direct in (True, False):
+            monkeypatch.setattr(_launch, "DIRECT_LAUNCH", direct)
+            for _ in range(3):  # compiled, kept, launched by addresses
+                out = qs.attend(scale=0.09, max_q_len=mq, max_context_len=mc, num_splits=splits)
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[1]), (fmt, reqs)
+
+
+# ---------------------------------------------------------------------------- the triton backend
+
+
+class _RecordedWrite:
+    """Stands in for the quantized cache write (``kernels/cache_write.py``'s, another change): the
+    step's codes are in the cache already (:class:`QStep`); records that the backend wrote, with what."""
+
+    static_aligned = False
+
+    def __init__(self, cache, headwise):
+        self.cache, self.headwise, self.calls = cache, headwise, []
+
+    def run_step(self, k, v, launch, stream=None):
+        self.calls.append((k, v, launch))
+
+    def launch_kept(self, *args):  # pragma: no cover - never reached: static_aligned is False
+        return False
+
+
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "int8"])
+def test_backend_attends_a_quantized_cache(fmt, monkeypatch):
+    """``TritonBackend.forward`` with a ``QuantizedKVCache``: checked (host checks on), written through
+    the write plan built from the cache whole, attended by the quantized kernels; the fused decode
+    write stays off for it."""
+    from fastdeploy_paddlefleet.backends import triton as tb
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+
+    writes = []
+
+    def fake_write_plan(cache, headwise):
+        assert isinstance(cache, QuantizedKVCache) and cache.quant.name == fmt_of(fmt).name
+        writes.append(_RecordedWrite(cache, headwise))
+        return writes[-1]
+
+    monkeypatch.setattr(tb, "_write_plan", fake_write_plan)
+    monkeypatch.setenv("FDFLEET_FUSED_DECODE_WRITE", "1")
+    layer = tk._layer(2, 4, 32, 16, kind="headwise", window=3, sliding=(1, 2), sink="learnable")
+    for reqs in ([(9, 4), (20, 1)], [(9, 1), (20, 1)]):
+        s = tk.make_step(
+            reqs, hkv=2, group=4, dqk=32, dv=16, block_size=8, headwise=True, window_left=3,
+            sliding_heads=(1, 2), release=True,
+        )  # fmt: skip
+        qs = QStep(s, fmt_of(fmt))
+        sinks = torch.randn(8, device=DEVICE)
+        cache = QuantizedKVCache(qs.kc, qs.vc, qs.ks, qs.vs, qs.fmt)
+        out = tb.TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8, as_mapping=True), cache, sinks)
+        assert writes[-1].calls and writes[-1].calls[-1][0] is s.k
+        qs.check(
+            out.view(s.q.shape[0], 8, 16), scale=layer.softmax_scale, sinks=sinks, window_left=3,
+            sliding_heads=(1, 2), sink_kind="learnable",
+        )  # fmt: skip
+
+
+def test_backend_names_a_missing_quantized_write():
+    """Until ``kernels/cache_write.py`` quantizes, a quantized cache is refused by name (not written as
+    if it held floats)."""
+    import inspect
+
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+    from fastdeploy_paddlefleet.backends.triton import TritonBackend
+    from fastdeploy_paddlefleet.kernels.cache_write import CacheWritePlan
+
+    if "kv_quant" in inspect.signature(CacheWritePlan).parameters:
+        pytest.skip("kernels/cache_write.py has the quantized write")
+    layer = tk._layer(2, 2, 16, 16)
+    s = tk.make_step([(3, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    cache = QuantizedKVCache(qs.kc, qs.vc, qs.ks, qs.vs, qs.fmt)
+    with pytest.raises(ValueError, match="no quantized write"):
+        TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8), cache)
+
+
+def test_backend_refuses_float_codes_in_a_quantized_cache():
+    from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
+    from fastdeploy_paddlefleet.backends.triton import TritonBackend
+
+    layer = tk._layer(2, 2, 16, 16)
+    s = tk.make_step([(3, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    cache = QuantizedKVCache(s.key_cache, s.value_cache, qs.ks, qs.vs, qs.fmt)
+    with pytest.raises(TypeError, match="holds uint8 codes"):
+        TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8), cache)
