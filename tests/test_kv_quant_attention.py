@@ -621,23 +621,41 @@ def test_backend_attends_a_quantized_cache(fmt, monkeypatch):
         )  # fmt: skip
 
 
-def test_backend_names_a_missing_quantized_write():
-    """Until ``kernels/cache_write.py`` quantizes, a quantized cache is refused by name (not written as
-    if it held floats)."""
-    import inspect
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "int8"])
+def test_backend_writes_by_fastdeploys_rule_then_attends(fmt):
+    """The Triton backend end to end on a quantized cache: this step's K/V land in the cache as
+    FastDeploy's rule writes them (bytes and scales against the numpy transcription in
+    ``test_kv_quant_rule.py``), and the output is the dense attention over the dequantized cache."""
+    import numpy as np
+    import test_kv_quant_rule as rule
 
     from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
     from fastdeploy_paddlefleet.backends.triton import TritonBackend
-    from fastdeploy_paddlefleet.kernels.cache_write import CacheWritePlan
 
-    if "kv_quant" in inspect.signature(CacheWritePlan).parameters:
-        pytest.skip("kernels/cache_write.py has the quantized write")
     layer = tk._layer(2, 2, 16, 16)
-    s = tk.make_step([(3, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
-    qs = QStep(s, fmt_of("block_wise_fp8"))
+    s = tk.make_step([(5, 3), (12, 1), (0, 4)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    qs = QStep(s, fmt_of(fmt), write=False)  # the history quantized; this step's slots not yet
     cache = QuantizedKVCache(qs.kc, qs.vc, qs.ks, qs.vs, qs.fmt)
-    with pytest.raises(ValueError, match="no quantized write"):
-        TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8), cache)
+    out = TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8), cache)
+    dtype = {torch.float32: "float32", torch.float16: "float16"}[s.q.dtype]
+    for b, (ctx, n) in enumerate(s.reqs):
+        lo = int(s.cu[b])
+        for i in range(n):
+            pos = ctx + i
+            blk, slot = int(s.table[b, pos // 8]), pos % 8
+            for x, codes, scales in ((s.k, qs.kc, qs.ks), (s.v, qs.vc, qs.vs)):
+                rows = x[lo + i].detach().cpu().float().numpy()  # [Hkv, D]
+                got = codes[blk, :, slot].cpu().numpy()
+                if fmt == "block_wise_fp8":
+                    want, want_s = rule.expected_block_wise(rows, dtype)
+                    assert rule._same_scales(scales[blk, :, slot].cpu().float().numpy(), want_s)
+                else:  # static int8: FastDeploy's codes at the quant multiplier 1 / scale
+                    c = (1.0 / scales.cpu().double()).float().numpy().reshape(2, 16)
+                    want = rule.fd_static(rows, c, dtype, fp8=False)
+                np.testing.assert_array_equal(got, want)
+    qs.deq_k = dequantize_cache(qs.kc, qs.ks, qs.fmt, qs.heads)
+    qs.deq_v = dequantize_cache(qs.vc, qs.vs, qs.fmt, qs.heads)
+    qs.check(out.view(s.q.shape[0], 4, 16), scale=layer.softmax_scale)
 
 
 def test_backend_refuses_float_codes_in_a_quantized_cache():
@@ -648,5 +666,5 @@ def test_backend_refuses_float_codes_in_a_quantized_cache():
     s = tk.make_step([(3, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
     qs = QStep(s, fmt_of("block_wise_fp8"))
     cache = QuantizedKVCache(s.key_cache, s.value_cache, qs.ks, qs.vs, qs.fmt)
-    with pytest.raises(TypeError, match="holds uint8 codes"):
+    with pytest.raises(TypeError, match="uint8 codes"):
         TritonBackend().forward(s.q, s.k, s.v, layer, tk._meta(s, 8), cache)
