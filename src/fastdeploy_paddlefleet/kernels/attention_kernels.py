@@ -180,6 +180,19 @@ def _tile(
     if SCALE_MODE == 1:  # per-token scales, loaded like the keys' codes (page: a scalar or per key)
         ks = tl.load(KS + page * stride_ksp + slot * stride_ksr, mask=ok, other=0.0).to(tl.float32)
         vs = tl.load(VS + page * stride_vsp + slot * stride_vsr, mask=ok, other=0.0).to(tl.float32)
+    # rows see different keys here (prefill's masked tiles): non-finite V entries leave the P @ V dot
+    # and reach the scores instead, so the mask keeps them only in the rows that see them. With K and V
+    # tiles alike the move is elementwise (a NaN in K where V is non-finite: q . k is NaN in every row);
+    # otherwise per key (a reduction over V's channels, below).
+    POISON_K: tl.constexpr = MASK and not ROWS_ALIKE and BLOCK_DQK == BLOCK_DV
+    if POISON_K:
+        finite = tl.abs(v) < float("inf")  # False for NaN too
+        k = tl.where(finite, k, float("nan"))
+        v = tl.where(finite, v, 0.0)
+        if SCALE_MODE == 1:  # a non-finite V scale: as a non-finite V entry
+            vs_ok = tl.abs(vs) < float("inf")
+            ks = tl.where(vs_ok, ks, float("nan"))
+            vs = tl.where(vs_ok, vs, 0.0)
     qk = _dot(q, tl.trans(k), None)
     if SCALE_MODE == 1:  # a non-finite K scale scores NaN (an infinite one times q.k could read -inf)
         qk = qk * tl.where(tl.abs(ks) < float("inf"), ks, float("nan"))[None, :]
@@ -191,9 +204,9 @@ def _tile(
         vis = ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             vis = vis & (pos[:, None] - keys[None, :] <= window)
-        if ROWS_ALIKE:
+        if ROWS_ALIKE or POISON_K:
             qk = tl.where(vis, qk * qk_scale, float("-inf"))
-        else:  # rows see different keys here: non-finite V entries out of the dot, NaN where seen
+        else:  # K and V tiles differ in shape: non-finite V entries out of the dot, their keys NaN
             finite = tl.abs(v) < float("inf")  # False for NaN too
             v = tl.where(finite, v, 0.0)
             key_bad = tl.max(tl.where(finite, 0, 1), 1)
