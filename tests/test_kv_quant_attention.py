@@ -487,7 +487,7 @@ def test_gpu_decode_and_mixed_bf16(fmt, dims):
 
 
 @gpu
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 def test_gpu_headwise_and_soft_cap_bf16():
     kw = dict(hkv=4, group=2, dqk=128, dv=128, block_size=64, dtype=torch.bfloat16)
     reqs = [(300, 40), (1200, 1), (70, 1)]
@@ -542,7 +542,7 @@ def test_gpu_cuda_graph_captures_a_quantized_decode():
 
 
 @gpu
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @pytest.mark.parametrize("fmt", ["block_wise_fp8", "int8"])
 def test_gpu_direct_launches_equal_tritons_path(fmt, monkeypatch):
     """Kept kernels launched by addresses (``kernels/launch/``, the own launcher) compute bitwise what

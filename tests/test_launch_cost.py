@@ -26,6 +26,10 @@ from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # no
 from fastdeploy_paddlefleet.kernels.launch.direct import KernelCache  # noqa: E402
 from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
 
+#: the first variant of each parametrized GPU test stays in ``-m gpu`` (conftest.py), the rest run with
+#: ``-m gpu_long`` (each compiles its own kernels: -m gpu stays under 5 minutes)
+GPU_LONG_VARIANTS = True
+
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
