@@ -13,7 +13,9 @@ weight is read. What is refused and why (``docs/fastdeploy.md``):
 * **Weight quantization** (``--quantization``, or ``quantization_config`` in the
   checkpoint's ``config.json``): FastDeploy applies it through its own linear
   layers' ``quant_method``; a PaddleFleet model's linears are PaddleFleet's, so
-  the setting would be silently ignored. Refused, naming the setting.
+  the setting would be silently ignored. Refused, naming the setting; for a gpt-oss
+  MXFP4 or DeepSeek-V3 FP8 checkpoint the message names the converter
+  (``fdfleet convert dequantize SRC DST``, ``docs/convert.md``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,24 @@ def check_loader(fd_config: Any, architecture: str) -> None:
         )
 
 
+#: the ``quant_method`` values ``fdfleet convert dequantize`` reads (``convert.dequantize.METHODS``)
+CONVERTIBLE = ("mxfp4", "fp8")
+
+
+def convert_hint(method: Any) -> str:
+    """What to do with a checkpoint quantized by ``method``: the converter command where it reads
+    that format (gpt-oss MXFP4, DeepSeek-V3 block FP8), else an unquantized checkpoint."""
+    if method in CONVERTIBLE:
+        return (
+            "write a bf16 copy and serve that: fdfleet convert dequantize SRC DST "
+            "(python -m fastdeploy_paddlefleet.convert dequantize SRC DST; docs/convert.md)"
+        )
+    return (
+        "serve an unquantized (bf16/fp16/fp32) checkpoint (fdfleet convert dequantize reads "
+        f"{' and '.join(CONVERTIBLE)} checkpoints only)"
+    )
+
+
 def check_quantization(fd_config: Any, architecture: str) -> None:
     """Refuse weight quantization from ``--quantization`` or the checkpoint's ``quantization_config``."""
     mc = _get(fd_config, "model_config")
@@ -59,7 +79,7 @@ def check_quantization(fd_config: Any, architecture: str) -> None:
         raise ValueError(
             f"{architecture}: the checkpoint's config.json has quantization_config (quant_method="
             f"{method!r}), which the paddlefleet plugin does not apply (PaddleFleet's linear layers "
-            "have no FastDeploy quant_method); serve an unquantized (bf16/fp16/fp32) checkpoint"
+            f"have no FastDeploy quant_method); {convert_hint(method)}"
         )
     quant = _get(fd_config, "quant_config")
     if quant is not None:
