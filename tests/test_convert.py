@@ -26,10 +26,9 @@ pytest.importorskip("safetensors")
 from fastdeploy_paddlefleet.cli import main  # noqa: E402
 from fastdeploy_paddlefleet.convert import formats  # noqa: E402
 from fastdeploy_paddlefleet.convert.dequantize import dequantize_checkpoint, plan_dequantize  # noqa: E402
-from fastdeploy_paddlefleet.presets import load_preset  # noqa: E402
-from fastdeploy_paddlefleet.serving.modeldir import ModelDirWriteError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "data" / "configs"
 BF16_MAX = (2 - 2**-7) * 2.0**127
 
 # ---- the formats, transcribed -----------------------------------------------------------------
@@ -265,14 +264,9 @@ def gpt_oss_checkpoint(src: Path) -> dict:
     for name, tensors in shards.items():
         write_st(src / name, tensors)
     write_index(src, shards)
-    config = {k: v for k, v in load_preset("gpt-oss-20b").items() if k != "_comment"}
-    config.update(
-        torch_dtype="bfloat16",
-        quantization_config={
-            "quant_method": "mxfp4",
-            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "lm_head"],
-        },
-    )
+    # the published config.json; that mirror's quant_method reads gptq, openai/gpt-oss-20b's mxfp4
+    config = json.loads((CONFIGS / "gpt-oss-20b.json").read_text())
+    config["quantization_config"]["quant_method"] = "mxfp4"
     (src / "config.json").write_text(json.dumps(config, indent=2))
     (src / "tokenizer.json").write_text('{"version": "1.0"}')
     (src / "generation_config.json").write_text('{"eos_token_id": 1}')
@@ -309,16 +303,8 @@ def deepseek_checkpoint(src: Path) -> dict:
     for name, tensors in shards.items():
         write_st(src / name, tensors)
     write_index(src, shards)
-    config = {k: v for k, v in load_preset("deepseek-v3").items() if k != "_comment"}
-    config.update(
-        torch_dtype="bfloat16",
-        quantization_config={
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "weight_block_size": [128, 128],
-        },
-    )
+    config = json.loads((CONFIGS / "deepseek-v3.json").read_text())  # the published config.json
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
     (src / "config.json").write_text(json.dumps(config, indent=2))
     (src / "tokenizer_config.json").write_text("{}")
     return {"shards": shards, "config": config, "weights": weights}
@@ -692,7 +678,8 @@ def test_the_convert_modules_import_nothing_heavy():
         "import fastdeploy_paddlefleet.convert, fastdeploy_paddlefleet.cli.convert\n"
         "from fastdeploy_paddlefleet.cli import build_parser\n"
         "build_parser()\n"
-        "print(json.dumps(sorted(m for m in ('numpy', 'safetensors', 'torch', 'paddle') if m in sys.modules)))\n"
+        "heavy = ('numpy', 'safetensors', 'torch', 'paddle')\n"
+        "print(json.dumps(sorted(m for m in heavy if m in sys.modules)))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
