@@ -319,16 +319,21 @@ def plan_warnings(path: Path, capsys) -> list[str]:
     return json.loads(capsys.readouterr().out)["warnings"]
 
 
+def convert_json(src: Path, dst: Path, capsys) -> dict:
+    """``fdfleet convert dequantize SRC DST --json``'s report, after ``fdfleet plan SRC`` warned
+    that serving refuses SRC, naming the converter."""
+    assert any("fdfleet convert dequantize" in w for w in plan_warnings(src, capsys))
+    assert main(["convert", "dequantize", str(src), str(dst), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 # ---- end to end -------------------------------------------------------------------------------
 
 
 def test_gpt_oss_mxfp4_end_to_end(tmp_path, capsys):
-    src = tmp_path / "gpt-oss"
+    src, dst = tmp_path / "gpt-oss", tmp_path / "gpt-oss-bf16"
     made = gpt_oss_checkpoint(src)
-    dst = tmp_path / "gpt-oss-bf16"
-    assert any("fdfleet convert dequantize" in w for w in plan_warnings(src, capsys))
-    assert main(["convert", "dequantize", str(src), str(dst), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = convert_json(src, dst, capsys)
     assert report["converted"] == {"mxfp4": 4} and report["dropped"] == 4 and report["copied"] == 11
     assert report["quant_method"] == "mxfp4" and report["dtype"] == "bf16"
     assert report["skipped"] == ["original"] and report["files"] == [
@@ -346,6 +351,7 @@ def test_gpt_oss_mxfp4_end_to_end(tmp_path, capsys):
             if name in source:  # copied: same shard as before, byte for byte
                 assert value == source[name] and name in made["shards"][shard]
     assert not [n for n in out if n.endswith(("_blocks", "_scales"))]
+    nonfinite = 0
     for layer in range(2):
         for proj in ("gate_up_proj", "down_proj"):
             name = f"model.layers.{layer}.mlp.experts.{proj}"
@@ -360,6 +366,8 @@ def test_gpt_oss_mxfp4_end_to_end(tmp_path, capsys):
             for ex in range(e):
                 want = np.vectorize(ref_bf16)(ref_mxfp4(blocks[ex], scales[ex]))  # [R, G * 32]
                 assert same(got[ex], want.T), (name, ex)
+                nonfinite += int((~np.isfinite(want)).sum())
+    assert report["nonfinite"] == nonfinite > 0  # scale 254 under codes of magnitude >= 2: inf
     assert set(out) == {n for n in source if not n.endswith(("_blocks", "_scales"))} | {
         f"model.layers.{layer}.mlp.experts.{proj}"
         for layer in range(2)
@@ -388,18 +396,16 @@ def test_gpt_oss_mxfp4_end_to_end(tmp_path, capsys):
 
 
 def test_deepseek_fp8_end_to_end(tmp_path, capsys):
-    src = tmp_path / "dsv3"
+    src, dst = tmp_path / "dsv3", tmp_path / "dsv3-bf16"
     made = deepseek_checkpoint(src)
-    dst = tmp_path / "dsv3-bf16"
-    assert any("fdfleet convert dequantize" in w for w in plan_warnings(src, capsys))
-    assert main(["convert", "dequantize", str(src), str(dst), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = convert_json(src, dst, capsys)
     assert report["converted"] == {"fp8": 3} and report["dropped"] == 3 and report["copied"] == 3
     source = all_tensors(made["shards"])
     out = {}
     for shard in made["shards"]:
         out.update(read_st(dst / shard))
     assert set(out) == {n for n in source if not n.endswith("_scale_inv")}
+    nonfinite = 0
     for name, (w_shard, _, (m, n)) in made["weights"].items():
         assert name in read_st(dst / next(s for s, t in made["shards"].items() if t is w_shard))
         weight = np.frombuffer(source[name][2], np.uint8).reshape(m, n)
@@ -408,6 +414,8 @@ def test_deepseek_fp8_end_to_end(tmp_path, capsys):
         assert dtype == "BF16" and shape == (m, n)
         want = np.vectorize(ref_bf16)(ref_fp8(weight, scale, 128, 128).astype(np.float64))
         assert same(bf16_values(np.frombuffer(raw, "<u2").reshape(m, n)), want), name
+        nonfinite += int((~np.isfinite(want)).sum())
+    assert report["nonfinite"] == nonfinite > 0  # the NaN bytes stay NaN
     for name in ("model.layers.0.input_layernorm.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
         assert out[name] == source[name]
     config = json.loads((dst / "config.json").read_text())

@@ -62,6 +62,11 @@ def run(args: Any) -> int:
     from ..serving.modeldir import ModelDirWriteError
 
     try:
+        import numpy  # noqa: F401  (in no extra of its own: paddle brings it)
+    except ModuleNotFoundError:
+        raise CliError("fdfleet convert needs numpy, which is not installed: pip install numpy") from None
+
+    try:
         report = dequantize_checkpoint(
             args.src, args.dst, dtype=args.dtype, force=args.force, progress=sys.stderr.isatty()
         )
@@ -81,8 +86,6 @@ def run(args: Any) -> int:
     )
     if report.files:
         print(f"copied {', '.join(report.files)}")
-    if report.skipped:
-        print(f"not copied (subdirectories): {', '.join(report.skipped)}")
     if report.kept:
         print(f"kept {', '.join(report.kept)}")
     return 0

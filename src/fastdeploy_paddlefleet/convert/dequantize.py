@@ -483,12 +483,19 @@ def _write_job(
 
 
 def _encode(values: Any, dtype: str, counter: dict[str, int]) -> Any:
+    """float32 ``values`` as the output ``dtype``'s bytes; NaN and infinite results counted (after
+    rounding: a float32 past bfloat16's range is infinite there)."""
     import numpy as np
 
     from .formats import to_bf16_bits
 
-    counter["nonfinite"] += int(values.size - np.count_nonzero(np.isfinite(values)))
-    return to_bf16_bits(values) if dtype == "BF16" else np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == "BF16":
+        out = to_bf16_bits(values)
+        counter["nonfinite"] += int(np.count_nonzero((out & 0x7F80) == 0x7F80))  # exponent all ones
+        return out
+    out = np.ascontiguousarray(values, dtype=np.float32)
+    counter["nonfinite"] += int(out.size - np.count_nonzero(np.isfinite(out)))
+    return out
 
 
 def _mxfp4_pieces(job: Job, blocks_src: BinaryIO, scales_src: BinaryIO) -> Any:
