@@ -405,7 +405,8 @@ def dequantize_checkpoint(
     report.kept = sorted(p.name for p in out.iterdir() if p.name not in written)
     if report.nonfinite:
         logger.warning(
-            "%d dequantized values are NaN or infinite (NaN codes or scales in %s): check the source",
+            "%d dequantized values are NaN or infinite (NaN codes, E8M0 scales of 255 or results past the "
+            "output dtype's range in %s): check the source",
             report.nonfinite,
             plan.src,
         )
