@@ -493,8 +493,8 @@ def _encode(values: Any, dtype: str, counter: dict[str, int]) -> Any:
     if dtype == "BF16":
         out = to_bf16_bits(values)
         counter["nonfinite"] += int(np.count_nonzero((out & 0x7F80) == 0x7F80))  # exponent all ones
-        return out
-    out = np.ascontiguousarray(values, dtype=np.float32)
+        return out.astype("<u2", copy=False)  # safetensors is little-endian
+    out = np.ascontiguousarray(values, dtype="<f4")
     counter["nonfinite"] += int(out.size - np.count_nonzero(np.isfinite(out)))
     return out
 
