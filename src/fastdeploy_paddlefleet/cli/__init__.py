@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 
 from .. import __version__
 
-SUBCOMMANDS = ("plan", "verify", "modeldir")
+SUBCOMMANDS = ("plan", "verify", "modeldir", "convert")
 #: exit code of an unexpected exception (a bug); bad input exits 2, a failed verify 1
 INTERNAL_ERROR = 70
 #: Ctrl-C (128 + SIGINT), a reader that closed the pipe (128 + SIGPIPE), a failed write (sysexits EX_IOERR)
@@ -47,7 +47,8 @@ INTERRUPTED, BROKEN_PIPE, IO_ERROR = 130, 141, 74
 EXIT_CODES = (
     "exit codes: 0 done, 1 verify found a difference, 2 bad input (named on stderr; a bad FDFLEET_* "
     "value, a model too large for memory included), 70 internal error (a bug), 74 a failed write "
-    "(stdout or stderr could not be written, e.g. disk full; modeldir could not write its files), "
+    "(stdout or stderr could not be written, e.g. disk full; modeldir or convert could not read or write "
+    "their files), "
     "130 interrupted (Ctrl-C), 141 the reader closed the pipe"
 )
 
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="fdfleet",
         description="Serve PaddleFleet models in FastDeploy: inspect plans, verify parity, "
-        "write model directories.",
+        "write model directories, convert checkpoints.",
         epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="store_true", help="print the package version and exit")

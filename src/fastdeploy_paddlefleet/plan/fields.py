@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 #: upper bounds, each refused by name before a config is read or expanded
 MAX_INT = 2**31 - 1
@@ -56,35 +57,59 @@ def regular_file_size(path: str | Path, what: str) -> int:
     ``ValueError`` naming ``what`` and the path for a FIFO, socket, device, directory or a missing
     file. Opening a FIFO blocks until a writer comes, a device can be endless: model files are
     regular files or nothing."""
-    import stat as stat_mod
-
     try:
         st = Path(path).stat()
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r}: cannot read: {e.strerror or e}") from None
-    if not stat_mod.S_ISREG(st.st_mode):
-        kind = (
-            "a FIFO (named pipe)"
-            if stat_mod.S_ISFIFO(st.st_mode)
-            else "a socket"
-            if stat_mod.S_ISSOCK(st.st_mode)
-            else "a device"
-            if stat_mod.S_ISCHR(st.st_mode) or stat_mod.S_ISBLK(st.st_mode)
-            else "a directory"
-            if stat_mod.S_ISDIR(st.st_mode)
-            else "not a regular file"
-        )
-        raise ValueError(f"{what} {str(path)!r} is {kind}: only regular files are read")
+    _check_regular(st.st_mode, path, what)
     return st.st_size
 
 
-def read_json_file(path: str | Path) -> dict[str, Any]:
-    """The JSON object in ``path``, refused by file name when not a regular file, larger than
-    ``MAX_CONFIG_BYTES`` (both checked before a byte is read), not UTF-8, not JSON, nested too deeply
-    or not an object."""
+def _check_regular(mode: int, path: str | Path, what: str) -> None:
+    import stat as stat_mod
+
+    if not stat_mod.S_ISREG(mode):
+        kind = (
+            "a FIFO (named pipe)"
+            if stat_mod.S_ISFIFO(mode)
+            else "a socket"
+            if stat_mod.S_ISSOCK(mode)
+            else "a device"
+            if stat_mod.S_ISCHR(mode) or stat_mod.S_ISBLK(mode)
+            else "a directory"
+            if stat_mod.S_ISDIR(mode)
+            else "not a regular file"
+        )
+        raise ValueError(f"{what} {str(path)!r} is {kind}: only regular files are read")
+
+
+def open_regular(path: str | Path, what: str) -> tuple[BinaryIO, int]:
+    """``(binary file, size)`` of ``path`` opened for reading, refused (``ValueError`` naming
+    ``what`` and the path) unless it is a regular file: checked on the open file itself, so a FIFO
+    put in its place after a check neither blocks (opened non-blocking) nor is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise ValueError(f"{what} {str(path)!r}: cannot read: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        _check_regular(st.st_mode, path, what)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    return f, st.st_size
+
+
+def read_json_file(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The JSON object in ``path``, refused by file name (and ``what`` it is) when not a regular file,
+    larger than ``MAX_CONFIG_BYTES`` (both checked before a byte is read), not UTF-8, not JSON, nested
+    too deeply or not an object."""
     path = Path(path)
     try:
-        size = regular_file_size(path, "config file")
+        size = regular_file_size(path, what)
         if size > MAX_CONFIG_BYTES:
             raise ValueError(
                 f"{path}: {size} bytes, more than a config.json may hold ({MAX_CONFIG_BYTES} bytes, "

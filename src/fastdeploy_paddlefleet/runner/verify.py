@@ -271,7 +271,7 @@ def run_verify(
         headwise_kv=bool(headwise_kv),
         pages_total=state.pages_total if headwise_kv else None,
     )
-    bar = _progress(len(steps), case.name, enabled=progress)
+    bar = progress_bar(len(steps), case.name, enabled=progress)
     t_all = time.perf_counter()
     with paddle.no_grad():
         for i, batch in enumerate(steps):
@@ -350,11 +350,13 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "step") -> Any:
+    """A tqdm bar on stderr over ``total`` ``unit``s (``update``, ``set_postfix``, ``close``), or one
+    that does nothing when not ``enabled`` or tqdm is not installed (the verify extra)."""
     if not enabled:
         return _NoBar()
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is in the verify extra; without it, no bar
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)

@@ -13,7 +13,9 @@ weight is read. What is refused and why (``docs/fastdeploy.md``):
 * **Weight quantization** (``--quantization``, or ``quantization_config`` in the
   checkpoint's ``config.json``): FastDeploy applies it through its own linear
   layers' ``quant_method``; a PaddleFleet model's linears are PaddleFleet's, so
-  the setting would be silently ignored. Refused, naming the setting.
+  the setting would be silently ignored. Refused, naming the setting; for a gpt-oss
+  MXFP4 or DeepSeek-V3 FP8 checkpoint the message names the converter
+  (``fdfleet convert dequantize SRC DST``, ``docs/convert.md``).
 * **KV cache quantization only** is accepted: a quantization config whose only setting is
   ``kv_cache_quant_type`` (``--quantization '{"quantization": "mix_quant", "kv_cache_quant_type":
   "block_wise_fp8"}'``, or the same ``quantization_config`` in ``config.json``; FastDeploy builds a
@@ -100,6 +102,24 @@ def _kv_format(section: Any, where: str) -> KVCacheQuant | None:
     return fmt
 
 
+#: the ``quant_method`` values ``fdfleet convert dequantize`` reads (``convert.dequantize.METHODS``)
+CONVERTIBLE = ("mxfp4", "fp8")
+
+
+def convert_hint(method: Any) -> str:
+    """What to do with a checkpoint quantized by ``method``: the converter command where it reads
+    that format (gpt-oss MXFP4, DeepSeek-V3 block FP8), else an unquantized checkpoint."""
+    if method in CONVERTIBLE:
+        return (
+            "write a bf16 copy and serve that: fdfleet convert dequantize SRC DST "
+            "(python -m fastdeploy_paddlefleet.convert dequantize SRC DST; docs/convert.md)"
+        )
+    return (
+        "serve an unquantized (bf16/fp16/fp32) checkpoint (fdfleet convert dequantize reads "
+        f"{' and '.join(CONVERTIBLE)} checkpoints only)"
+    )
+
+
 def kv_cache_quant_of(fd_config: Any, architecture: str = "PaddleFleetForCausalLM") -> KVCacheQuant | None:
     """The KV cache format FastDeploy will allocate for ``fd_config`` (``None``: unquantized), after
     refusing, naming the setting, any weight quantization (``--quantization``, the checkpoint's
@@ -132,8 +152,8 @@ def kv_cache_quant_of(fd_config: Any, architecture: str = "PaddleFleetForCausalL
             raise ValueError(
                 f"{architecture}: the checkpoint's config.json has quantization_config (quant_method="
                 f"{method!r}; {', '.join(bad)}), which the paddlefleet plugin does not apply (PaddleFleet's "
-                "linear layers have no FastDeploy quant_method); serve an unquantized (bf16/fp16/fp32) "
-                "checkpoint (a quantization_config with only kv_cache_quant_type is served)"
+                f"linear layers have no FastDeploy quant_method); {convert_hint(method)} (a "
+                "quantization_config with only kv_cache_quant_type is served)"
             )
         where = f"{architecture}: the checkpoint's quantization_config kv_cache_quant_type"
         found.append((where, _kv_format(ckpt, where)))

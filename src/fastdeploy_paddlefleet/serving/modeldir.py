@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +73,11 @@ def _write_errors() -> tuple[type[BaseException], ...]:
     return (OSError, SafetensorError)
 
 
-def _target(path: str | os.PathLike, force: bool) -> Path:
+def check_target(path: str | os.PathLike, force: bool, ours: str = " and ".join(OURS)) -> Path:
     """The checked target: a non-empty path that is no file and, unless ``force``, no non-empty
     directory; with ``force`` not the current directory, the home directory or a filesystem root. A
-    symbolic link is followed (written through). ``ValueError`` naming it."""
+    symbolic link is followed (written through). ``ValueError`` naming it (and ``ours``, what
+    ``--force`` would replace)."""
     if path is None or not str(os.fspath(path)).strip():
         raise ValueError(f"the model directory path must name a directory, got {path!r}")
     try:
@@ -90,7 +92,7 @@ def _target(path: str | os.PathLike, force: bool) -> Path:
         if not force:
             raise ValueError(
                 f"{_not_empty(out)}; nothing was written: pass --force (force=True) to replace "
-                f"{' and '.join(OURS)} there (other files are kept)"
+                f"{ours} there (other files are kept)"
             )
         real = out.resolve()
         for what, place in (("the current directory", Path.cwd()), ("the home directory", Path.home())):
@@ -111,8 +113,6 @@ def _write_files(tmp: Path, config: dict[str, Any], tensors: dict[str, Any]) -> 
 
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    for f in tmp.iterdir():
-        f.chmod(FILE_MODE)
 
 
 def _place_new(src: Path, dst: Path) -> None:
@@ -215,7 +215,7 @@ def write_model_dir(
             f"only minifleet presets can be written as a model directory, got model_type "
             f"{config.get('model_type')!r}"
         )
-    out = _target(path, force)
+    out = check_target(path, force)
     config.pop("_comment", None)
     config.pop("torch_dtype", None)  # FastDeploy refuses a config with both
     config.update(dtype=dtype, seed=seed)
@@ -224,6 +224,16 @@ def write_model_dir(
     for name, value in model.state_dict().items():
         array = value.numpy()
         tensors[name] = array.astype(np.float32) if dtype == "float32" else array  # bf16: loader casts
+    return write_dir(out, lambda tmp: _write_files(tmp, config, tensors), force=force)
+
+
+def write_dir(out: Path, fill: Callable[[Path], None], *, force: bool = False) -> Path:
+    """All or nothing: ``fill(tmp)`` writes the files into a temporary sibling of ``out`` (mode
+    ``0755``), which are then moved into ``out`` by :func:`_swap_in` (``force``: namesakes replaced,
+    every other file kept) and set to ``0644``. ``out`` is a :func:`check_target` result. Any
+    failure removes the sibling and the parents this created, leaves ``out`` as it was and is
+    re-raised; a failed write (``OSError``, safetensors' error) as :class:`ModelDirWriteError`
+    naming ``out``."""
     made = _missing_parents(out)  # created here, removed again if the write fails
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +244,9 @@ def write_model_dir(
     failed = _write_errors()
     try:
         tmp.chmod(DIR_MODE)
-        _write_files(tmp, config, tensors)
+        fill(tmp)
+        for f in tmp.iterdir():
+            f.chmod(FILE_MODE)
         _swap_in(tmp, out, force)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
