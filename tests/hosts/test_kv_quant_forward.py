@@ -367,7 +367,11 @@ def test_fastdeploys_allocation_triton_equals_reference(model_dirs):
 
 def test_recycled_pages_triton_equals_reference(model_dirs):
     d = _run(model_dirs["tiny"], RECYCLING, {}, SEED=3, BLOCKS=24)
-    print(d["stats"], d["num_pages"], [(s["logits"], s["code_diffs"]) for s in d["steps"]])  # -rP
+    print(
+        d["stats"],
+        d["num_pages"],
+        [(s["hidden"], s["logits"], s["code_diffs"], s["scale_rel"]) for s in d["steps"]],
+    )  # -rP
     assert "headwise" in d["kinds"], d["kinds"]
     st = d["stats"]
     assert st["finished"] == 3 and st["released"] > 0 and st["reused_by_other"] > 0, st
