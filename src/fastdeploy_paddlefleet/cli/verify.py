@@ -297,13 +297,14 @@ def _print_table(report: Any) -> None:
         )
     if hw:
         print(f"head-wise KV: {report.pages_released} pages released by the window rule (NaN-filled)")
-    verdict_paged = "passed" if report.paged_passed else "FAILED"
-    print(
-        f"paged vs native attention ({verdict_paged}): max abs logit diff {report.max_abs_logit_diff:.3e} "
-        f"(tolerance {report.tolerance:g}), greedy agreement {100 * report.greedy_agreement:.1f}%"
-    )
     q = report.quant
-    if q is not None:
+    if q is not None:  # two comparisons: say which is which
+        verdict_paged = "passed" if report.paged_passed else "FAILED"
+        print(
+            f"paged vs native attention ({verdict_paged}): max abs logit diff "
+            f"{report.max_abs_logit_diff:.3e} (tolerance {report.tolerance:g}), greedy agreement "
+            f"{100 * report.greedy_agreement:.1f}%"
+        )
         print(
             f"{q.kv_cache_quant} KV cache vs the same paged run on a {q.reference_dtype} cache, same tokens "
             f"({'passed' if q.passed else 'FAILED'}): top-1 agreement {100 * q.top1_agreement:.1f}% of "
