@@ -16,8 +16,8 @@ bound. That calibration is in-sample (the same prompts), an optimistic figure fo
 Pass / fail (:meth:`QuantComparison.passed`): the quantized path is *broken*, not merely lossy, when a
 quantized logit is non-finite, when top-1 agreement falls below ``min_top1_agreement`` (default
 :data:`MIN_TOP1_AGREEMENT`), or when the mean absolute logit error exceeds ``max_mean_rel_error``
-(default :data:`MAX_MEAN_REL_ERROR`) of the unquantized logits' mean magnitude. e4m3 gives 92-100 %
-agreement and a mean error of 1-6 % of the mean |logit| on the embedded presets and the
+(default :data:`MAX_MEAN_REL_ERROR`) of the unquantized logits' mean magnitude. The formats give 92-100 %
+agreement and a mean error of 0.3-8 % of the mean |logit| on the embedded presets and the
 PaddleFormers models (``docs/kv_quant.md``, "Accuracy"); a dequant scale off by 25 % already gives
 under 70 % agreement and 22-40 % mean error, a factor of 2 agreement near chance. The max logit
 error is reported but not bounded: one position's outlier (a token-head whose rope channels dwarf
