@@ -14,7 +14,8 @@ own ``parse_quant_config`` into a ``MixQuantConfig`` with only a KV type):
 * FastDeploy's scheduler with the recycling hook keeps its invariants on a quantized model
   (the scheduler-trace harness, ``_scheduler_sim.py``).
 
-Forwards on the quantized cache need the reference backend's quantized path: skipped until it is there.
+A forward on the quantized cache tracks the unquantized one (reference backend, loosely);
+``test_kv_quant_forward.py`` holds the Triton backend to the reference on the same quantized cache.
 """
 
 from __future__ import annotations

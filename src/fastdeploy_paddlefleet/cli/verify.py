@@ -8,8 +8,13 @@ directory on its real weights (``--model DIR``: a minifleet model directory or
 a PaddleFormers checkpoint, ``runner.checkpoint_case``).
 ``--headwise-kv`` (default: ``FDFLEET_HEADWISE_KV``) allocates the KV cache in
 head-wise pages with sliding-window recycling; released pages are NaN-filled.
+``--kv-cache-quant TYPE`` (FastDeploy's ``kv_cache_quant_type``: ``block_wise_fp8``;
+``float8_e4m3fn`` / ``int8`` with scales calibrated on the verify prompts) runs the same schedule
+again on a quantized cache, fed the same tokens, and reports its error against the unquantized
+run: top-1 agreement and max / mean logit error (``runner.kv_quant_compare``).
 Exit code 0 when every compared logit is within ``--tolerance`` and greedy
-decoding agrees everywhere, 1 otherwise, 2 on bad input: a config whose weights
+decoding agrees everywhere (and, with ``--kv-cache-quant``, the quantized run is finite and within
+``--quant-min-top1`` / ``--quant-max-mean-error``), 1 otherwise, 2 on bad input: a config whose weights
 cannot fit in the available memory included (``plan.weights.check_fits``: the
 estimate and ``MemAvailable`` named, nothing allocated).
 """
@@ -92,8 +97,43 @@ def add_parser(subparsers: Any) -> None:
         help="verify a small PaddleFormers model instead (gpt_oss, gemma3_text, deepseek_v3, llama); "
         "--config then names that architecture's config.json",
     )
+    p.add_argument(
+        "--kv-cache-quant",
+        metavar="TYPE",
+        type=_quant_arg,
+        default=None,
+        help="also run on a quantized KV cache and report its error against the unquantized one: "
+        "block_wise_fp8 (FastDeploy's dynamic per token-head fp8), or a static format "
+        "(float8_e4m3fn / cache_fp8 per kv head, int8 / cache_int8 per channel) whose scales are "
+        "calibrated on the verify prompts themselves (in-sample; no checkpoint scales here); default none",
+    )
+    p.add_argument(
+        "--quant-min-top1",
+        type=float_arg(0, 1),
+        default=None,
+        help="with --kv-cache-quant: fail below this top-1 agreement with the unquantized cache "
+        "(default 0.8)",
+    )
+    p.add_argument(
+        "--quant-max-mean-error",
+        type=float_arg(0, 1e30),
+        default=None,
+        help="with --kv-cache-quant: fail when the mean |dlogit| exceeds this fraction of the mean "
+        "unquantized |logit| (default 0.15)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
+
+
+def _quant_arg(text: str) -> Any:
+    """``--kv-cache-quant``: a served ``kv_cache_quant_type`` (or None for none); refused and unknown
+    formats named by ``kvcache.quant.kv_cache_quant``."""
+    from ..kvcache.quant import kv_cache_quant
+
+    try:
+        return kv_cache_quant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _backend(name: str | None) -> Any:
@@ -238,17 +278,46 @@ def _print_table(report: Any) -> None:
     )
     print(
         f"{'step':>4} {'tokens':>6} {'prefill':>7} {'decode':>6} {'max|dlogit|':>12} {'greedy':>7} "
-        f"{'blocks':>6}" + (f" {'pages':>6} {'freed':>6}" if hw else "") + f" {'ms':>8}"
+        f"{'blocks':>6}"
+        + (f" {'pages':>6} {'freed':>6}" if hw else "")
+        + f" {'ms':>8}"
+        + (f" {'quant|dlogit|':>13} {'q-top1':>6}" if report.quant is not None else "")
     )
     for s in report.steps:
         greedy = f"{s.greedy_matches}/{s.greedy_total}" if s.greedy_total else "-"
         pages = f" {s.pages_used:>6} {s.pages_released:>6}" if hw else ""
+        quant = ""
+        if s.quant_max_abs_logit_error is not None:
+            top1 = f"{s.quant_top1_matches}/{s.num_tokens}"
+            quant = f" {s.quant_max_abs_logit_error:>13.3e} {top1:>6}"
         print(
             f"{s.step:>4} {s.num_tokens:>6} {s.num_prefill:>7} {s.num_decode:>6} "
             f"{s.max_abs_logit_diff:>12.3e} {greedy:>7} {s.blocks_used:>6}{pages} {1000 * s.seconds:>8.1f}"
+            + quant
         )
     if hw:
         print(f"head-wise KV: {report.pages_released} pages released by the window rule (NaN-filled)")
+    q = report.quant
+    if q is not None:  # two comparisons: say which is which
+        verdict_paged = "passed" if report.paged_passed else "FAILED"
+        print(
+            f"paged vs native attention ({verdict_paged}): max abs logit diff "
+            f"{report.max_abs_logit_diff:.3e} (tolerance {report.tolerance:g}), greedy agreement "
+            f"{100 * report.greedy_agreement:.1f}%"
+        )
+        print(
+            f"{q.kv_cache_quant} KV cache vs the same paged run on a {q.reference_dtype} cache, same tokens "
+            f"({'passed' if q.passed else 'FAILED'}): top-1 agreement {100 * q.top1_agreement:.1f}% of "
+            f"{q.positions} positions ({100 * q.greedy_top1_agreement:.1f}% of {q.greedy_positions} greedy "
+            f"picks), max |dlogit| {q.max_abs_logit_error:.3e} ({100 * q.rel_logit_error:.2f}% of the "
+            f"largest |logit| {q.max_abs_logit:.3g}), mean {q.mean_abs_logit_error:.3e} "
+            f"({100 * q.mean_rel_error:.2f}% of the mean |logit|); bounds: top-1 >= "
+            f"{q.min_top1_agreement:g}, mean |dlogit| <= {q.max_mean_rel_error:g} of the mean |logit|"
+        )
+        if q.calibration:
+            print(f"  static scales: {q.calibration}")
+        for why in q.failures:
+            print(f"  failure: {why}")
     verdict = "PASSED" if report.passed else "FAILED"
     print(
         f"{verdict}: max abs logit diff {report.max_abs_logit_diff:.3e} (tolerance {report.tolerance:g}), "
@@ -264,6 +333,13 @@ def run(args: Any) -> int:
     if args.steps < 0:
         raise CliError(f"--steps must be >= 0, got {args.steps}")
     headwise_kv = _headwise_kv(getattr(args, "headwise_kv", None))
+    quant = getattr(args, "kv_cache_quant", None)
+    for flag, value in (
+        ("--quant-min-top1", "quant_min_top1"),
+        ("--quant-max-mean-error", "quant_max_mean_error"),
+    ):
+        if getattr(args, value, None) is not None and quant is None:
+            raise CliError(f"{flag} needs --kv-cache-quant")
     _check_config_fits(args)  # before paddle is imported: a huge config is refused at once
     backend = _backend(args.backend)
     if args.paddleformers:
@@ -293,6 +369,9 @@ def run(args: Any) -> int:
         tolerance=args.tolerance,
         progress=not args.json and sys.stderr.isatty(),  # no carriage returns in logs
         headwise_kv=headwise_kv,
+        kv_cache_quant=quant,
+        min_top1_agreement=getattr(args, "quant_min_top1", None),
+        max_mean_rel_error=getattr(args, "quant_max_mean_error", None),
     )
     if args.json:
         json.dump(report.to_dict(), sys.stdout)

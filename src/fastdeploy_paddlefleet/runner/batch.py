@@ -326,3 +326,65 @@ def allocate_kv_caches(
         val = paddle.full(shape + [layer.v_head_dim], value, dtype=dtype)
         caches.append((key, val))
     return caches
+
+
+def nan_code(quant: Any) -> int:
+    """The byte a quantized cache reads as NaN: ``0x7F`` (e4m3fn) or ``0`` (int8, ``-128``)."""
+    return 0x7F if quant.code == "fp8" else 0
+
+
+def allocate_quantized_kv_caches(
+    plan: AttentionPlan | Iterable[LayerAttention],
+    num_blocks: int,
+    block_size: int,
+    quant: Any,
+    dtype: str = "float32",
+    static_scales: Mapping[int, tuple[Any, Any]] | None = None,
+    fill_nan: bool = True,
+) -> list[Any]:
+    """Per-layer :class:`~fastdeploy_paddlefleet.backends.base.QuantizedKVCache` in FastDeploy's layout.
+
+    ``quant``: a ``kv_cache_quant_type`` (a name or a ``kvcache.quant.KVCacheQuant``).
+    Codes ``uint8 [num_blocks, Hkv_l, block_size, D_l]`` (K: ``qk_head_dim``, V: ``v_head_dim``);
+    a dynamic format's scales ``[num_blocks, Hkv_l, block_size]`` in ``dtype`` (the model's);
+    a static format's scales are ``static_scales[layer.index] = (key [S], value [S])`` dequant
+    multipliers (``S`` = ``Hkv_l`` or, per channel, ``Hkv_l * D_l``): ``ValueError`` naming the layer
+    when absent or misshapen. ``fill_nan``: every code (and dynamic scale) starts as NaN, so a read of
+    a never-written slot shows as a NaN logit; else codes 0 and scales 0 (reads as zeros).
+    """
+    import paddle
+
+    from ..backends.base import QuantizedKVCache
+    from ..kvcache.quant import KVCacheQuant, kv_cache_quant
+
+    fmt = quant if isinstance(quant, KVCacheQuant) else kv_cache_quant(quant)
+    if fmt is None:
+        raise ValueError(f"quant={quant!r} is no quantized format (use allocate_kv_caches)")
+    _positive_int("num_blocks", num_blocks)
+    _positive_int("block_size", block_size)
+    layers = plan.layers if isinstance(plan, AttentionPlan) else tuple(plan)
+    code = nan_code(fmt) if fill_nan else 0
+    out = []
+    for layer in layers:
+        if not isinstance(layer, LayerAttention):
+            raise TypeError(f"plan must hold LayerAttention objects, got {type(layer).__name__}")
+        shape = [num_blocks, layer.num_kv_heads, block_size]
+        key = paddle.full(shape + [layer.qk_head_dim], code, dtype="uint8")
+        val = paddle.full(shape + [layer.v_head_dim], code, dtype="uint8")
+        if fmt.dynamic:
+            fill = float("nan") if fill_nan else 0.0
+            k_scale, v_scale = (paddle.full(shape, fill, dtype=dtype) for _ in range(2))
+        else:
+            pair = (static_scales or {}).get(layer.index)
+            if pair is None:
+                raise ValueError(f"layer {layer.index}: kv_cache_quant_type={fmt.name!r} needs static scales")
+            for what, sc, dim in (("key", pair[0], layer.qk_head_dim), ("value", pair[1], layer.v_head_dim)):
+                want = [layer.num_kv_heads * dim] if fmt.channel_wise else [layer.num_kv_heads]
+                if [int(s) for s in sc.shape] != want:
+                    raise ValueError(
+                        f"layer {layer.index}: {what} scales have shape {list(sc.shape)}, "
+                        f"{fmt.name} needs {want}"
+                    )
+            k_scale, v_scale = pair
+        out.append(QuantizedKVCache(key, val, k_scale, v_scale, fmt))
+    return out

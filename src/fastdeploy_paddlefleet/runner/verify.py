@@ -16,6 +16,11 @@ sliding heads are released as requests decode past their windows and filled
 with NaN at once, and the caches start as NaN, so a read of a released or
 never-written slot shows up as a NaN logit (an infinite difference).
 
+Quantized KV cache (``kv_cache_quant``, ``fdfleet verify --kv-cache-quant``): after the run above,
+the same schedule runs again on a quantized cache with the same block tables and tokens, and its
+logits are compared with the unquantized run's (``runner.kv_quant_compare``: top-1 agreement, max
+and mean logit error); the report's ``quant`` carries the figures and its verdict joins ``passed``.
+
 Cases for PaddleFleet-shaped hosts (minifleet, PaddleFleet itself) are built
 in ``runner.fleet_case``; PaddleFormers models in ``runner.paddleformers_case``.
 """
@@ -77,6 +82,9 @@ class StepRecord:
     #: head-wise KV only: pages in use during the step, pages released right after it
     pages_used: int | None = None
     pages_released: int | None = None
+    #: quantized KV cache only: max |quantized - unquantized logit| and top-1 matches of the step
+    quant_max_abs_logit_error: float | None = None
+    quant_top1_matches: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if v is not None}
@@ -99,6 +107,12 @@ class VerifyReport:
     headwise_kv: bool = False
     #: head-wise KV only: pages in the pools (all layer groups)
     pages_total: int | None = None
+    #: quantized KV cache only: the comparison with the unquantized run (``runner.kv_quant_compare``)
+    quant: Any = None
+    #: per step, the unquantized paged logits ``[T, vocab]`` (numpy float32) and, with ``quant``, the
+    #: quantized run's; kept for tests and tools, not in ``to_dict()``
+    step_logits: list[Any] = field(default_factory=list, repr=False)
+    quant_step_logits: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def pages_released(self) -> int:
@@ -114,8 +128,13 @@ class VerifyReport:
         return 1.0 if total == 0 else sum(s.greedy_matches for s in self.steps) / total
 
     @property
-    def passed(self) -> bool:
+    def paged_passed(self) -> bool:
+        """The unquantized paged run against the native attention: within tolerance, greedy agrees."""
         return bool(self.steps) and self.max_abs_logit_diff <= self.tolerance and self.greedy_agreement == 1.0
+
+    @property
+    def passed(self) -> bool:
+        return self.paged_passed and (self.quant is None or self.quant.passed)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -139,6 +158,7 @@ class VerifyReport:
                 if self.headwise_kv
                 else {}
             ),
+            "kv_cache_quant": None if self.quant is None else self.quant.to_dict(),
             "seconds": self.seconds,
             "requests": self.requests,
             "per_step": [s.to_dict() for s in self.steps],
@@ -215,6 +235,9 @@ def run_verify(
     tolerance: float = 1e-4,
     progress: bool = True,
     headwise_kv: bool = False,
+    kv_cache_quant: Any = None,
+    min_top1_agreement: float | None = None,
+    max_mean_rel_error: float | None = None,
 ) -> VerifyReport:
     """Run ``case`` through both paths and compare; see the module doc.
 
@@ -229,14 +252,23 @@ def run_verify(
     ``headwise_kv``: allocate KV through the head-wise manager with recycling
     (see the module doc); the step records then carry ``pages_used`` /
     ``pages_released``.
+
+    ``kv_cache_quant`` (a ``kv_cache_quant_type`` name or ``KVCacheQuant``; ``None``: off): run the
+    schedule again on a quantized cache (see the module doc); a static format's scales are calibrated
+    on the unquantized run (``runner.kv_quant_compare.KVCalibration``). ``min_top1_agreement`` /
+    ``max_mean_rel_error``: that comparison's bounds (defaults in ``runner.kv_quant_compare``).
     """
     import numpy as np
     import paddle
 
     from ..adapter.context import StepContext
+    from ..kvcache.quant import KVCacheQuant
+    from ..kvcache.quant import kv_cache_quant as parse_quant
     from .batch import PagedKVState, allocate_kv_caches
     from .headwise_state import HeadwiseKVState
+    from .kv_quant_compare import KVCalibration, QuantComparison
 
+    fmt = kv_cache_quant if isinstance(kv_cache_quant, KVCacheQuant) else parse_quant(kv_cache_quant)
     prompt_lens = tuple(prompt_lens) if prompt_lens is not None else default_prompt_lens(case.plan)
     _check_args(prompt_lens, decode_steps, chunk_size, block_size, tolerance)
     windows = [layer.window_left for layer in case.plan if layer.window_left is not None]
@@ -271,7 +303,24 @@ def run_verify(
         headwise_kv=bool(headwise_kv),
         pages_total=state.pages_total if headwise_kv else None,
     )
-    bar = progress_bar(len(steps), case.name, enabled=progress)
+    cache_plan = case.cache_plan or case.plan
+    calibration = None
+    if fmt is not None:
+        bounds = {}
+        if min_top1_agreement is not None:
+            bounds["min_top1_agreement"] = float(min_top1_agreement)
+        if max_mean_rel_error is not None:
+            bounds["max_mean_rel_error"] = float(max_mean_rel_error)
+        report.quant = QuantComparison(fmt.name, **bounds)
+        if not fmt.dynamic:
+            calibration = KVCalibration(cache_plan)
+            what = "channel" if fmt.channel_wise else "kv head"
+            report.quant.calibration = (
+                f"max |K|, |V| per {what} over the unquantized run of these prompts / {fmt.max_bound:g} "
+                "(in-sample: optimistic)"
+            )
+    replay: list[tuple[Any, Any, Any, Any]] = []  # (meta, positions, ids, greedy rows) per step
+    bar = progress_bar(len(steps) * (2 if fmt is not None else 1), case.name, enabled=progress)
     t_all = time.perf_counter()
     with paddle.no_grad():
         for i, batch in enumerate(steps):
@@ -283,6 +332,10 @@ def run_verify(
                 logits = case.paged_logits(paddle.to_tensor(ids, dtype="int64"), positions)
             seconds = time.perf_counter() - t0
             logits = logits.astype("float32").numpy()
+            report.step_logits.append(logits)
+            if calibration is not None:
+                calibration.observe(caches)  # before recycling poisons released pages
+            greedy_rows = np.zeros(len(ids), dtype=bool)
             blocks_used = state.blocks_used  # before this step's pages are released
             pages_used = state.pages_used if headwise_kv else None
             released = state.recycle([r for r, _ in batch]) if headwise_kv else None
@@ -311,6 +364,7 @@ def run_verify(
                 diff = float(diff.max()) if np.isfinite(diff).all() else float("inf")
                 record.max_abs_logit_diff = max(record.max_abs_logit_diff, diff)
                 if end >= req.prompt_len:  # the last token picks the next one
+                    greedy_rows[row + n - 1] = True
                     nxt = int(paged[-1].argmax())
                     record.greedy_total += 1
                     record.greedy_matches += int(nxt == int(native[-1].argmax()))
@@ -321,13 +375,29 @@ def run_verify(
                 if req.fed == req.prompt_len + decode_steps:
                     state.release(r)
             report.steps.append(record)
+            if fmt is not None:
+                replay.append((meta, positions, ids, greedy_rows))
             bar.update(1)
             bar.set_postfix(diff=f"{report.max_abs_logit_diff:.1e}", greedy=f"{report.greedy_agreement:.0%}")
+        if fmt is not None:
+            _run_quantized(case, report, replay, fmt, cache_plan, num_blocks, block_size, calibration, bar)
     bar.close()
     report.seconds = time.perf_counter() - t_all
     report.requests = [
         {"id": q.rid, "prompt_len": q.prompt_len, "generated": q.tokens[q.prompt_len :]} for q in requests
     ]
+    if report.quant is not None:
+        q = report.quant
+        logger.info(
+            "verify %s [%s] %s cache: top-1 agreement %.1f%% over %d positions, max |dlogit| %.3g, mean %.3g",
+            case.name,
+            report.backend,
+            q.kv_cache_quant,
+            100 * q.top1_agreement,
+            q.positions,
+            q.max_abs_logit_error,
+            q.mean_abs_logit_error,
+        )
     logger.info(
         "verify %s [%s]: max |dlogit| %.3g, greedy %.1f%%, %d steps",
         case.name,
@@ -337,6 +407,38 @@ def run_verify(
         len(report.steps),
     )
     return report
+
+
+def _run_quantized(
+    case: VerifyCase,
+    report: VerifyReport,
+    replay: list[tuple[Any, Any, Any, Any]],
+    fmt: Any,
+    cache_plan: AttentionPlan,
+    num_blocks: int,
+    block_size: int,
+    calibration: Any,
+    bar: Any,
+) -> None:
+    """The second run: every recorded step (its ``BatchMeta``, positions ``[T]``, ids ``[T]``, greedy
+    rows ``[T]``) on a NaN-filled quantized cache, compared with the first run's logits."""
+    import paddle
+
+    from ..adapter.context import StepContext
+    from .batch import allocate_quantized_kv_caches
+
+    scales = calibration.scales(fmt) if calibration is not None else None
+    caches = allocate_quantized_kv_caches(cache_plan, num_blocks, block_size, fmt, "float32", scales)
+    for i, (meta, positions, ids, greedy_rows) in enumerate(replay):
+        with case.holder.step(StepContext(meta, caches, positions)):
+            logits = case.paged_logits(paddle.to_tensor(ids, dtype="int64"), positions)
+        logits = logits.astype("float32").numpy()
+        report.quant_step_logits.append(logits)
+        err, matches = report.quant.add(i, report.step_logits[i], logits, greedy_rows)
+        report.steps[i].quant_max_abs_logit_error = err
+        report.steps[i].quant_top1_matches = matches
+        bar.update(1)
+        bar.set_postfix(quant_top1=f"{report.quant.top1_agreement:.0%}")
 
 
 class _NoBar:
