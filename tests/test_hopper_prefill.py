@@ -18,10 +18,13 @@ from test_triton_kernels import REAL, make_step, run_and_check  # noqa: E402
 
 from fastdeploy_paddlefleet import envs  # noqa: E402
 from fastdeploy_paddlefleet.kernels import hopper_prefill as hp  # noqa: E402
+from fastdeploy_paddlefleet.kernels.hopper_support import triton_tested  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 HOPPER = CUDA and hp.is_hopper(torch.device("cuda")) and hp.gluon_available()
 hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and triton.experimental.gluon")
+#: ``FDFLEET_PREFILL_KERNEL=auto`` picks the Hopper kernel on a tested Triton only (hopper_support.py)
+AUTO_HOPPER = HOPPER and triton_tested()
 #: the first variant of each parametrized test stays in ``-m gpu``, the rest are ``gpu_long`` (conftest.py)
 GPU_LONG_VARIANTS = True
 
@@ -318,7 +321,7 @@ def test_prefill_kernel_choice(monkeypatch):
     q = torch.zeros(4, 8, 128, dtype=torch.bfloat16, device=dev)
     kc = torch.zeros(2, 2, 64, 128, dtype=torch.bfloat16, device=dev)
     auto = hp.choose_prefill_impl(None, None, q, kc, kc)
-    assert auto == ("hopper" if HOPPER else "portable")
+    assert auto == ("hopper" if AUTO_HOPPER else "portable")
     assert hp.choose_prefill_impl("portable", None, q, kc, kc) == "portable"
     assert hp.choose_prefill_impl(None, object(), q, kc, kc) == "portable"  # explicit portable tiles
     monkeypatch.setenv("FDFLEET_PREFILL_KERNEL", "portable")
@@ -337,10 +340,10 @@ def test_prefill_kernel_choice(monkeypatch):
     # MLA's 192 / 128 and 256 / 256 take the Hopper kernel where it exists
     q192 = torch.zeros(4, 8, 192, dtype=torch.bfloat16, device=dev)
     k192 = torch.zeros(2, 2, 64, 192, dtype=torch.bfloat16, device=dev)
-    assert hp.choose_prefill_impl(None, None, q192, k192, kc) == ("hopper" if HOPPER else "portable")
+    assert hp.choose_prefill_impl(None, None, q192, k192, kc) == ("hopper" if AUTO_HOPPER else "portable")
     q256 = torch.zeros(4, 8, 256, dtype=torch.bfloat16, device=dev)
     k256 = torch.zeros(2, 2, 64, 256, dtype=torch.bfloat16, device=dev)
-    assert hp.choose_prefill_impl(None, None, q256, k256, k256) == ("hopper" if HOPPER else "portable")
+    assert hp.choose_prefill_impl(None, None, q256, k256, k256) == ("hopper" if AUTO_HOPPER else "portable")
     assert hp.choose_prefill_impl(None, None, q192, k192, k256) == "portable"  # 192 / 256: not built
 
 

@@ -37,12 +37,21 @@ TOL = 1e-4
 DECODE_STEPS = 32
 
 
+def _needs_model(arch: str) -> None:
+    """Skip, naming the release, where the installed PaddleFormers does not build ``arch`` here
+    (``pfc.MIN_PADDLEFORMERS``: beside FastDeploy pip takes 1.1.1, whose deepseek_v3 needs a GPU paddle)."""
+    why = pfc.arch_unavailable(arch)
+    if why is not None:
+        pytest.skip(why)
+
+
 def _windows(plan) -> list[int]:
     return [layer.window_left for layer in plan if layer.window_left is not None]
 
 
 @pytest.mark.parametrize("arch", list(pfc.ARCHITECTURES))
 def test_parity_reference_backend(arch):
+    _needs_model(arch)
     case = pfc.build_case(arch, backend="reference", seed=0)
     report = run_verify(case, decode_steps=DECODE_STEPS, progress=False)
     d = report.to_dict()
@@ -119,6 +128,7 @@ class _EqualDimsBackend(ReferenceBackend):
 
 
 def test_deepseek_mla_values_padded_for_equal_dim_backend():
+    _needs_model("deepseek_v3")
     case = pfc.build_case("deepseek_v3", backend=_EqualDimsBackend())
     assert case.cache_plan is not None and case.cache_plan[0].v_head_dim == 24
     report = run_verify(case, decode_steps=4, progress=False)
@@ -131,6 +141,7 @@ def test_deepseek_mla_values_padded_for_equal_dim_backend():
 @pytest.mark.parametrize("arch", list(pfc.ARCHITECTURES))
 def test_patched_model_runs_only_through_the_paged_path(arch):
     """Outside a step the patched twin fails (no step context); the native twin is untouched."""
+    _needs_model(arch)
     config = pfc.tiny_config(arch)
     native, twin = pfc.build_twins(config)
     report = patch_paddleformers(twin, plan_from_config(config), ReferenceBackend())
@@ -250,6 +261,7 @@ def test_triton_backend_interpreter(arch, steps):
     gpt_oss: sinks + alternating windows over the full 32 steps; deepseek_v3:
     q/k head 24 != v head 16, fewer steps to keep the interpreter's time modest.
     """
+    _needs_model(arch)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "fastdeploy_paddlefleet.cli", "verify", "--paddleformers", arch]
     cmd += ["--backend", "triton", "--steps", str(steps), "--json"]
@@ -258,3 +270,26 @@ def test_triton_backend_interpreter(arch, steps):
     d = json.loads(proc.stdout)
     assert d["backend"] == "triton" and d["name"] == f"paddleformers:{arch}"
     assert d["passed"] and d["max_abs_logit_diff"] <= TOL and d["greedy_agreement"] == 1.0
+
+
+def test_unbuildable_arch_is_named(monkeypatch):
+    """An architecture the installed PaddleFormers does not build here is refused by name, with the
+    release it needs (stood in: a release below every minimum, a model module that does not import)."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0.0")
+    monkeypatch.setattr(pfc, "MIN_PADDLEFORMERS", {"llama": "1.2.0"})
+    real = pfc.importlib.import_module
+
+    def fake_import(name, *args):
+        if name == "paddleformers.transformers.llama.modeling":
+            raise ModuleNotFoundError("No module named 'paddle.no_such_module'")
+        return real(name, *args)
+
+    monkeypatch.setattr(pfc.importlib, "import_module", fake_import)
+    why = pfc.arch_unavailable("llama")
+    assert why is not None and "PaddleFormers 1.0.0" in why and ">= 1.2.0" in why
+    assert pfc.arch_unavailable("gpt_oss") is None  # no minimum beyond the extra's floor
+    with pytest.raises(ValueError, match=r"PaddleFormers 1\.0\.0's llama model does not import"):
+        pfc.build_twins(pfc.tiny_config("llama"))
+    assert pfc._release("1.2.0.post1") == (1, 2, 0) and pfc._release("1.1.1+cu12") == (1, 1, 1)

@@ -1,7 +1,7 @@
 """Compile the Hopper prefill kernel for sm_90a without a GPU: registers, stack, spills, shared memory.
 
-Needs the device's Triton (3.6: Gluon's API moves between releases) importable ahead of any other, e.g.
-``pip install --target DIR triton==3.6.0`` then ``PYTHONPATH=DIR:src``; torch (CPU) builds the plans.
+Compiles with the Triton on the path (3.6, the device's, and 3.9 both compile; to compile with another,
+e.g. ``pip install --target DIR triton==3.6.0`` then ``PYTHONPATH=DIR:src``); torch (CPU) builds the plans.
 Triton's own ptxas and cuobjdump assemble and read the cubin. A stub driver stands in for the GPU.
 
 Usage::
@@ -64,6 +64,18 @@ def stub_driver() -> None:
     driver.set_active(_Stub())
 
 
+def _ptxas_path() -> str:
+    """The ptxas Triton itself runs for sm_90 (3.9 takes ``ptxas-blackwell``, a newer CUDA, for sm_90 too:
+    the PTX it emits is a version the older ``bin/ptxas`` rejects)."""
+    import triton
+    from triton.backends.nvidia import compiler
+
+    get = getattr(compiler, "get_ptxas", None)
+    if get is not None:
+        return get(90).path
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
 def _ptxas_info(ptx: str, ptxas: str) -> dict:
     """Re-assemble the PTX with ``ptxas -v`` for the notes Triton's own call hides: every wgmma of the
     kernel serialised (C7514: a non-wgmma instruction may read an accumulator while its wgmma is in
@@ -116,35 +128,13 @@ def sass_path(sass_dir: str, case: dict) -> str:
 
 
 def compile_case(case: dict, sass_file: Claim | None = None) -> dict:
-    """Compile one case (see the module docstring) and read its resources off the cubin."""
-    import torch
+    """Compile one case (see the module docstring) and read its resources off the cubin: the build
+    ``FDFLEET_PREFILL_KERNEL=hopper`` checks on an untested Triton (``kernels/hopper_support.py``)."""
     import triton
 
-    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
+    from fastdeploy_paddlefleet.kernels.hopper_support import compile_case as build
 
-    c = dict(case)
-    dqk, dv = c.pop("dqk"), c.pop("dv")
-    hq, hkv, bs = c.pop("hq", 16), c.pop("hkv", 16), c.pop("bs", 64)
-    sink_mode, has_window, headwise = (
-        c.pop("sink_mode", 1),
-        c.pop("has_window", False),
-        c.pop("headwise", False),
-    )
-    kc = torch.zeros(8, hkv, bs, dqk, dtype=torch.bfloat16)
-    vc = torch.zeros(8, hkv, bs, dv, dtype=torch.bfloat16)
-    q = torch.zeros(64, hq, dqk, dtype=torch.bfloat16)
-    out = torch.zeros(64, hq, dv, dtype=torch.bfloat16)
-    sinks = torch.zeros(hq, dtype=torch.float32)
-    plan = hp.HopperPlan(kc, vc, hq, sinks, qk_scale=0.1, sink_mode=sink_mode, headwise=headwise,
-                         has_window=has_window, window=100, win_h0=0, win_h1=hkv, num_ctas=132,
-                         **c)  # fmt: skip
-    cu = torch.tensor([0, 64], dtype=torch.int32)
-    tbl = torch.zeros(1, 4, dtype=torch.int32)
-    err = torch.zeros(8, dtype=torch.int32)
-    args = (q, out, vc, plan.k_desc, plan.v_desc, sinks, cu, cu[:1], tbl, err,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), vc.stride(2), tbl.stride(0), tbl.shape[1],
-            plan.n_pages, q.shape[0], 1, 2, *plan.scalars, 16)  # fmt: skip
-    kernel = hp._hopper_prefill_kernel.warmup(*args, grid=(1,), **plan._consts[True])
+    kernel, consts = build(case)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -153,13 +143,12 @@ def compile_case(case: dict, sass_file: Claim | None = None) -> dict:
                              text=True, check=True).stdout  # fmt: skip
         sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True,
                               text=True, check=True).stdout  # fmt: skip
-    ptxas = _ptxas_info(kernel.asm["ptx"], os.path.join(tools, "ptxas"))
+    ptxas = _ptxas_info(kernel.asm["ptx"], _ptxas_path())
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
     if m is None:
         raise ValueError(f"no resource line in cuobjdump's report: {res[-300:]!r}")
     tiles = {
-        k: plan.consts[k]
-        for k in ("BLOCK_N", "Q_BUFS", "NUM_STAGES", "QKC", "CONSUMER_REGS", "PRODUCER_REGS")
+        k: consts[k] for k in ("BLOCK_N", "Q_BUFS", "NUM_STAGES", "QKC", "CONSUMER_REGS", "PRODUCER_REGS")
     }
     rec = dict(case=case, regs_at_entry=int(m[1]), stack=int(m[2]), local=int(m[3]),
                smem=kernel.metadata.shared, ldl=sass.count(" LDL"), stl=sass.count(" STL"),

@@ -180,8 +180,9 @@ PREFILL_KERNELS: tuple[str, ...] = ("auto", "hopper", "portable")
 
 def prefill_kernel() -> str:
     """``FDFLEET_PREFILL_KERNEL``: ``auto`` (default: the Hopper Gluon kernel on sm_90 when it can run
-    the inputs, else the portable Triton one), ``hopper`` (required; an error if it cannot run) or
-    ``portable`` (always the portable Triton kernel)."""
+    the inputs and the installed Triton is a release it was tested on, else the portable Triton one:
+    ``kernels/hopper_support.py``), ``hopper`` (required; an error if it cannot run, or does not compile
+    with the installed Triton) or ``portable`` (always the portable Triton kernel)."""
     return _choice("FDFLEET_PREFILL_KERNEL", PREFILL_KERNELS, "auto")
 
 

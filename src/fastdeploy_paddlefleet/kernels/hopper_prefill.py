@@ -60,6 +60,8 @@ try:  # the Hopper path runs on torch tensors (Gluon's TensorDescriptor); withou
 except ImportError:  # a FastDeploy deployment without torch: the portable kernel serves
     torch = None
 
+from .hopper_support import triton_blocks, triton_version
+
 logger = logging.getLogger(__name__)
 
 try:  # Gluon exists in Triton >= 3.5; the interpreter cannot run it
@@ -136,7 +138,7 @@ def block_n_for(dqk: int, dv: int, block_size: int) -> int:
 def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
     """``None`` when the Hopper kernel can run these inputs, else the reason it cannot."""
     if not gluon_available():
-        return f"gluon unavailable ({GLUON_IMPORT_ERROR!r})"
+        return f"gluon unavailable with Triton {triton_version()} ({GLUON_IMPORT_ERROR!r})"
     if torch is None or not isinstance(q, torch.Tensor):
         return "inputs are not torch tensors (the Hopper path launches through torch)"
     if not q.is_cuda or not is_hopper(q.device):
@@ -166,10 +168,12 @@ def choose_prefill_impl(
     kv_quant: object = None,
 ) -> str:
     """``"hopper"`` or ``"portable"``: ``impl`` if given, else ``FDFLEET_PREFILL_KERNEL``; ``auto`` picks
-    the Hopper kernel when :func:`supported` and no portable ``prefill_config`` was asked for.
-    ``hopper`` on inputs it cannot run raises ``ValueError`` with the reason. ``kv_quant``: the cache's
-    quantized format (``kvcache/quant.py``), which only the portable prefill reads: ``auto`` picks it,
-    ``hopper`` raises ``ValueError`` naming the setting."""
+    the Hopper kernel when :func:`supported`, the installed Triton is a tested release
+    (:func:`.hopper_support.triton_blocks`: else one WARNING) and no portable ``prefill_config`` was asked
+    for. ``hopper`` on inputs it cannot run, or on a Triton it does not compile with, raises
+    ``ValueError`` with the reason. ``kv_quant``: the cache's quantized format (``kvcache/quant.py``),
+    which only the portable prefill reads: ``auto`` picks it, ``hopper`` raises ``ValueError`` naming
+    the setting."""
     from .. import envs
 
     choice = impl if impl is not None else envs.prefill_kernel()
@@ -186,7 +190,7 @@ def choose_prefill_impl(
                 f"(kv_cache_quant_type={name!r}); use FDFLEET_PREFILL_KERNEL=auto or portable"
             )
         return "portable"
-    why = supported(q, key_cache, value_cache)
+    why = supported(q, key_cache, value_cache) or triton_blocks(choice)  # the Triton: hopper_support.py
     if why is None:
         return "hopper"
     if choice == "hopper":
@@ -196,6 +200,10 @@ def choose_prefill_impl(
 
 if GLUON_IMPORT_ERROR is None:
     CHUNK_C = gl.constexpr(CHUNK)
+    # the copies' names: Triton 3.6's async_copy_global_to_shared became async_load (same arguments) in
+    # later releases, which keep the old name only to raise
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @gluon.jit
     def _page_entry(
@@ -344,7 +352,7 @@ if GLUON_IMPORT_ERROR is None:
                         absent = absent | (page < 0)
                         row = (gl.maximum(page, 0) * BS + (key0 + i * BOX) % BS).to(gl.int32)
                         for c in gl.static_range(DQK // CHUNK_C):
-                            tma.async_copy_global_to_shared(
+                            _tma_load(
                                 k_desc, [row, c * CHUNK_C], k_ready.index(s),
                                 k_bufs.index(s * NQC + c * CHUNK_C // QKC).slice(i * BOX, BOX, dim=0)
                                 .slice(c * CHUNK_C % QKC, CHUNK_C, dim=1),
@@ -388,7 +396,7 @@ if GLUON_IMPORT_ERROR is None:
                                 page = page * HKV + kvh
                             row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
                             for c in gl.static_range(DV // CHUNK_C):
-                                tma.async_copy_global_to_shared(
+                                _tma_load(
                                     v_desc, [row, c * CHUNK_C], v_own.index(0),
                                     vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
                                 )  # fmt: skip
@@ -407,7 +415,7 @@ if GLUON_IMPORT_ERROR is None:
                                 page = page * HKV + kvh
                             row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
                             for c in gl.static_range(DV // CHUNK_C):
-                                tma.async_copy_global_to_shared(
+                                _tma_load(
                                     v_desc, [row, c * CHUNK_C], v_ready.index(s),
                                     vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
                                 )  # fmt: skip
@@ -449,7 +457,7 @@ if GLUON_IMPORT_ERROR is None:
                 q_ptrs = Q + q_rows + gl.expand_dims(c * QKC + offs_q, 0)
                 dst = q_bufs.index(qs * NQC + c).slice(r0, ROWS, dim=0)
                 if Q_ASYNC:
-                    async_copy.async_copy_global_to_shared(dst, q_ptrs, mask=q_ok)
+                    _cp_async(dst, q_ptrs, mask=q_ok)
                 else:
                     dst.store(gl.load(q_ptrs, mask=q_ok, other=0.0))
         if Q_ASYNC:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -121,6 +122,44 @@ _TINY: dict[str, dict[str, Any]] = {
 def _check_arch(arch: str) -> None:
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+
+
+#: the PaddleFormers release an architecture needs here where it is newer than the ``paddleformers``
+#: extra's floor (1.1.1, FastDeploy's; beside FastDeploy pip takes 1.1.1, which keeps transformers < 5):
+#: 1.1.x's deepseek_v3 model imports ``paddle.distributed.communication.deep_ep``, which the CPU
+#: paddlepaddle builds lack (a GPU build that has it builds the model on 1.1.x too)
+MIN_PADDLEFORMERS: dict[str, str] = {"deepseek_v3": "1.2.0"}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``(major, minor, micro)`` of a version string (``1.2.0.post1`` -> ``(1, 2, 0)``)."""
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def arch_unavailable(arch: str) -> str | None:
+    """``None`` when the installed PaddleFormers builds ``arch`` here, else why not, naming the release
+    (:data:`MIN_PADDLEFORMERS`; a release below it whose model module imports anyway builds it)."""
+    import importlib.metadata
+
+    _check_arch(arch)
+    need = MIN_PADDLEFORMERS.get(arch)
+    try:
+        have = importlib.metadata.version("paddleformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "PaddleFormers is not installed (the `paddleformers` extra)"
+    if need is None or _release(have) >= _release(need):
+        return None
+    if arch == "deepseek_v3":
+        ensure_paddlefleet_ops()
+    try:
+        importlib.import_module(f"paddleformers.transformers.{arch}.modeling")
+    except ImportError as e:
+        return (
+            f"PaddleFormers {have}'s {arch} model does not import here ({e}): {arch} needs PaddleFormers "
+            f">= {need} (which needs transformers >= 5: not beside FastDeploy) or a paddle build with "
+            "that module"
+        )
+    return None
 
 
 def ensure_paddlefleet_ops() -> bool:
@@ -232,6 +271,9 @@ def build_twins(config: Any, seed: int = 0) -> tuple[Any, Any]:
 
     arch = str(getattr(config, "model_type", ""))
     _check_arch(arch)
+    why = arch_unavailable(arch)
+    if why is not None:
+        raise ValueError(why)
     if arch == "deepseek_v3":
         ensure_paddlefleet_ops()
     from paddleformers.transformers import AutoModelForCausalLM
