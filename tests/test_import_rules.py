@@ -161,3 +161,14 @@ def test_kernel_modules_import_without_paddle(name):
     code = f"import sys\nsys.modules['paddle'] = None\nimport {name}\nprint('ok')\n"
     r = _run(code)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"{name}: {r.stderr[-2000:]}"
+
+
+def test_prefix_rule_is_stdlib_only():
+    """``kvcache/prefix.py`` (window-aware prefix matching) imports the standard library only."""
+    path = PACKAGE / "kvcache" / "prefix.py"
+    bad = [
+        f"{line} {m}"
+        for line, m in imported_modules(path)
+        if m.startswith(".") or (m != "__future__" and _root(m) not in sys.stdlib_module_names)
+    ]
+    assert not bad, "kvcache/prefix.py must import the standard library only: " + ", ".join(bad)
