@@ -571,13 +571,13 @@ def test_fastdeploy_flags_cap_and_off(capsys, monkeypatch):
 
 def test_fastdeploy_flags_mimo_off_uses_the_uniform_shape(capsys, monkeypatch):
     """MiMo-V2-Flash-like without recycling: FastDeploy's one cache shape sizes every layer like the
-    widest (8 kv heads, qk 192 / v 128), so the override is what that shape buys, not the per-layer
+    widest: 8 kv heads and ONE head dim for K and V (192, the v 128 padded), so the override is what that shape buys, not the per-layer
     count (which would over-commit the memory)."""
     monkeypatch.setenv("FDFLEET_KV_RECYCLE", "off")
     d = plan_json(capsys, "mimo-v2-flash-like")
     layers = d["layers"]
     hkv = max(x["num_kv_heads"] for x in layers)
-    dims = max(x["qk_head_dim"] for x in layers) + max(x["v_head_dim"] for x in layers)
+    dims = 2 * max(max(x["qk_head_dim"], x["v_head_dim"]) for x in layers)
     uniform_block = len(layers) * hkv * 64 * dims * 2
     f = d["fastdeploy_flags"]
     assert f["num_gpu_blocks_override"] == 40 * 2**30 // uniform_block
