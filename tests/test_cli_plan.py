@@ -570,9 +570,9 @@ def test_fastdeploy_flags_cap_and_off(capsys, monkeypatch):
 
 
 def test_fastdeploy_flags_mimo_off_uses_the_uniform_shape(capsys, monkeypatch):
-    """MiMo-V2-Flash-like without recycling: FastDeploy's one cache shape sizes every layer like the
-    widest: 8 kv heads and ONE head dim for K and V (192, the v 128 padded), so the override is what that shape buys, not the per-layer
-    count (which would over-commit the memory)."""
+    """MiMo-V2-Flash-like without recycling: FastDeploy's one cache shape sizes every layer like
+    the widest, 8 kv heads and ONE head dim for K and V (192, the v 128 padded), so the override is
+    what that shape buys, not the per-layer count (which would over-commit the memory)."""
     monkeypatch.setenv("FDFLEET_KV_RECYCLE", "off")
     d = plan_json(capsys, "mimo-v2-flash-like")
     layers = d["layers"]

@@ -39,7 +39,7 @@ from ..kvcache.pools import PoolLayout, budget_blocks, capacity
 from ..kvcache.quant import ALIASES, FORMATS, kv_cache_quant
 from ..plan import AttentionPlan, LayerAttention, load_config, plan_from_config
 from ..presets import list_presets
-from ..serving.cache_views import uniform_budget
+from ..serving.cache_views import uniform_budget, uniform_cost
 from ..serving.checks import check_quantization
 from ..serving.kv_recycling.protocol import layout_from_plans, merge_tp_plans
 from ..serving.kv_recycling.report import (
@@ -561,23 +561,52 @@ def format_flags(f: FastDeployFlags) -> str:
 
 
 def flags_for(
-    args: argparse.Namespace, budget: KVBudget, contexts: tuple[int, ...], recycle: str
+    source: Any,
+    tp: int,
+    tp_rank: int,
+    block_size: int,
+    dtype: str,
+    memory_gib: float,
+    contexts: tuple[int, ...],
+    *,
+    max_model_len: int | None,
+    max_num_batched_tokens: int,
+    recycle: str,
+    kv_cache_quant: str | None = None,
 ) -> FastDeployFlags:
-    """:func:`fastdeploy_flags` for the CLI's arguments."""
-    plans = [plan_from_config(args.source, tp_size=args.tp, tp_rank=r) for r in range(args.tp)]
-    layout = layout_from_plans(merge_tp_plans(plans), args.block_size).pool
-    uniform = uniform_budget(plans[args.tp_rank], budget)["bytes_per_block_uniform"]
+    """:func:`fastdeploy_flags` for ``source`` (``plan_from_config``'s input) over ``tp`` ranks: the
+    pool every rank agrees on, FastDeploy's one cache shape of rank ``tp_rank``."""
+    plans = [plan_from_config(source, tp_size=tp, tp_rank=r) for r in range(tp)]
+    layout = layout_from_plans(merge_tp_plans(plans), block_size).pool
+    uniform = uniform_cost(plans[tp_rank], dtype, kv_cache_quant).bytes_per_token_uniform * block_size
     return fastdeploy_flags(
         layout,
         uniform,
-        int(args.memory_gib * GIB),
-        args.dtype,
+        int(memory_gib * GIB),
+        dtype,
         contexts,
-        max_model_len=args.max_model_len or max(contexts),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        tensor_parallel_size=args.tp,
+        max_model_len=max_model_len or max(contexts),
+        max_num_batched_tokens=max_num_batched_tokens,
+        tensor_parallel_size=tp,
         recycle=recycle,
-        kv_cache_quant=args.kv_cache_quant,
+        kv_cache_quant=kv_cache_quant,
+    )
+
+
+def fastdeploy_flags_for_preset(preset: str, settings: Any) -> FastDeployFlags:
+    """:func:`flags_for` at TP 1 for ``settings`` (``cli.figures.Settings``: the docs' figures)."""
+    return flags_for(
+        preset,
+        1,
+        0,
+        settings.block_size,
+        settings.dtype,
+        settings.memory_gib,
+        settings.contexts,
+        max_model_len=None,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        recycle=settings.recycle,
+        kv_cache_quant=settings.kv_cache_quant,
     )
 
 
@@ -629,7 +658,19 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_quant=args.kv_cache_quant,
     )
     warnings = serving_refusals(raw) + capacity_warnings(raw, plan, budget, args) + pools_warnings(pools)
-    flags = flags_for(args, budget, contexts, recycle)
+    flags = flags_for(
+        args.source,
+        args.tp,
+        args.tp_rank,
+        args.block_size,
+        args.dtype,
+        args.memory_gib,
+        contexts,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        recycle=recycle,
+        kv_cache_quant=args.kv_cache_quant,
+    )
     if args.json:
         out = plan_json(plan.source, plan, budget, warnings, pools)
         out["recycle"] = {"value": recycle, "source": recycle_source, "in_effect": flags.recycling}
