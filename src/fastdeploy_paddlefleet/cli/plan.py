@@ -24,6 +24,17 @@ one byte per element plus, for ``block_wise_fp8``, a K and a V scale per token a
 FastDeploy's ``--dtype`` is the model's dtype and a quantized cache is chosen by
 ``kv_cache_quant_type``, whose formats differ in bytes (dynamic scales) and in what they need
 (calibrated checkpoint scales), so an alias would have to guess.
+
+The window recycling report names the ``FDFLEET_KV_RECYCLE`` value in effect and where it came
+from (the environment or the default); ``off`` shows what recycling would give. Last, the
+"FastDeploy flags" section (``--json``: ``fastdeploy_flags``) gives the command line serving the
+planned configuration: ``--num-gpu-blocks-override`` (the memory at the serving side's price per
+block, ``kvcache.pools``), ``--max-num-seqs`` (the requests of the shortest ``--context`` held at
+once, within FastDeploy's ``[1, 512]``), ``--block-size``, ``--max-model-len``,
+``--max-num-batched-tokens``, ``--tensor-parallel-size``, ``--quantization`` (``mix_quant`` with
+``kv_cache_quant_type``) for ``--kv-cache-quant``, ``FD_PLUGINS=paddlefleet`` and ``--model-impl
+paddlefleet``. The figures README and the docs quote are generated from the same functions
+(``cli/figures.py``).
 """
 
 from __future__ import annotations
