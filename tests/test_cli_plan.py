@@ -582,3 +582,15 @@ def test_fastdeploy_flags_mimo_off_uses_the_uniform_shape(capsys, monkeypatch):
     f = d["fastdeploy_flags"]
     assert f["num_gpu_blocks_override"] == 40 * 2**30 // uniform_block
     assert f["num_gpu_blocks_override"] < d["pools"]["fastdeploy_num_blocks"]
+
+
+def test_fastdeploy_flags_nothing_to_recycle_keeps_the_env_value(capsys, monkeypatch):
+    """tiny-mla slides nowhere: the flags keep FDFLEET_KV_RECYCLE as set (auto) and count
+    FastDeploy's one cache shape (every layer's key and value at the widest head dim)."""
+    monkeypatch.delenv("FDFLEET_KV_RECYCLE", raising=False)
+    d = plan_json(capsys, "tiny-mla")
+    f = d["fastdeploy_flags"]
+    assert f["env"]["FDFLEET_KV_RECYCLE"] == "auto" and f["recycling"] is False
+    assert f["block_bytes"] == d["kv_cache"]["fastdeploy_uniform"]["bytes_per_block_uniform"]
+    assert f["num_gpu_blocks_override"] == 40 * 2**30 // f["block_bytes"]
+    assert d["recycle"] == {"value": "auto", "source": "default", "in_effect": False}

@@ -420,6 +420,7 @@ class FastDeployFlags:
     ``max_num_batched_tokens`` (``FDConfig.check``). ``notes``: why a number was capped.
     """
 
+    recycle: str
     recycling: bool
     kv_memory_bytes: int
     num_gpu_blocks_override: int
@@ -465,7 +466,7 @@ class FastDeployFlags:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "env": {"FD_PLUGINS": "paddlefleet", RECYCLE_VAR: "auto" if self.recycling else "off"},
+            "env": {"FD_PLUGINS": "paddlefleet", RECYCLE_VAR: self.recycle},
             "model_impl": "paddlefleet",
             "tensor_parallel_size": self.tensor_parallel_size,
             "block_size": self.block_size,
@@ -535,6 +536,7 @@ def fastdeploy_flags(
             f"({max_model_len} * {seqs}): lower --max-num-batched-tokens"
         )
     return FastDeployFlags(
+        recycle=recycle,
         recycling=recycling,
         kv_memory_bytes=memory_bytes,
         num_gpu_blocks_override=blocks,
@@ -554,8 +556,13 @@ def fastdeploy_flags(
 def format_flags(f: FastDeployFlags) -> str:
     """The "FastDeploy flags" section: the environment and the server arguments, one command."""
     quant = f" --quantization '{f.quantization}'" if f.quantization is not None else ""
-    env = f"FD_PLUGINS=paddlefleet {RECYCLE_VAR}={'auto' if f.recycling else 'off'}"
-    how = "the pool's price, recycling on" if f.recycling else "FastDeploy's one cache shape, no recycling"
+    env = f"FD_PLUGINS=paddlefleet {RECYCLE_VAR}={f.recycle}"
+    if f.recycling:
+        how = "the pool's price, recycling on"
+    elif f.recycle == "off":
+        how = "FastDeploy's one cache shape, recycling off"
+    else:
+        how = "FastDeploy's one cache shape: nothing slides on every rank, nothing to recycle"
     lines = [
         "FastDeploy flags (per rank: the KV memory above pinned as a block count; FastDeploy then skips "
         "profiling, so --gpu-memory-utilization does not size the cache):",
