@@ -44,7 +44,16 @@ def test_gpt_oss_json_subprocess():
     r = fdfleet("plan", "gpt-oss-20b", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert set(d) == {"source", "convention", "layers", "kv_cache", "pools", "warnings"}
+    assert set(d) == {
+        "source",
+        "convention",
+        "layers",
+        "kv_cache",
+        "pools",
+        "warnings",
+        "recycle",
+        "fastdeploy_flags",
+    }
     # issue 18: the recycling pool beside FastDeploy's accounting (gpt-oss: half the layers slide)
     (row,) = d["pools"]["contexts"]
     assert row["context"] == 8192 and row["fastdeploy_requests"] < row["recycling_requests"]
@@ -458,3 +467,130 @@ def test_block_wise_fp8_recycling_never_serves_fewer(capsys, preset):
         assert r["fastdeploy_requests"] == quant_fd_reference(d["layers"], r["context"]), r
         assert r["recycling_requests"] >= r["fastdeploy_requests"] >= 1, r
     assert d["pools"]["min_gpu_blocks"] <= d["pools"]["fastdeploy_min_gpu_blocks"]
+
+
+# -- issue 33: the FDFLEET_KV_RECYCLE in effect, the FastDeploy flags, the quantized cache's format
+
+
+@pytest.mark.parametrize(
+    "env,value,source",
+    [(None, "auto", "default"), ("", "auto", "default"), ("off", "off", "env"), (" AUTO ", "auto", "env")],
+)
+def test_header_shows_the_recycle_value_in_effect(capsys, monkeypatch, env, value, source):
+    if env is None:
+        monkeypatch.delenv("FDFLEET_KV_RECYCLE", raising=False)
+    else:
+        monkeypatch.setenv("FDFLEET_KV_RECYCLE", env)
+    assert main(["plan", "gpt-oss-20b"]) == 0
+    out = capsys.readouterr().out
+    where = "from the environment" if source == "env" else "the default"
+    assert f"Window recycling (FDFLEET_KV_RECYCLE={value}, {where})" in out
+    assert value == "auto" or "FDFLEET_KV_RECYCLE=auto" not in out
+    assert ("OFF" in out) == (value == "off")
+    d = plan_json(capsys, "gpt-oss-20b")
+    assert d["recycle"] == {"value": value, "source": source, "in_effect": value == "auto"}
+    assert d["fastdeploy_flags"]["env"]["FDFLEET_KV_RECYCLE"] == value
+
+
+def test_bad_recycle_value_exits_2(monkeypatch):
+    r = subprocess.run(
+        [sys.executable, "-m", "fastdeploy_paddlefleet.cli", "plan", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "FDFLEET_KV_RECYCLE": "sometimes"},
+    )
+    assert r.returncode == 2 and "FDFLEET_KV_RECYCLE" in r.stderr and "'sometimes'" in r.stderr
+
+
+def test_quant_text_names_the_format_and_counts_scales(capsys):
+    """block_wise_fp8 at gpt-oss-20b: 24 layers x 8 kv heads x (64 + 64) codes + 2 bf16 scales per
+    token and kv head = 24 * 8 * (128 + 4) = 25344 bytes per token (bf16: 49152)."""
+    assert main(["plan", "gpt-oss-20b", "--kv-cache-quant", "block_wise_fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache per rank (block_wise_fp8 codes, bf16 model" in out
+    assert "(block_wise_fp8 cache, codes and scales counted)" in out
+    d = plan_json(capsys, "gpt-oss-20b", "--kv-cache-quant", "block_wise_fp8")
+    assert d["kv_cache"]["bytes_per_token"] == 24 * 8 * (128 + 4) == 25344
+    # a FastDeploy block of 64 tokens: 64 * 25344 bytes; 40 GiB buy 40 * 2**30 // 1622016 of them
+    assert d["pools"]["fastdeploy_num_blocks"] == 40 * 2**30 // (64 * 25344) == 26479
+    assert d["fastdeploy_flags"]["num_gpu_blocks_override"] == 26479
+    assert d["fastdeploy_flags"]["quantization"] == {
+        "quantization": "mix_quant",
+        "kv_cache_quant_type": "block_wise_fp8",
+    }
+
+
+def test_fastdeploy_flags_gpt_oss_by_hand(capsys):
+    """gpt-oss-20b, 40 GiB, block 64, bf16, 8192 tokens, by hand: a FastDeploy block is 24 layers x
+    8 kv heads x 64 tokens x (64 + 64) x 2 bytes = 3 MiB, 40 GiB buy 13653. A request of 8192
+    tokens with the 2-block + 12-slot look-ahead holds ceil(8332 / 64) = 131 blocks of full layers
+    (131 pages) and, on the sliding lane, the blocks of [8192 - 127, 8332): 64 // 64 .. 130 = 5
+    pages: 136 pages. The pool has 2 * 13653 = 27306 pages, less one 8192-token prefill chunk (128
+    pages) on the sliding lane: (27306 - 128) // 136 = 199."""
+    d = plan_json(capsys, "gpt-oss-20b")
+    f = d["fastdeploy_flags"]
+    block = 24 * 8 * 64 * 128 * 2
+    assert block == 3 * 2**20 and f["block_bytes"] == block
+    assert f["num_gpu_blocks_override"] == 40 * 2**30 // block == 13653
+    pages = -(-(8192 + 2 * 64 + 12) // 64) + (130 - (8192 - 127) // 64 + 1)
+    assert pages == 136
+    assert f["supported_requests"] == (2 * 13653 - 8192 // 64) // pages == 199
+    assert f["max_num_seqs"] == 199
+    assert (f["block_size"], f["max_model_len"], f["max_num_batched_tokens"]) == (64, 8192, 8192)
+    assert f["env"] == {"FD_PLUGINS": "paddlefleet", "FDFLEET_KV_RECYCLE": "auto"}
+    assert f["quantization"] is None and f["model_impl"] == "paddlefleet"
+    argv = f["argv"]
+    pairs = dict(zip(argv[::2], argv[1::2], strict=True))
+    assert pairs == {
+        "--model-impl": "paddlefleet",
+        "--tensor-parallel-size": "1",
+        "--block-size": "64",
+        "--max-model-len": "8192",
+        "--max-num-batched-tokens": "8192",
+        "--max-num-seqs": "199",
+        "--num-gpu-blocks-override": "13653",
+    }
+    assert main(["plan", "gpt-oss-20b"]) == 0
+    out = capsys.readouterr().out
+    assert "FastDeploy flags" in out and "FD_PLUGINS=paddlefleet" in out
+    assert "--max-num-seqs 199 --num-gpu-blocks-override 13653" in out
+
+
+def test_fastdeploy_flags_cap_and_off(capsys, monkeypatch):
+    """Short requests: the memory holds thousands, FastDeploy's FDConfig.check caps max_num_seqs at
+    512; with FDFLEET_KV_RECYCLE=off the flags count FastDeploy's accounting (a 256-token request
+    with the 2-block + 12-slot look-ahead holds ceil(396 / 64) = 7 blocks: 13653 // 7 = 1950)."""
+    monkeypatch.setenv("FDFLEET_KV_RECYCLE", "off")
+    f = plan_json(capsys, "gpt-oss-20b", "--context", "256,8192")["fastdeploy_flags"]
+    assert f["recycling"] is False and f["env"]["FDFLEET_KV_RECYCLE"] == "off"
+    assert f["num_gpu_blocks_override"] == 13653 and f["context"] == 256
+    assert f["supported_requests"] == 13653 // -(-(256 + 2 * 64 + 12) // 64) == 1950
+    assert f["max_num_seqs"] == 512 and "512" in f["notes"][0]
+
+
+def test_fastdeploy_flags_mimo_off_uses_the_uniform_shape(capsys, monkeypatch):
+    """MiMo-V2-Flash-like without recycling: FastDeploy's one cache shape sizes every layer like
+    the widest, 8 kv heads and ONE head dim for K and V (192, the v 128 padded), so the override is
+    what that shape buys, not the per-layer count (which would over-commit the memory)."""
+    monkeypatch.setenv("FDFLEET_KV_RECYCLE", "off")
+    d = plan_json(capsys, "mimo-v2-flash-like")
+    layers = d["layers"]
+    hkv = max(x["num_kv_heads"] for x in layers)
+    dims = 2 * max(max(x["qk_head_dim"], x["v_head_dim"]) for x in layers)
+    uniform_block = len(layers) * hkv * 64 * dims * 2
+    f = d["fastdeploy_flags"]
+    assert f["num_gpu_blocks_override"] == 40 * 2**30 // uniform_block
+    assert f["num_gpu_blocks_override"] < d["pools"]["fastdeploy_num_blocks"]
+
+
+def test_fastdeploy_flags_nothing_to_recycle_keeps_the_env_value(capsys, monkeypatch):
+    """tiny-mla slides nowhere: the flags keep FDFLEET_KV_RECYCLE as set (auto) and count
+    FastDeploy's one cache shape (every layer's key and value at the widest head dim)."""
+    monkeypatch.delenv("FDFLEET_KV_RECYCLE", raising=False)
+    d = plan_json(capsys, "tiny-mla")
+    f = d["fastdeploy_flags"]
+    assert f["env"]["FDFLEET_KV_RECYCLE"] == "auto" and f["recycling"] is False
+    assert f["block_bytes"] == d["kv_cache"]["fastdeploy_uniform"]["bytes_per_block_uniform"]
+    assert f["num_gpu_blocks_override"] == 40 * 2**30 // f["block_bytes"]
+    assert d["recycle"] == {"value": "auto", "source": "default", "in_effect": False}

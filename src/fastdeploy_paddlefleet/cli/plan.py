@@ -24,6 +24,17 @@ one byte per element plus, for ``block_wise_fp8``, a K and a V scale per token a
 FastDeploy's ``--dtype`` is the model's dtype and a quantized cache is chosen by
 ``kv_cache_quant_type``, whose formats differ in bytes (dynamic scales) and in what they need
 (calibrated checkpoint scales), so an alias would have to guess.
+
+The window recycling report names the ``FDFLEET_KV_RECYCLE`` value in effect and where it came
+from (the environment or the default); ``off`` shows what recycling would give. Last, the
+"FastDeploy flags" section (``--json``: ``fastdeploy_flags``) gives the command line serving the
+planned configuration: ``--num-gpu-blocks-override`` (the memory at the serving side's price per
+block, ``kvcache.pools``), ``--max-num-seqs`` (the requests of the shortest ``--context`` held at
+once, within FastDeploy's ``[1, 512]``), ``--block-size``, ``--max-model-len``,
+``--max-num-batched-tokens``, ``--tensor-parallel-size``, ``--quantization`` (``mix_quant`` with
+``kv_cache_quant_type``) for ``--kv-cache-quant``, ``FD_PLUGINS=paddlefleet`` and ``--model-impl
+paddlefleet``. The figures README and the docs quote are generated from the same functions
+(``cli/figures.py``).
 """
 
 from __future__ import annotations
@@ -31,14 +42,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from typing import Any
 
-from ..kvcache.layout import KVBudget, format_bytes, kv_budget
+from ..kvcache.layout import GIB, KVBudget, format_bytes, kv_budget
+from ..kvcache.pools import PoolLayout, budget_blocks, capacity
 from ..kvcache.quant import ALIASES, FORMATS, kv_cache_quant
 from ..plan import AttentionPlan, LayerAttention, load_config, plan_from_config
 from ..presets import list_presets
-from ..serving.cache_views import uniform_budget
+from ..serving.cache_views import uniform_budget, uniform_cost
 from ..serving.checks import check_quantization
+from ..serving.kv_recycling.protocol import layout_from_plans, merge_tp_plans
 from ..serving.kv_recycling.report import (
     NOTHING_TO_RECYCLE,
     REPORT_BATCHED_TOKENS,
@@ -334,7 +348,6 @@ def format_budget(b: KVBudget) -> str:
     spread = format_bytes(sizes[0])
     if len(sizes) > 1:
         spread += f" to {format_bytes(sizes[-1])}"
-    gain = f" (x{b.max_requests_recycled / b.max_requests:.2f})" if b.max_requests else ""
     rows = [
         ("bytes/token", f"{format_bytes(b.bytes_per_token)} ({spread} per layer)"),
         (f"blocks in {b.memory_gib:g} GiB", f"{b.num_blocks} ({format_bytes(b.bytes_per_block)} per block)"),
@@ -345,8 +358,8 @@ def format_budget(b: KVBudget) -> str:
         ),
         (
             "max requests",
-            f"{b.max_requests} without recycling, {b.max_requests_recycled} with recycling{gain}, "
-            f"{b.max_requests_recycled_equal_pools} with recycling in equal per-layer pools",
+            f"{b.max_requests} (every layer keeps every block, no look-ahead; FastDeploy's accounting "
+            "and recycling's: the window recycling report)",
         ),
     ]
     what = b.dtype if b.kv_cache_quant is None else f"{b.kv_cache_quant} codes, {b.dtype} model"
@@ -377,6 +390,244 @@ def format_uniform(u: dict[str, Any], b: KVBudget) -> str:
     return "\n".join([head] + [f"  {label:<18} {value}" for label, value in rows])
 
 
+#: FastDeploy's ``FDConfig.check``: ``1 <= max_num_seqs <= 512``
+FASTDEPLOY_MAX_NUM_SEQS = 512
+#: the ``FDFLEET_KV_RECYCLE`` values (``envs.KV_RECYCLE_MODES``)
+RECYCLE_VAR = "FDFLEET_KV_RECYCLE"
+
+
+def recycle_setting() -> tuple[str, str]:
+    """``(value, source)``: the ``FDFLEET_KV_RECYCLE`` value in effect (``envs.kv_recycle``, strict
+    parsing: ``ValueError`` naming the variable and the value) and where it came from, ``env`` or
+    ``default`` (unset or empty)."""
+    from .. import envs
+
+    value = envs.kv_recycle()
+    raw = os.environ.get(RECYCLE_VAR)
+    return value, "env" if raw is not None and raw.strip() else "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class FastDeployFlags:
+    """What to pass FastDeploy for the planned configuration (one rank's KV memory).
+
+    ``num_gpu_blocks_override``: the blocks ``kv_memory_bytes`` buys at the price the serving side
+    pays per block: the pool's (:func:`kvcache.pools.budget_blocks`, what the plugin's runner
+    allocates) with recycling, FastDeploy's one cache shape for every layer without.
+    ``supported_requests``: the most requests of the shortest ``contexts`` entry held at once in
+    those blocks (:func:`kvcache.pools.capacity`: recycling's count, or FastDeploy's accounting);
+    ``max_num_seqs`` is that, within FastDeploy's ``[1, 512]`` and at most
+    ``max_num_batched_tokens`` (``FDConfig.check``). ``notes``: why a number was capped.
+    """
+
+    recycle: str
+    recycling: bool
+    kv_memory_bytes: int
+    num_gpu_blocks_override: int
+    block_bytes: int
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    tensor_parallel_size: int
+    context: int
+    supported_requests: int
+    max_num_seqs: int
+    kv_cache_quant: str | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def quantization(self) -> str | None:
+        """``--quantization``'s JSON for a quantized cache (FastDeploy's ``mix_quant``)."""
+        if self.kv_cache_quant is None:
+            return None
+        return json.dumps({"quantization": "mix_quant", "kv_cache_quant_type": self.kv_cache_quant})
+
+    def argv(self) -> list[str]:
+        """The FastDeploy server arguments, in order (``--quantization``'s JSON one item)."""
+        out = [
+            "--model-impl",
+            "paddlefleet",
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--num-gpu-blocks-override",
+            str(self.num_gpu_blocks_override),
+        ]
+        if self.quantization is not None:
+            out += ["--quantization", self.quantization]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "env": {"FD_PLUGINS": "paddlefleet", RECYCLE_VAR: self.recycle},
+            "model_impl": "paddlefleet",
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "num_gpu_blocks_override": self.num_gpu_blocks_override,
+            "quantization": None if self.quantization is None else json.loads(self.quantization),
+            "kv_memory_bytes": self.kv_memory_bytes,
+            "block_bytes": self.block_bytes,
+            "recycling": self.recycling,
+            "context": self.context,
+            "supported_requests": self.supported_requests,
+            "notes": list(self.notes),
+            "argv": self.argv(),
+        }
+
+
+def fastdeploy_flags(
+    layout: PoolLayout,
+    uniform_block_bytes: int,
+    memory_bytes: int,
+    dtype: str,
+    contexts: tuple[int, ...],
+    *,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    tensor_parallel_size: int,
+    recycle: str,
+    kv_cache_quant: str | None = None,
+) -> FastDeployFlags:
+    """:class:`FastDeployFlags` for ``layout`` (the pool every rank agrees on) in ``memory_bytes`` of
+    KV memory per rank; ``uniform_block_bytes``: FastDeploy's price of one block in its one cache
+    shape (used when recycling is off or nothing slides). ``ValueError`` names a bad value."""
+    if recycle not in ("auto", "off"):
+        raise ValueError(f"recycle={recycle!r}: expected 'auto' or 'off'")
+    if isinstance(uniform_block_bytes, bool) or not isinstance(uniform_block_bytes, int):
+        raise TypeError(f"uniform_block_bytes={uniform_block_bytes!r}: expected an int")
+    if uniform_block_bytes < 1:
+        raise ValueError(f"uniform_block_bytes={uniform_block_bytes!r}: expected an int >= 1")
+    if not contexts:
+        raise ValueError("contexts=(): expected at least one request length")
+    recycling = recycle == "auto" and layout.slides
+    if recycling:
+        price = layout.block_bytes(dtype, kv_cache_quant)
+        blocks = budget_blocks(layout, memory_bytes, dtype, kv_cache_quant)
+    else:
+        price = uniform_block_bytes
+        blocks = memory_bytes // price
+    context = min(contexts)
+    cap = capacity(layout, blocks, context, max_num_batched_tokens=max_num_batched_tokens)
+    supported = cap.recycling_requests if recycling else cap.fastdeploy_requests
+    seqs = max(1, min(supported, FASTDEPLOY_MAX_NUM_SEQS, max_num_batched_tokens))
+    notes = []
+    if supported > seqs:
+        why = (
+            f"FastDeploy's limit of {FASTDEPLOY_MAX_NUM_SEQS}"
+            if seqs == FASTDEPLOY_MAX_NUM_SEQS
+            else f"--max-num-batched-tokens {max_num_batched_tokens}"
+        )
+        notes.append(f"the memory holds {supported} requests of {context} tokens; capped at {why}")
+    if supported == 0:
+        notes.append(f"the memory holds no request of {context} tokens: FastDeploy will not serve one")
+    if max_num_batched_tokens > max_model_len * seqs:
+        notes.append(
+            f"FastDeploy requires max_num_batched_tokens <= max_model_len * max_num_seqs "
+            f"({max_model_len} * {seqs}): lower --max-num-batched-tokens"
+        )
+    return FastDeployFlags(
+        recycle=recycle,
+        recycling=recycling,
+        kv_memory_bytes=memory_bytes,
+        num_gpu_blocks_override=blocks,
+        block_bytes=price,
+        block_size=layout.block_size,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        tensor_parallel_size=tensor_parallel_size,
+        context=context,
+        supported_requests=supported,
+        max_num_seqs=seqs,
+        kv_cache_quant=kv_cache_quant,
+        notes=tuple(notes),
+    )
+
+
+def format_flags(f: FastDeployFlags) -> str:
+    """The "FastDeploy flags" section: the environment and the server arguments, one command."""
+    quant = f" --quantization '{f.quantization}'" if f.quantization is not None else ""
+    env = f"FD_PLUGINS=paddlefleet {RECYCLE_VAR}={f.recycle}"
+    if f.recycling:
+        how = "the pool's price, recycling on"
+    elif f.recycle == "off":
+        how = "FastDeploy's one cache shape, recycling off"
+    else:
+        how = "FastDeploy's one cache shape: nothing slides on every rank, nothing to recycle"
+    lines = [
+        "FastDeploy flags (per rank: the KV memory above pinned as a block count; FastDeploy then skips "
+        "profiling, so --gpu-memory-utilization does not size the cache):",
+        f"  {env} python -m fastdeploy.entrypoints.openai.api_server --model MODEL "
+        + " ".join(f.argv()[:-2] if quant else f.argv())
+        + quant,
+        f"  --num-gpu-blocks-override {f.num_gpu_blocks_override}: {format_bytes(f.kv_memory_bytes)} // "
+        f"{format_bytes(f.block_bytes)} per block ({how})",
+        f"  --max-num-seqs {f.max_num_seqs}: requests of {f.context} tokens held at once "
+        f"({f.supported_requests} fit)",
+    ]
+    lines += [f"  note: {n}" for n in f.notes]
+    return "\n".join(lines)
+
+
+def flags_for(
+    source: Any,
+    tp: int,
+    tp_rank: int,
+    block_size: int,
+    dtype: str,
+    memory_gib: float,
+    contexts: tuple[int, ...],
+    *,
+    max_model_len: int | None,
+    max_num_batched_tokens: int,
+    recycle: str,
+    kv_cache_quant: str | None = None,
+) -> FastDeployFlags:
+    """:func:`fastdeploy_flags` for ``source`` (``plan_from_config``'s input) over ``tp`` ranks: the
+    pool every rank agrees on, FastDeploy's one cache shape of rank ``tp_rank``."""
+    plans = [plan_from_config(source, tp_size=tp, tp_rank=r) for r in range(tp)]
+    layout = layout_from_plans(merge_tp_plans(plans), block_size).pool
+    uniform = uniform_cost(plans[tp_rank], dtype, kv_cache_quant).bytes_per_token_uniform * block_size
+    return fastdeploy_flags(
+        layout,
+        uniform,
+        int(memory_gib * GIB),
+        dtype,
+        contexts,
+        max_model_len=max_model_len or max(contexts),
+        max_num_batched_tokens=max_num_batched_tokens,
+        tensor_parallel_size=tp,
+        recycle=recycle,
+        kv_cache_quant=kv_cache_quant,
+    )
+
+
+def fastdeploy_flags_for_preset(preset: str, settings: Any) -> FastDeployFlags:
+    """:func:`flags_for` at TP 1 for ``settings`` (``cli.figures.Settings``: the docs' figures)."""
+    return flags_for(
+        preset,
+        1,
+        0,
+        settings.block_size,
+        settings.dtype,
+        settings.memory_gib,
+        settings.contexts,
+        max_model_len=None,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        recycle=settings.recycle,
+        kv_cache_quant=settings.kv_cache_quant,
+    )
+
+
 def checked_contexts(args: argparse.Namespace) -> tuple[int, ...]:
     """``--context`` checked against ``--max-model-len`` and ``--block-size`` (``report.check_contexts``):
     a :class:`CliError` naming the flags and values otherwise."""
@@ -397,6 +648,10 @@ def checked_contexts(args: argparse.Namespace) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     args.dtype = model_dtype(args.dtype)
+    try:
+        recycle, recycle_source = recycle_setting()
+    except ValueError as e:
+        raise CliError(str(e)) from e
     try:
         raw = load_config(args.source)
         plan = plan_from_config(args.source, tp_size=args.tp, tp_rank=args.tp_rank)
@@ -421,8 +676,24 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_quant=args.kv_cache_quant,
     )
     warnings = serving_refusals(raw) + capacity_warnings(raw, plan, budget, args) + pools_warnings(pools)
+    flags = flags_for(
+        args.source,
+        args.tp,
+        args.tp_rank,
+        args.block_size,
+        args.dtype,
+        args.memory_gib,
+        contexts,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        recycle=recycle,
+        kv_cache_quant=args.kv_cache_quant,
+    )
     if args.json:
-        print(json.dumps(plan_json(plan.source, plan, budget, warnings, pools)))
+        out = plan_json(plan.source, plan, budget, warnings, pools)
+        out["recycle"] = {"value": recycle, "source": recycle_source, "in_effect": flags.recycling}
+        out["fastdeploy_flags"] = flags.to_dict()
+        print(json.dumps(out))
         return 0
     head = f"{plan.source}: {len(plan)} layers, window convention {plan.convention}"
     if plan.tp_size > 1:
@@ -432,7 +703,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_budget(budget))
     print(format_uniform(uniform_budget(plan, budget), budget))
-    print(format_pools(pools))
+    print(format_pools(pools, recycle, recycle_source))
+    print(format_flags(flags))
     for line in warnings:
         print(f"WARNING: {line}")
     return 0

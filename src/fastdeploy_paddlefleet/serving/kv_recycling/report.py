@@ -332,10 +332,25 @@ def _ratio(r: float | None) -> str:
     return "-" if r is None else f"x{r:.2f}"
 
 
-def format_pools(report: PoolsReport | str) -> str:
+def recycle_head(recycle: str = "auto", source: str = "default") -> str:
+    """The report's first line, naming the ``FDFLEET_KV_RECYCLE`` value in effect and where it came
+    from (``env`` or ``default``): ``off`` says the figures below are what recycling would give."""
+    if recycle not in ("auto", "off"):
+        raise ValueError(f"recycle={recycle!r}: expected 'auto' or 'off'")
+    if source not in ("env", "default"):
+        raise ValueError(f"source={source!r}: expected 'env' or 'default'")
+    where = "from the environment" if source == "env" else "the default"
+    head = f"Window recycling (FDFLEET_KV_RECYCLE={recycle}, {where})"
+    if recycle == "off":
+        return head + ": OFF, FastDeploy's own accounting serves; one KV pool would give, same bytes:"
+    return head + ": one KV pool for every layer, same bytes:"
+
+
+def format_pools(report: PoolsReport | str, recycle: str = "auto", source: str = "default") -> str:
     """Text lines: the one pool's layout and, per context, FastDeploy's max concurrent requests
-    beside recycling's."""
-    head = "Window recycling (FDFLEET_KV_RECYCLE=auto): one KV pool for every layer, same bytes:"
+    beside recycling's, under :func:`recycle_head` (``recycle``, ``source``: the
+    ``FDFLEET_KV_RECYCLE`` value in effect and where it came from)."""
+    head = recycle_head(recycle, source)
     if not isinstance(report, str) and report.kv_cache_quant:
         head = head[:-1] + f" ({report.kv_cache_quant} cache, codes and scales counted):"
     if isinstance(report, str):
@@ -404,4 +419,5 @@ __all__ = [
     "group_summary",
     "pools_for",
     "pools_report",
+    "recycle_head",
 ]
