@@ -170,8 +170,9 @@ def test_lane_launches_what_the_views_launch(monkeypatch, gpu_like, name, valida
         ], kind
         if kind in ("prefill", "decode", "decode-fused"):
             assert args_v[3] == out_v.data_ptr() and args_l[3] == out_l.data_ptr()
-        if kind == "decode-fused":  # the new K/V's addresses and strides: the caller's k and v
-            assert args_l[-6:] == (k.data_ptr(), v.data_ptr(), *k.stride()[:2], *v.stride()[:2])
+        if kind == "decode-fused":  # the new K/V's addresses and strides: the caller's k and v, just
+            # before the (unused here) cache scales: two pointers and their four strides
+            assert args_l[-12:-6] == (k.data_ptr(), v.data_ptr(), *k.stride()[:2], *v.stride()[:2])
     assert type(out_l) is type(out_v) is (paddle.Tensor if framework == "paddle" else torch.Tensor)
     assert list(out_l.shape) == [q.shape[0], HQ * DV] and out_l.dtype == q.dtype
     assert out_l.data_ptr() != out_v.data_ptr()
