@@ -52,6 +52,27 @@ def fail(e: BaseException) -> int:
     return 2
 
 
+def device_problem(script: str, cpu_flag: str | None = None) -> str | None:
+    """What keeps ``script`` (a GPU benchmark) from running here, in one line naming what it needs,
+    or ``None``. ``cpu_flag``: the flag that runs it on a CPU under Triton's interpreter
+    (``TRITON_INTERPRET=1``, read when the kernels are decorated, so it must be set before the start);
+    pass it only when that flag is given."""
+    try:
+        import torch
+    except ImportError:
+        return f"{script} needs torch and triton: pip install -e '.[bench]'"
+    if torch.cuda.is_available():
+        return None
+    if cpu_flag is None:
+        return f"{script} needs a CUDA GPU (torch sees none)"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return (
+            f"{script} {cpu_flag} without a CUDA GPU needs Triton's CPU interpreter: "
+            f"run it as TRITON_INTERPRET=1 python {script} {cpu_flag}"
+        )
+    return None
+
+
 def in_results(path: str | os.PathLike) -> bool:
     """Whether ``path`` lies in the committed results directory."""
     resolved = Path(path).resolve()
