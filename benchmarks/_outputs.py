@@ -52,6 +52,17 @@ def fail(e: BaseException) -> int:
     return 2
 
 
+def give_up(fh: RecordFile | None, path: str | os.PathLike | None, existed: bool, problem: str) -> int:
+    """Close ``fh`` (from :func:`open_records` on ``path``) unused, remove the file when this run made
+    it (``existed`` false and still empty), print ``problem`` as the one error line: exit status 2."""
+    if fh is not None:
+        fh.close()
+        if not existed and path is not None and os.path.isfile(path) and os.path.getsize(path) == 0:
+            os.remove(path)
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
+
+
 def device_problem(script: str, cpu_flag: str | None = None) -> str | None:
     """What keeps ``script`` (a GPU benchmark) from running here, in one line naming what it needs,
     or ``None``. ``cpu_flag``: the flag that runs it on a CPU under Triton's interpreter

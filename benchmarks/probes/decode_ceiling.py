@@ -44,7 +44,7 @@ for _dir in (BENCH, HERE):
     if _dir not in sys.path:
         sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
-from _outputs import device_problem, fail, force_help, open_records, parse_tags  # noqa: E402
+from _outputs import device_problem, fail, force_help, give_up, open_records, parse_tags  # noqa: E402
 
 STAGES = (3, 4)  # pipeline depths of the plain reader; the best one is its figure
 #: ``--tiles``: decode tile shapes of ours beside the default, (block_n, warps, stages): 32-key tiles
@@ -276,15 +276,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", action="store_true", help="ours with the TILES and SPLITS variants too")
     ap.add_argument("--regs", action="store_true", help="ours with the REGS register caps too")
     args = ap.parse_args(argv)
-    problem = device_problem("benchmarks/probes/decode_ceiling.py", "--smoke" if args.smoke else None)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    existed = args.out is not None and os.path.lexists(args.out)
     try:
         tags = parse_tags(args.tag)
         fh = open_records(args.out, script="decode_ceiling", force=args.force)  # refused before any work
     except ValueError as e:
         return fail(e)
+    problem = device_problem("benchmarks/probes/decode_ceiling.py", "--smoke" if args.smoke else None)
+    if problem:
+        return give_up(fh, args.out, existed, problem)
     emit = A.emit
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)
     try:

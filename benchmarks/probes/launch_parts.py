@@ -42,7 +42,7 @@ for _dir in (BENCH, HERE):
         sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path; the trivial kernels)
 import host_python as HP  # noqa: E402  (lanes: which path each call took)
-from _outputs import device_problem, fail, force_help, open_records  # noqa: E402
+from _outputs import device_problem, fail, force_help, give_up, open_records  # noqa: E402
 
 C_SRC = r"""
 #define PY_SSIZE_T_CLEAN
@@ -162,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
     ap.add_argument("--wrappers", action="store_true", help="the one-shot wrappers' parts (docstring)")
     a = ap.parse_args(argv)
-    problem = device_problem("benchmarks/probes/launch_parts.py")
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    existed = a.out is not None and os.path.lexists(a.out)
     try:
         fh = open_records(a.out, script="launch_parts", force=a.force)  # refused before any work
     except ValueError as e:
         return fail(e)
+    problem = device_problem("benchmarks/probes/launch_parts.py")
+    if problem:
+        return give_up(fh, a.out, existed, problem)
     import torch
     from triton.runtime import driver
 
