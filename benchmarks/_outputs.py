@@ -52,6 +52,38 @@ def fail(e: BaseException) -> int:
     return 2
 
 
+def give_up(fh: RecordFile | None, path: str | os.PathLike | None, existed: bool, problem: str) -> int:
+    """Close ``fh`` (from :func:`open_records` on ``path``) unused, remove the file when this run made
+    it (``existed`` false and still empty), print ``problem`` as the one error line: exit status 2."""
+    if fh is not None:
+        fh.close()
+        if not existed and path is not None and os.path.isfile(path) and os.path.getsize(path) == 0:
+            os.remove(path)
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
+
+
+def device_problem(script: str, cpu_flag: str | None = None) -> str | None:
+    """What keeps ``script`` (a GPU benchmark) from running here, in one line naming what it needs,
+    or ``None``. ``cpu_flag``: the flag that runs it on a CPU under Triton's interpreter
+    (``TRITON_INTERPRET=1``, read when the kernels are decorated, so it must be set before the start);
+    pass it only when that flag is given."""
+    try:
+        import torch
+    except ImportError:
+        return f"{script} needs torch and triton: pip install -e '.[bench]'"
+    if torch.cuda.is_available():
+        return None
+    if cpu_flag is None:
+        return f"{script} needs a CUDA GPU (torch sees none)"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return (
+            f"{script} {cpu_flag} without a CUDA GPU needs Triton's CPU interpreter: "
+            f"run it as TRITON_INTERPRET=1 python {script} {cpu_flag}"
+        )
+    return None
+
+
 def in_results(path: str | os.PathLike) -> bool:
     """Whether ``path`` lies in the committed results directory."""
     resolved = Path(path).resolve()

@@ -46,6 +46,7 @@ from _outputs import (  # noqa: E402
     RecordFile,
     Refused,
     claim,
+    device_problem,
     fail,
     force_help,
     output_path,
@@ -1155,6 +1156,12 @@ def summary(records: list[dict]) -> list[dict]:
         if ours is None or peer is None:
             out.append({"target": target, "missing": True})
             return
+        if not (math.isfinite(ours) and math.isfinite(peer) and peer > 0):
+            # a zero or non-finite figure (a time below the timer's resolution at --smoke shapes, a
+            # failed peer): no ratio to compare, said so, instead of a ZeroDivisionError that used to
+            # end the run before the plot and leave only the records
+            out.append({"target": target, "ours": ours, "peer": peer, "missing": True, "no_ratio": True})
+            return
         ratio = ours / peer
         out.append(
             {
@@ -1292,7 +1299,12 @@ def print_comparison(records: list[dict], then: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Needs a CUDA GPU with torch and triton (pip install -e '.[bench]'); --smoke also runs on a "
+        "CPU, under Triton's interpreter (it sets TRITON_INTERPRET=1 itself). Without them it exits 2 "
+        "naming what is missing.",
+    )
     ap.add_argument(
         "--out",
         default=None,
@@ -1396,6 +1408,9 @@ def main(argv=None) -> int:
 
     if args.src:
         sys.path.insert(0, os.path.abspath(args.src))
+    problem = device_problem("benchmarks/attention.py") if not args.smoke else None
+    if problem:
+        return fail(problem + " (--smoke runs tiny shapes on a CPU)")
     import torch
 
     if args.smoke:

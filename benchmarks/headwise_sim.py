@@ -643,7 +643,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Needs the plugin and numpy (matplotlib for the plot); no GPU, no FastDeploy.",
+    )
     p.add_argument(
         "--quick", "--smoke", action="store_true", help="few requests and an 8 GiB cache: a smoke test"
     )

@@ -665,7 +665,12 @@ def plot(rows: list[dict[str, Any]], path: Claim, bounds: list[dict[str, Any]] |
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=f"Needs FastDeploy's Python sources: {HOST_VAR}, default {HOST_DEFAULT} (README.md, "
+        "'Conformance tests against the hosts' real code'), or an installed fastdeploy; no GPU. Without "
+        "them it exits 2 naming the variable.",
+    )
     p.add_argument("--out", help="JSON path (default: a fresh temporary directory)")
     p.add_argument("--plot", help="plot path (default: the JSON path with .png)")
     p.add_argument("--smoke", action="store_true", help="a tiny run (seconds); never the committed results")

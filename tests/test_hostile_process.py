@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -94,23 +93,88 @@ def test_ctrl_c_exits_130_with_one_line():
     assert one_line(err) == "fdfleet: interrupted"
 
 
+VERIFY_READY = textwrap.dedent(
+    """
+    import os, sys
+    import fastdeploy_paddlefleet.runner.verify as verify
+    from fastdeploy_paddlefleet.cli import main
+
+    ready_fd = int(sys.argv[1])
+    real_bar = verify.progress_bar
+
+    class Ready:
+        # the real (disabled) bar, and one byte on the ready pipe at the first finished step
+        def __init__(self, bar):
+            self.bar, self.sent = bar, False
+
+        def update(self, n):
+            if not self.sent:
+                os.write(ready_fd, b"r")
+                self.sent = True
+            self.bar.update(n)
+
+        def set_postfix(self, **kw):
+            self.bar.set_postfix(**kw)
+
+        def close(self):
+            self.bar.close()
+
+    verify.progress_bar = lambda *a, **kw: Ready(real_bar(*a, **kw))
+    sys.exit(main(["verify", "--steps", "5000"]))
+    """
+)
+
+
+def _wait_readable(fd: int, timeout: float) -> bool:
+    import select
+
+    readable, _, _ = select.select([fd], [], [], timeout)
+    return bool(readable)
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_verify_exits_130():
-    """The same inside paddle's work: ``fdfleet verify`` with many steps, interrupted."""
+    """The same inside paddle's work: ``fdfleet verify`` with many steps, interrupted once its first
+    step has run (a byte on a pipe says so: no sleep, so a loaded machine cannot make it early or
+    late). The child is in its own process group and killed on every exit path: a failing or
+    timed-out run never leaves a 5000-step verify behind."""
     pytest.importorskip("paddle")
     before = tracked_files_digest()
-    p = subprocess.Popen(
-        [*CLI, "verify", "--steps", "5000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_terminal_sigint,
-    )
-    time.sleep(10)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 130, (p.returncode, err[-2000:])
-    assert one_line(err) == "fdfleet: interrupted" and out == ""
+    ready_r, ready_w = os.pipe()
+
+    def child_setup() -> None:
+        _terminal_sigint()
+        os.setpgrp()  # its own group: the finally below kills the child and whatever it started
+
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-c", VERIFY_READY, str(ready_w)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=child_setup,
+            pass_fds=(ready_w,),
+        )
+    finally:
+        os.close(ready_w)
+    try:
+        # generous: the first step includes paddle's import and the model's build on a loaded machine
+        assert _wait_readable(ready_r, 600), "verify never finished a step in 600 s"
+        assert os.read(ready_r, 1) == b"r", "verify exited before finishing a step"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 130, (p.returncode, err[-2000:])
+        assert one_line(err) == "fdfleet: interrupted" and out == ""
+    finally:
+        os.close(ready_r)
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait(timeout=60)
+        for stream in (p.stdout, p.stderr):
+            stream.close()
     assert tracked_files_digest() == before
 
 

@@ -18,10 +18,15 @@ replay, the better one). If the plain reader on shuffled pages stays below cuDNN
 our kernel matches that reader, the gap is the layout, not the kernel; ours on the contiguous bytes
 against cuDNN is the kernel alone.
 
+Needs a CUDA GPU with torch and triton (the ``bench`` extra); ``--smoke`` runs tiny shapes on a CPU
+under Triton's interpreter, ``TRITON_INTERPRET=1`` set before the start. Without them it exits 2
+naming what is missing.
+
 Usage::
 
     python benchmarks/probes/decode_ceiling.py [--out FILE.jsonl] [--smoke] [--tiles] [--tag KEY=VALUE]
         [--json]
+    TRITON_INTERPRET=1 python benchmarks/probes/decode_ceiling.py --smoke   # on a CPU
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ for _dir in (BENCH, HERE):
     if _dir not in sys.path:
         sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path)
-from _outputs import fail, force_help, open_records, parse_tags  # noqa: E402
+from _outputs import device_problem, fail, force_help, give_up, open_records, parse_tags  # noqa: E402
 
 STAGES = (3, 4)  # pipeline depths of the plain reader; the best one is its figure
 #: ``--tiles``: decode tile shapes of ours beside the default, (block_n, warps, stages): 32-key tiles
@@ -257,10 +262,13 @@ def summary(recs: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Needs a CUDA GPU with torch and triton; --smoke on a CPU needs TRITON_INTERPRET=1.",
+    )
     ap.add_argument("--out", default=None, help="JSON lines file to append to (default: print only)")
     ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter without a GPU)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (on a CPU: under TRITON_INTERPRET=1)")
     ap.add_argument("--tag", action="append", default=[], help="KEY=VALUE added to every record (repeatable)")
     ap.add_argument(
         "--json", action="store_true", help="the summary as one JSON object on stdout's last line"
@@ -268,11 +276,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", action="store_true", help="ours with the TILES and SPLITS variants too")
     ap.add_argument("--regs", action="store_true", help="ours with the REGS register caps too")
     args = ap.parse_args(argv)
+    existed = args.out is not None and os.path.lexists(args.out)
     try:
         tags = parse_tags(args.tag)
         fh = open_records(args.out, script="decode_ceiling", force=args.force)  # refused before any work
     except ValueError as e:
         return fail(e)
+    problem = device_problem("benchmarks/probes/decode_ceiling.py", "--smoke" if args.smoke else None)
+    if problem:
+        return give_up(fh, args.out, existed, problem)
     emit = A.emit
     A.emit = lambda rec, f=None: emit({**rec, **tags}, f)
     try:

@@ -1,4 +1,4 @@
-"""Where a direct launch's host time goes on this machine (issue 20): each part of a launch timed alone.
+"""Where a direct launch's host time goes on a GPU host: each part of a launch timed alone.
 
 Parts: torch ``add_`` (yardstick), the current-stream query, one ``struct.pack_into`` of 39 values,
 a ctypes call of a one-argument driver function, ``cuLaunchKernel`` through ctypes with packed
@@ -15,6 +15,9 @@ pieces do not explain alone (e.g. the driver's cost inside the call differing fr
 in a tight loop). The Hopper prefill's kept launch cannot be called alone: a one-shot plan unbinds its
 caches after each call, so its TMA descriptors have no base between calls (that wrapper's record is its
 error).
+
+Needs a CUDA GPU (it launches kernels through the driver, ``libcuda.so.1``) with torch and triton
+(the ``bench`` extra); without one it exits 2 saying so.
 
 Usage::
 
@@ -39,7 +42,7 @@ for _dir in (BENCH, HERE):
         sys.path.insert(0, _dir)
 import attention as A  # noqa: E402  (puts this tree's src/ first on sys.path; the trivial kernels)
 import host_python as HP  # noqa: E402  (lanes: which path each call took)
-from _outputs import fail, force_help, open_records  # noqa: E402
+from _outputs import device_problem, fail, force_help, give_up, open_records  # noqa: E402
 
 C_SRC = r"""
 #define PY_SSIZE_T_CLEAN
@@ -152,15 +155,21 @@ def _wrapper_record(name: str, fn, memo) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog="Needs a CUDA GPU with torch and triton."
+    )
     ap.add_argument("--out", default=None, help="also append the JSON lines to this .jsonl file")
     ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
     ap.add_argument("--wrappers", action="store_true", help="the one-shot wrappers' parts (docstring)")
     a = ap.parse_args(argv)
+    existed = a.out is not None and os.path.lexists(a.out)
     try:
         fh = open_records(a.out, script="launch_parts", force=a.force)  # refused before any work
     except ValueError as e:
         return fail(e)
+    problem = device_problem("benchmarks/probes/launch_parts.py")
+    if problem:
+        return give_up(fh, a.out, existed, problem)
     import torch
     from triton.runtime import driver
 

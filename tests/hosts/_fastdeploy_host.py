@@ -7,11 +7,12 @@ scenario's source to a file and runs it with ``python`` in a child process whose
 
 Where the host comes from (:func:`locate_host`):
 
-1. ``$FDFLEET_HOST_FASTDEPLOY``: a folder holding the ``fastdeploy`` package
-   (``.ci/run`` defaults it to ``~/.cache/fdfleet-hosts/fastdeploy``); it is put first on
+1. ``$FDFLEET_HOST_FASTDEPLOY``: a folder holding the ``fastdeploy`` package; it is put first on
    the child's ``sys.path`` (``PYTHONPATH``);
-2. otherwise an installed ``fastdeploy`` (``importlib.util.find_spec``);
-3. otherwise :func:`host_or_skip` skips the test with a reason.
+2. when the variable is unset or empty, :data:`HOST_DEFAULT` (``~/.cache/fdfleet-hosts/fastdeploy``,
+   where README's instructions put it) if it holds the package;
+3. otherwise an installed ``fastdeploy`` (``importlib.util.find_spec``);
+4. otherwise :func:`host_or_skip` skips the test with a reason.
 
 Stand-in modules. FastDeploy imports a few GPU-only third-party packages
 (``deep_ep``, ``flash_mla``, ...). Its compiled custom ops are handled by
@@ -63,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HOST_VAR = "FDFLEET_HOST_FASTDEPLOY"
+#: where README ("Conformance tests against the hosts' real code") puts FastDeploy's sources
+HOST_DEFAULT = "~/.cache/fdfleet-hosts/fastdeploy"
 RESULT_MARK = "FDHOST_RESULT "
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +126,10 @@ def locate_host() -> HostLocation | str:
             return HostLocation(str(root.resolve()), f"{HOST_VAR}={root}")
         reason = f"{HOST_VAR}={value!r} holds no fastdeploy/__init__.py"
     else:
-        reason = f"{HOST_VAR} is not set"
+        root = Path(HOST_DEFAULT).expanduser()
+        if (root / "fastdeploy" / "__init__.py").is_file():
+            return HostLocation(str(root.resolve()), f"{HOST_DEFAULT} ({HOST_VAR} unset)")
+        reason = f"{HOST_VAR} is not set and {HOST_DEFAULT} holds no fastdeploy/__init__.py"
     if importlib.util.find_spec("fastdeploy") is not None:
         spec = importlib.util.find_spec("fastdeploy")
         return HostLocation(None, f"installed fastdeploy ({spec.origin})")

@@ -3,10 +3,11 @@
 Where the host comes from (:func:`locate_host`):
 
 1. ``$FDFLEET_HOST_PADDLEFLEET``: a folder holding the ``paddlefleet`` package
-   sources (``.ci/run`` defaults it to ``~/.cache/fdfleet-hosts/paddlefleet/src``, four
-   unmodified PaddleFleet files);
-2. otherwise an installed ``paddlefleet`` (its package folder is used the same way);
-3. otherwise :func:`host_or_skip` skips the test with a reason.
+   sources (four unmodified PaddleFleet files);
+2. when the variable is unset or empty, :data:`HOST_DEFAULT`
+   (``~/.cache/fdfleet-hosts/paddlefleet/src``, where README's instructions put them) if it holds them;
+3. otherwise an installed ``paddlefleet`` (its package folder is used the same way);
+4. otherwise :func:`host_or_skip` skips the test with a reason.
 
 The real files, imported and run unmodified (:func:`load_host`):
 ``transformer/dot_product_attention.py`` (``DotProductAttention``,
@@ -77,6 +78,8 @@ import paddle
 import paddle.nn.functional as F
 
 HOST_VAR = "FDFLEET_HOST_PADDLEFLEET"
+#: where README ("Conformance tests against the hosts' real code") puts PaddleFleet's files
+HOST_DEFAULT = "~/.cache/fdfleet-hosts/paddlefleet/src"
 
 #: the stand-in modules and why each is stood in (see the module doc)
 STAND_INS: dict[str, str] = {
@@ -99,7 +102,7 @@ class Host:
     """Where PaddleFleet's sources are: ``root/paddlefleet/transformer/...``."""
 
     root: Path
-    origin: str  # "env" or "installed"
+    origin: str  # "env", "default" (HOST_DEFAULT) or "installed"
 
     def attention_file(self) -> Path:
         for rel in ("transformer/dot_product_attention.py", "transformer/attention/dot_product_attention.py"):
@@ -117,6 +120,9 @@ def locate_host() -> tuple[Host | None, str]:
         if (root / "paddlefleet" / "transformer" / "utils.py").is_file():
             return Host(root, "env"), ""
         return None, f"{HOST_VAR}={env!r} holds no paddlefleet/transformer/utils.py"
+    default = Path(HOST_DEFAULT).expanduser()
+    if (default / "paddlefleet" / "transformer" / "utils.py").is_file():
+        return Host(default, "default"), ""
     loaded = sys.modules.get("paddlefleet")
     try:
         spec = loaded.__spec__ if loaded is not None else importlib.util.find_spec("paddlefleet")
@@ -124,7 +130,10 @@ def locate_host() -> tuple[Host | None, str]:
         spec = None
     if spec is not None and spec.submodule_search_locations:
         return Host(Path(next(iter(spec.submodule_search_locations))).parent, "installed"), ""
-    return None, f"PaddleFleet's code not found: set {HOST_VAR} (.ci/run does) or install paddlefleet"
+    return None, (
+        f"PaddleFleet's code not found: {HOST_VAR} is not set, {HOST_DEFAULT} holds no "
+        "paddlefleet/transformer/utils.py and no paddlefleet is installed"
+    )
 
 
 def host_or_skip() -> Host:

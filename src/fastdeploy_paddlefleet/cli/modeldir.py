@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from ..presets import minifleet_presets
 from . import INTERRUPTED, IO_ERROR, CliError, int_arg
 
 #: what the write may produce (``serving.modeldir.DTYPES``; repeated so ``fdfleet --help`` imports no numpy)
@@ -24,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
         help="write a minifleet preset as a FastDeploy model directory (config.json + weights)",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("preset", help="minifleet preset name (tiny, tiny-mla)")
+    p.add_argument("preset", help=f"minifleet preset name ({', '.join(minifleet_presets())})")
     p.add_argument(
         "path",
         help="directory to write (must not exist or be empty, unless --force; a link is written through)",

@@ -29,26 +29,35 @@ import os
 import sys
 from typing import Any
 
+from ..presets import minifleet_presets
 from . import CliError, about, float_arg, int_arg, missing_extra
 
 PADDLEFORMERS_CASES = "fastdeploy_paddlefleet.runner.paddleformers_case"
 
 
 def add_parser(subparsers: Any) -> None:
+    from ..runner.paddleformers_case import ARCHITECTURES  # stdlib and the plan only: cheap
+
+    architectures = ", ".join(sorted(ARCHITECTURES))
     p = subparsers.add_parser(
         "verify",
         help="compare the patched paged attention with the model's own attention (logits, greedy tokens)",
         description=__doc__.splitlines()[0],
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="minifleet preset name (default tiny; also tiny-mla)")
+    src.add_argument(
+        "--preset",
+        default=None,
+        help=f"minifleet preset name (default tiny; one of {', '.join(minifleet_presets())})",
+    )
     src.add_argument(
         "--model",
         metavar="DIR",
         default=None,
         help="a checkpoint directory (config.json + *.safetensors): a minifleet model directory "
-        "(python -m fastdeploy_paddlefleet.serving.modeldir) or a PaddleFormers checkpoint "
-        "(gpt_oss, gemma3_text, deepseek_v3, llama; save_pretrained), verified on its real weights",
+        "(fdfleet modeldir; model_type minifleet) or a PaddleFormers checkpoint (save_pretrained) "
+        f"of model_type {architectures} (the paddleformers extra), verified on "
+        "its real weights; a loading bar over its weight files on a terminal",
     )
     src.add_argument(
         "--config",
@@ -94,7 +103,7 @@ def add_parser(subparsers: Any) -> None:
         "--paddleformers",
         metavar="ARCH",
         default=None,
-        help="verify a small PaddleFormers model instead (gpt_oss, gemma3_text, deepseek_v3, llama); "
+        help=f"verify a small PaddleFormers model instead ({architectures}); "
         "--config then names that architecture's config.json",
     )
     p.add_argument(
@@ -185,12 +194,12 @@ def _paddleformers_case(args: Any, backend: Any) -> Any:
         raise about("--paddleformers", args.paddleformers, e) from e
 
 
-def _checkpoint_case(model_dir: str, backend: Any, seed: int) -> Any:
+def _checkpoint_case(model_dir: str, backend: Any, seed: int, progress: bool = False) -> Any:
     """``--model DIR``: the checkpoint's own eager forward against the patched model, real weights."""
     try:
         from ..runner.checkpoint_case import build_checkpoint_case
 
-        return build_checkpoint_case(model_dir, backend, seed)
+        return build_checkpoint_case(model_dir, backend, seed, progress=progress)
     except ModuleNotFoundError as e:
         raise (missing_extra(e, "--model") or e) from e
     except (ValueError, TypeError) as e:
@@ -220,7 +229,7 @@ def _minifleet_config(args: Any) -> Any:
         if raw.get("model_type", "minifleet") != "minifleet":
             raise CliError(
                 f"--preset {name!r} is a {raw.get('model_type')!r} config, not a minifleet one "
-                "(minifleet presets: tiny, tiny-mla; use `fdfleet plan` for the others)"
+                f"(minifleet presets: {', '.join(minifleet_presets())}; use `fdfleet plan` for the others)"
             )
         return name
     from ..plan import plan_from_config
@@ -348,7 +357,7 @@ def run(args: Any) -> int:
                 raise CliError(f"--paddleformers and {flag} cannot be combined")
         case = _paddleformers_case(args, backend)
     elif getattr(args, "model", None) is not None:
-        case = _checkpoint_case(args.model, backend, args.seed)
+        case = _checkpoint_case(args.model, backend, args.seed, not args.json and sys.stderr.isatty())
     else:
         from ..plan.weights import ModelTooLargeError
 

@@ -17,6 +17,12 @@ def list_presets() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in root.iterdir() if p.name.endswith(".json"))
 
 
+def minifleet_presets() -> list[str]:
+    """The presets ``fdfleet verify`` and ``fdfleet modeldir`` build (``model_type`` ``minifleet``),
+    sorted; the others are shapes of real models for ``fdfleet plan``."""
+    return [name for name in list_presets() if load_preset(name).get("model_type") == "minifleet"]
+
+
 def load_preset(name: str) -> dict[str, Any]:
     """The config dict of preset ``name`` (a trailing ``.json`` is accepted)."""
     if not isinstance(name, str):

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..backends.base import AttentionBackend
 from ..plan.fields import regular_file_size
-from .verify import VerifyCase
+from .verify import VerifyCase, progress_bar
 
 MINIFLEET = "minifleet"
 
@@ -108,7 +108,9 @@ def _require(names: set[str], wanted: set[str], model_dir: str | Path, strip: st
         )
 
 
-def _minifleet_case(model_dir: Path, raw: dict[str, Any], files: list[Path], backend: Any, seed: int) -> Any:
+def _minifleet_case(
+    model_dir: Path, raw: dict[str, Any], files: list[Path], backend: Any, seed: int, progress: bool = False
+) -> Any:
     from safetensors.paddle import load_file  # not numpy's: it has no bfloat16
 
     from ..minifleet import build_minifleet, make_config
@@ -123,10 +125,13 @@ def _minifleet_case(model_dir: Path, raw: dict[str, Any], files: list[Path], bac
     # different seeds: only the checkpoint's weights can make the two agree
     native, paged = build_minifleet(cfg, seed=seed), build_minifleet(cfg, seed=seed + 1)
     _require(tensor_names(files), set(native.state_dict()), model_dir, strip="model.")
+    bar = progress_bar(len(files), f"load {model_dir.name}", progress, unit="file")
     for path in files:
         tensors = load_file(str(path))
         for model in (native, paged):
             assign_weights(model, tensors)
+        bar.update(1)
+    bar.close()
     extras = {"host": "minifleet", "model_dir": str(model_dir), "weights": [p.name for p in files]}
     return fleet_case(f"checkpoint:{model_dir.name}", native, paged, plan_from_config(cfg), backend, extras)
 
@@ -208,11 +213,15 @@ def _paddleformers_case(model_dir: Path, arch: str, files: list[Path], backend: 
 
 
 def build_checkpoint_case(
-    model_dir: str | Path, backend: str | AttentionBackend = "reference", seed: int = 0
+    model_dir: str | Path,
+    backend: str | AttentionBackend = "reference",
+    seed: int = 0,
+    progress: bool = False,
 ) -> VerifyCase:
     """A ``VerifyCase`` on the checkpoint in ``model_dir`` (module doc): its real weights, its own
     eager forward against the patched paged path. ``seed`` seeds only what the checkpoint does
-    not hold (the patched copy's initial weights, then overwritten)."""
+    not hold (the patched copy's initial weights, then overwritten). ``progress``: a tqdm bar on
+    stderr over the weight files while a minifleet directory loads (PaddleFormers' loader has its own)."""
     from ..plan import load_config, plan_from_config
     from .paddleformers_case import ARCHITECTURES
 
@@ -222,7 +231,7 @@ def build_checkpoint_case(
     plan_from_config(raw)  # invalid fields (and a model_type that is not a string) named before a build
     model_type = raw.get("model_type")
     if model_type == MINIFLEET:
-        return _minifleet_case(d, raw, files, backend, seed)
+        return _minifleet_case(d, raw, files, backend, seed, progress)
     if model_type in ARCHITECTURES:
         return _paddleformers_case(d, model_type, files, backend, seed)
     raise ValueError(
