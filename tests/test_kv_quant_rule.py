@@ -603,6 +603,38 @@ def test_static_scales_loader_keeps_fastdeploys_quant_multipliers(dtype, fmt_nam
     assert cache.key_scale is scales[0][0]
 
 
+@pytest.mark.parametrize("fmt_name, channel", STATIC_ULP)
+def test_triton_backend_static_ulp_scales_write_fastdeploys_bytes(fmt_name, channel):
+    """``TritonBackend.forward`` on a paddle ``QuantizedKVCache`` carrying the quant multipliers (the
+    serving path: paddle tensors viewed as torch): FastDeploy's bytes, as the reference's above."""
+    paddle = pytest.importorskip("paddle")
+    from fastdeploy_paddlefleet.backends.base import BatchMeta
+    from fastdeploy_paddlefleet.backends.triton import TritonBackend
+
+    fmt = _static_fmt(fmt_name, channel)
+    hkv, d, bs, dtype = 2, 64, 16, "float16"
+    (x, xv), ((kdq, kc_, k_row, _), (vdq, vc_, v_row, _)) = _ulp_rows(fmt, hkv, d, dtype, 13)
+    t = len(x) // hkv
+    cache = _paddle_cache(fmt, t // bs + 2, hkv, bs, d, d, dtype, kdq, vdq, kc_, vc_)
+    to = lambda a: paddle.to_tensor(a.reshape(t, hkv, d)).astype(dtype)  # noqa: E731
+    i32 = lambda a: paddle.to_tensor(np.asarray(a, dtype=np.int32))  # noqa: E731
+    nb = int(cache.key.shape[0])
+    meta = BatchMeta(
+        seq_lens_encoder=i32([t]),
+        seq_lens_decoder=i32([0]),
+        seq_lens_this_time=i32([t]),
+        cu_seqlens_q=i32([0, t]),
+        batch_id_per_token=i32(np.zeros(t)),
+        block_tables=i32(np.arange(nb)[::-1][None, :].copy()),
+        block_size=bs,
+    )
+    TritonBackend().forward(to(np.zeros_like(x)), to(x), to(xv), _layer(hkv, 1, d, d), meta, cache)
+    (kc, _), (vc, _) = _slots(cache, t, bs, hkv)
+    fp8 = fmt.code == "fp8"
+    assert np.array_equal(kc, fd_static(x, k_row, dtype, fp8))
+    assert np.array_equal(vc, fd_static(xv, v_row, dtype, fp8))
+
+
 def _dequant_np(codes: np.ndarray, scales: np.ndarray, fp8: bool) -> np.ndarray:
     """fp64 values of codes at dequant multipliers (broadcast), by ml_dtypes / ``byte - 128``."""
     v = e4m3(codes).astype(np.float64) if fp8 else codes.astype(np.float64) - 128.0
