@@ -12,7 +12,8 @@ same 40 GiB goes through what serving really does, one child process per preset
   on FastDeploy's own ``FDConfig`` for the preset, ``--quantization`` ``mix_quant`` /
   ``block_wise_fp8`` parsed by FastDeploy's ``parse_quant_config``. Only FastDeploy's weight loading
   is stood in for (a preset describes a real model without weights): the loaded model is the
-  preset's attention plan and the serving backend. The price counts codes and scale tensors; it is
+  preset's attention plan and the ``FDFLEET_BACKEND`` backend (``reference`` here; every backend runs
+  unequal K / V dims, so the cache plan is the plan itself). The price counts codes and scales; it is
   checked against an independent per-layer sum, and what the runner allocates for that count
   (``sizing.worker_caches`` / ``pool_caches``, the shapes ``initialize_kv_cache`` allocates) fits
   the memory. FastDeploy's own ``cal_theortical_kvcache`` (one byte per element, no scales, its one
