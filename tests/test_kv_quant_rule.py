@@ -11,7 +11,10 @@ The transcription is written from FastDeploy's CUDA source (develop c1b7c083d), 
   ``roundWithTiesToEven`` (``utils.cuh:533-545``), clamp to +-448 then ``__nv_fp8_e4m3`` (round to
   nearest even), or for int8 clamp to +-127 and store ``q + 128``.
 * static formats (``..._impl.cuh:1628-1723``): the same ``QuantToC8`` with the layer's
-  ``cache_k_scale`` (``model_executor/layers/quantization/kv_cache.py:159``: ``max_bound / s``).
+  ``cache_k_scale`` (``model_executor/layers/quantization/kv_cache.py:159``: ``max_bound / s``; the
+  v1 loader's ``layers/attention/attention.py:247-251``: ``max_bound / s`` of ``s`` cast to ``T``),
+  a ``T`` value of its own: not ``T(1 / cache_k_out_scale)``, which is one ulp off for about a
+  quarter of the scales (the ``*_ulp_*`` cases below are such scales only).
 
 Division is modelled correctly rounded (FastDeploy's ``__hdiv`` is an fp32 approximation rounded to
 ``T``; NVIDIA documents the bf16 one as correctly rounded, the fp16 one may differ by an ulp in rare
@@ -171,6 +174,58 @@ def static_case(fmt: str, x: np.ndarray, hkv: int, d: int, dtype: str, seed: int
     return d_scale, per_row
 
 
+def fd_multipliers(s: np.ndarray, bound: float, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """FastDeploy's loader on checkpoint scales ``s`` (``kv_cache.py`` ``load_scale``,
+    ``attention.py:247-251``): ``s`` cast to ``T``, the quant multiplier ``T(bound / s)`` and the dequant
+    multiplier ``T(s / bound)``, each a correctly rounded quotient (``docs/kv_quant.md``)."""
+    s = _t(s, dtype).astype(np.float64)
+    with np.errstate(all="ignore"):
+        return _t(bound / s, dtype), _t(s / bound, dtype)
+
+
+def ulp_static_case(fmt, hkv: int, d: int, dtype: str, seed: int):
+    """Checkpoint scales whose quant multiplier ``c = T(B / s)`` is NOT ``T(1 / T(s / B))`` (one ulp of
+    ``T`` apart), every one of them: ``(s, dequant [S], quant multipliers [S], per row quant [N, *],
+    per row T(1 / dequant))`` as in :func:`static_case` (``fmt``: a format or its name)."""
+    fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    rng = np.random.default_rng(seed)
+    n = hkv * d if fmt.channel_wise else hkv
+    s = _t(np.exp(rng.uniform(-3, 6, 16 * n)), dtype)
+    c, dq = fd_multipliers(s, fmt.max_bound, dtype)
+    with np.errstate(all="ignore"):
+        alt = _t(np.float32(1.0) / dq, dtype)
+    off = alt != c
+    assert off.sum() >= n, f"only {off.sum()} of {s.size} {dtype} scales differ"
+    s, c, dq, alt = s[off][:n], c[off][:n], dq[off][:n], alt[off][:n]
+    return s, dq, c, alt
+
+
+def boundary_rows(c: np.ndarray, alt: np.ndarray, d: int, dtype: str, seed: int) -> np.ndarray:
+    """Values ``x [N, d]`` (of ``dtype``) at which ``c * x`` and ``alt * x`` (``[N, 1]`` or ``[N, d]``)
+    lie on either side of a rounding midpoint ``q + 1/2`` (``q`` in 1..14: integer e4m3 codes, int8
+    alike), nudged by a few ulps so some land on each side: bytes tell the two multipliers apart."""
+    rng = np.random.default_rng(seed)
+    shape = (c.shape[0], d)
+    q = rng.integers(1, 15, shape) + 0.5
+    sign = np.where(rng.random(shape) < 0.5, -1.0, 1.0)
+    mid = (c.astype(np.float64) + alt.astype(np.float64)) / 2
+    x = _t(sign * q / mid, dtype)
+    nudge = rng.integers(-2, 3, shape)
+    np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
+    if np_dtype is None:  # bf16: step by its ulp (8 significant bits)
+        ulp = 2.0 ** (np.floor(np.log2(np.abs(x))) - 7)
+        return _t(x + nudge * ulp, dtype)
+    y = x.astype(np_dtype)
+    for _ in range(2):
+        y = np.where(
+            nudge > 0,
+            np.nextafter(y, np_dtype(np.inf)),
+            np.where(nudge < 0, np.nextafter(y, -np_dtype(np.inf)), y),
+        )
+        nudge = nudge - np.sign(nudge)
+    return y.astype(np.float32)
+
+
 # ---------------------------------------------------------------- Triton write (interpreter / GPU)
 
 
@@ -183,9 +238,12 @@ def _dev() -> str:
     return "cuda" if _torch().cuda.is_available() else "cpu"
 
 
-def _run_triton_write(x_k, x_v, fmt_name, dtype, hkv, bs, key_scale=None, value_scale=None):
+def _run_triton_write(
+    x_k, x_v, fmt_name, dtype, hkv, bs, key_scale=None, value_scale=None, key_mult=None, value_mult=None
+):
     """Write rows ``[T * hkv, D]`` (token-major) through write_quantized_kv_cache; return the codes and
-    scales at each row's slot (``[T * hkv, D]``, ``[T * hkv]``)."""
+    scales at each row's slot (``[T * hkv, D]``, ``[T * hkv]``). ``key_mult`` / ``value_mult``: a static
+    cache's quant multipliers (``QuantizedKVCache.key_quant_scale``)."""
     torch = _torch()
     from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
     from fastdeploy_paddlefleet.kernels.cache_write import write_quantized_kv_cache
@@ -195,7 +253,7 @@ def _run_triton_write(x_k, x_v, fmt_name, dtype, hkv, bs, key_scale=None, value_
     dv = x_v.shape[1]
     t = n // hkv
     nb = (t + bs - 1) // bs + 1
-    fmt = FORMATS[fmt_name]
+    fmt = FORMATS[fmt_name] if isinstance(fmt_name, str) else fmt_name
     k = torch.from_numpy(x_k).to(tdt).reshape(t, hkv, dk)
     v = torch.from_numpy(x_v).to(tdt).reshape(t, hkv, dv)
     kc = torch.full((nb, hkv, bs, dk), 0xAB, dtype=torch.uint8)
@@ -214,7 +272,10 @@ def _run_triton_write(x_k, x_v, fmt_name, dtype, hkv, bs, key_scale=None, value_
     k, v, kc, vc, ks, vs, bid, cu, dec, tables = (
         x.to(dev) for x in (k, v, kc, vc, ks, vs, bid, cu, dec, tables)
     )
-    write_quantized_kv_cache(k, v, QuantizedKVCache(kc, vc, ks, vs, fmt), bid, cu, dec, tables)
+    mults = ()
+    if key_mult is not None:
+        mults = tuple(torch.from_numpy(m).to(tdt).to(dev) for m in (key_mult, value_mult))
+    write_quantized_kv_cache(k, v, QuantizedKVCache(kc, vc, ks, vs, fmt, *mults), bid, cu, dec, tables)
     kc, vc, ks, vs = (x.cpu() for x in (kc, vc, ks, vs))
     pos = np.arange(t)
     blk, slot = blocks[pos // bs], pos % bs
@@ -295,6 +356,61 @@ def test_static_fp8_per_channel_matches_fastdeploy():
     assert np.array_equal(got, fd_static(x, per_row, dtype, True))
 
 
+STATIC_ULP = [("float8_e4m3fn", False), ("float8_e4m3fn", True), ("int8", True)]
+
+
+def _ulp_rows(fmt, hkv: int, d: int, dtype: str, seed: int):
+    """Per K and V: rows mixing :func:`rows_for` and :func:`boundary_rows` for the scales of
+    :func:`ulp_static_case`: ``((xk, xv), [(dequant, quant multipliers, per row c, per row
+    T(1 / dequant))] * 2)``."""
+    cases = []
+    for which in (0, 1):
+        _, dq, c, alt = ulp_static_case(fmt, hkv, d, dtype, seed + which)
+        cases.append((dq, c, c, alt))
+    t_rows = 48
+    heads = np.arange(t_rows * hkv) % hkv
+    out = []
+    for dq, c, _, alt in cases:
+        per_c = c.reshape(hkv, d)[heads] if fmt.channel_wise else c[heads][:, None]
+        per_a = alt.reshape(hkv, d)[heads] if fmt.channel_wise else alt[heads][:, None]
+        out.append((dq, c, per_c, per_a))
+    xs = []
+    for i, (_, _, per_c, per_a) in enumerate(out):
+        x = boundary_rows(per_c, per_a, d, dtype, seed + i)
+        extra = rows_for(dtype, d, seed)[: 2 * hkv]
+        x[: len(extra)] = extra
+        xs.append(x)
+    return tuple(xs), out
+
+
+def _static_fmt(name: str, channel: bool):
+    from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant
+
+    return kv_cache_quant(name, channel_wise=channel) if name == "float8_e4m3fn" else FORMATS[name]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("fmt_name, channel", STATIC_ULP)
+def test_triton_static_ulp_scales_write_fastdeploys_bytes(dtype, fmt_name, channel):
+    """Scales where ``T(1 / dequant)`` is one ulp off FastDeploy's ``cache_k_scale``: with the quant
+    multipliers carried, the bytes are FastDeploy's (``QuantToC8`` at ``c``); the inputs are chosen
+    so that ``T(1 / dequant)`` would write other bytes (checked on the transcription)."""
+    fmt = _static_fmt(fmt_name, channel)
+    hkv, d, bs = 2, 64, 16
+    (x, xv), ((kdq, kc_, k_row, k_alt), (vdq, vc_, v_row, v_alt)) = _ulp_rows(fmt, hkv, d, dtype, 11)
+    fp8 = fmt.code == "fp8"
+    for want_rows, alt_rows, rows in ((k_row, k_alt, x), (v_row, v_alt, xv)):
+        assert not np.array_equal(
+            fd_static(rows, want_rows, dtype, fp8), fd_static(rows, alt_rows, dtype, fp8)
+        )
+    (kc, _), (vc, _) = _run_triton_write(x, xv, fmt, dtype, hkv, bs, kdq, vdq, kc_, vc_)
+    assert np.array_equal(kc, fd_static(x, k_row, dtype, fp8))
+    assert np.array_equal(vc, fd_static(xv, v_row, dtype, fp8))
+    # without the multipliers the write keeps its documented T(1 / dequant): other bytes
+    (kc_old, _), _ = _run_triton_write(x, xv, fmt, dtype, hkv, bs, kdq, vdq)
+    assert np.array_equal(kc_old, fd_static(x, k_alt, dtype, fp8))
+
+
 def test_triton_dequant_reads_every_code():
     """The dequant helper against ml_dtypes' e4m3fn for all 256 bytes (NaN bytes read as NaN), and
     ``byte - 128`` for int8 (byte 0: NaN)."""
@@ -361,12 +477,14 @@ def _reference_step(layer, q, k, v, cache, bs, dec: int = 0):
     return ReferenceBackend().forward(q, k, v, layer, meta, cache)
 
 
-def _paddle_cache(fmt_name: str, nb: int, hkv: int, bs: int, dqk: int, dv: int, dtype: str, ks=None, vs=None):
+def _paddle_cache(
+    fmt_name, nb: int, hkv: int, bs: int, dqk: int, dv: int, dtype: str, ks=None, vs=None, km=None, vm=None
+):
     import paddle
 
     from fastdeploy_paddlefleet.backends.base import QuantizedKVCache
 
-    fmt = FORMATS[fmt_name]
+    fmt = FORMATS[fmt_name] if isinstance(fmt_name, str) else fmt_name
     kc = paddle.full([nb, hkv, bs, dqk], 0xAB, dtype="uint8")
     vc = paddle.full([nb, hkv, bs, dv], 0xAB, dtype="uint8")
     if fmt.dynamic:
@@ -374,7 +492,10 @@ def _paddle_cache(fmt_name: str, nb: int, hkv: int, bs: int, dqk: int, dv: int, 
         vs = paddle.full([nb, hkv, bs], 7.0, dtype=dtype)
     else:
         ks, vs = (paddle.to_tensor(s.astype(np.float32)).astype(dtype) for s in (ks, vs))
-    return QuantizedKVCache(kc, vc, ks, vs, fmt)
+    mults = ()
+    if km is not None:
+        mults = tuple(paddle.to_tensor(m.astype(np.float32)).astype(dtype) for m in (km, vm))
+    return QuantizedKVCache(kc, vc, ks, vs, fmt, *mults)
 
 
 def _slots(cache, t: int, bs: int, hkv: int):
@@ -426,6 +547,92 @@ def test_reference_static_formats_match_fastdeploy(dtype, fmt):
     (kc, _), (vc, _) = _slots(cache, t, bs, hkv)
     assert np.array_equal(kc, fd_static(x, per_row, dtype, fmt != "int8"))
     assert np.array_equal(vc, fd_static(x, per_row_v, dtype, fmt != "int8"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("fmt_name, channel", STATIC_ULP)
+def test_reference_static_ulp_scales_write_fastdeploys_bytes(dtype, fmt_name, channel):
+    """The reference backend on the scales and inputs of the Triton case above (bf16 too)."""
+    paddle = pytest.importorskip("paddle")
+    fmt = _static_fmt(fmt_name, channel)
+    hkv, d, bs = 2, 64, 16
+    (x, xv), ((kdq, kc_, k_row, k_alt), (vdq, vc_, v_row, v_alt)) = _ulp_rows(fmt, hkv, d, dtype, 12)
+    fp8 = fmt.code == "fp8"
+    t = len(x) // hkv
+    assert not np.array_equal(fd_static(x, k_row, dtype, fp8), fd_static(x, k_alt, dtype, fp8))
+    to = lambda a: paddle.to_tensor(a.reshape(t, hkv, d)).astype(dtype)  # noqa: E731
+    for mults, want in (((kc_, vc_), (k_row, v_row)), ((None, None), (k_alt, v_alt))):
+        cache = _paddle_cache(fmt, t // bs + 2, hkv, bs, d, d, dtype, kdq, vdq, *mults)
+        _reference_step(_layer(hkv, 1, d, d), to(np.zeros_like(x)), to(x), to(xv), cache, bs)
+        (kc, _), (vc, _) = _slots(cache, t, bs, hkv)
+        assert np.array_equal(kc, fd_static(x, want[0], dtype, fp8))
+        assert np.array_equal(vc, fd_static(xv, want[1], dtype, fp8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("fmt_name", ["float8_e4m3fn", "int8"])
+def test_static_scales_loader_keeps_fastdeploys_quant_multipliers(dtype, fmt_name):
+    """``serving/kv_scales.py``: the checkpoint's ``activation_scale`` becomes FastDeploy's dequant
+    multiplier ``T(s / B)`` and its quant multiplier ``T(B / s)`` (numpy transcription of its loader),
+    on scales where ``T(1 / dequant)`` is not the latter; ``layer_caches`` hands both to the cache."""
+    paddle = pytest.importorskip("paddle")
+    from fastdeploy_paddlefleet.serving.cache_views import quantized_layer_cache_views
+    from fastdeploy_paddlefleet.serving.kv_scales import StaticKVScales
+
+    fmt = FORMATS[fmt_name]
+    hkv, d = 2, 64
+    layer = _layer(hkv, 1, d, d)
+    s_k, dq_k, c_k, alt_k = ulp_static_case(fmt, hkv, d, dtype, 21)
+    s_v, dq_v, c_v, _ = ulp_static_case(fmt, hkv, d, dtype, 22)
+    scales = StaticKVScales({0: "layers.0.self_attn"}, fmt)
+    raw = {
+        "model.layers.0.self_attn.cachek_matmul.activation_scale": paddle.to_tensor(s_k),
+        "model.layers.0.self_attn.cachev_matmul.activation_scale": paddle.to_tensor(s_v),
+    }
+    assert scales.take(raw) == 2
+    scales.finish([layer], dtype)
+    got = [x.astype("float32").numpy() for x in (*scales[0], *scales.quant_multipliers(0))]
+    assert all(str(x.dtype).endswith(dtype) for x in (*scales[0], *scales.quant_multipliers(0)))
+    for g, want in zip(got, (dq_k, dq_v, c_k, c_v), strict=True):
+        assert np.array_equal(g, want), (g[:4], want[:4])
+    assert not np.array_equal(got[2], alt_k)
+    caches = [paddle.zeros([2, hkv, 16, d], dtype="uint8"), paddle.zeros([2, hkv, 16, d], dtype="uint8")]
+    (cache,) = quantized_layer_cache_views(caches, [layer], fmt, scales)
+    assert cache.key_quant_scale is scales.quant_multipliers(0)[0]
+    assert cache.value_quant_scale is scales.quant_multipliers(0)[1]
+    assert cache.key_scale is scales[0][0]
+
+
+@pytest.mark.parametrize("fmt_name, channel", STATIC_ULP)
+def test_triton_backend_static_ulp_scales_write_fastdeploys_bytes(fmt_name, channel):
+    """``TritonBackend.forward`` on a paddle ``QuantizedKVCache`` carrying the quant multipliers (the
+    serving path: paddle tensors viewed as torch): FastDeploy's bytes, as the reference's above."""
+    paddle = pytest.importorskip("paddle")
+    from fastdeploy_paddlefleet.backends.base import BatchMeta
+    from fastdeploy_paddlefleet.backends.triton import TritonBackend
+
+    fmt = _static_fmt(fmt_name, channel)
+    hkv, d, bs, dtype = 2, 64, 16, "float16"
+    (x, xv), ((kdq, kc_, k_row, _), (vdq, vc_, v_row, _)) = _ulp_rows(fmt, hkv, d, dtype, 13)
+    t = len(x) // hkv
+    cache = _paddle_cache(fmt, t // bs + 2, hkv, bs, d, d, dtype, kdq, vdq, kc_, vc_)
+    to = lambda a: paddle.to_tensor(a.reshape(t, hkv, d)).astype(dtype)  # noqa: E731
+    i32 = lambda a: paddle.to_tensor(np.asarray(a, dtype=np.int32))  # noqa: E731
+    nb = int(cache.key.shape[0])
+    meta = BatchMeta(
+        seq_lens_encoder=i32([t]),
+        seq_lens_decoder=i32([0]),
+        seq_lens_this_time=i32([t]),
+        cu_seqlens_q=i32([0, t]),
+        batch_id_per_token=i32(np.zeros(t)),
+        block_tables=i32(np.arange(nb)[::-1][None, :].copy()),
+        block_size=bs,
+    )
+    TritonBackend().forward(to(np.zeros_like(x)), to(x), to(xv), _layer(hkv, 1, d, d), meta, cache)
+    (kc, _), (vc, _) = _slots(cache, t, bs, hkv)
+    fp8 = fmt.code == "fp8"
+    assert np.array_equal(kc, fd_static(x, k_row, dtype, fp8))
+    assert np.array_equal(vc, fd_static(xv, v_row, dtype, fp8))
 
 
 def _dequant_np(codes: np.ndarray, scales: np.ndarray, fp8: bool) -> np.ndarray:
@@ -553,6 +760,63 @@ def test_check_quantized_cache_refuses_shared_written_tensors():
     k = torch.zeros(3, 2, 16, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="same tensor"):
         check_quantized_cache(_torch_cache(key=k, value=k), 2, 16, 64, 64, torch.float16)
+
+
+@pytest.mark.parametrize(
+    "fmt, over, error, words",
+    [
+        ("int8", lambda t: {"key_quant_scale": t.ones(2 * 64, dtype=t.float16)}, ValueError, "alone"),
+        ("int8", lambda t: {"value_quant_scale": t.ones(2 * 32, dtype=t.float16)}, ValueError, "alone"),
+        (
+            "block_wise_fp8",
+            lambda t: {"key_quant_scale": t.ones(2), "value_quant_scale": t.ones(2)},
+            ValueError,
+            "only static formats",
+        ),
+        (
+            "float8_e4m3fn",
+            lambda t: {
+                "key_quant_scale": t.ones(3, dtype=t.float16),
+                "value_quant_scale": t.ones(2, dtype=t.float16),
+            },
+            ValueError,
+            r"kv_cache.key_quant_scale must have the dequant multipliers' shape \[2\]",
+        ),
+        (
+            "float8_e4m3fn",
+            lambda t: {"key_quant_scale": t.ones(2), "value_quant_scale": t.ones(2)},
+            TypeError,
+            "model dtype",
+        ),
+    ],
+)
+def test_check_quantized_cache_quant_multipliers(fmt, over, error, words):
+    from fastdeploy_paddlefleet.backends.checks import check_quantized_cache
+
+    torch = _torch()
+    with pytest.raises(error, match=words):
+        check_quantized_cache(_torch_cache(fmt, **over(torch)), 2, 16, 64, 32, torch.float16)
+    ok = {
+        "key_quant_scale": torch.ones(2, dtype=torch.float16),
+        "value_quant_scale": torch.ones(2, dtype=torch.float16),
+    }
+    assert check_quantized_cache(_torch_cache("float8_e4m3fn", **ok), 2, 16, 64, 32, torch.float16) == 3
+
+
+def test_write_refuses_lone_or_misplaced_quant_multipliers():
+    from fastdeploy_paddlefleet.kernels.cache_write import write_scales
+
+    torch = _torch()
+    s, m = torch.ones(2), torch.ones(2)
+    assert write_scales(FORMATS["float8_e4m3fn"], s, s, None, None) == (s, s, False)
+    k, v, mult = write_scales(FORMATS["float8_e4m3fn"], s, s, m, m)
+    assert k is m and v is m and mult
+    with pytest.raises(ValueError, match="key_quant_scale given alone"):
+        write_scales(FORMATS["float8_e4m3fn"], s, s, m, None)
+    with pytest.raises(ValueError, match="'block_wise_fp8' takes none"):
+        write_scales(FORMATS["block_wise_fp8"], s, s, m, m)
+    with pytest.raises(ValueError, match=r"value_quant_scale has shape \[3\]"):
+        write_scales(FORMATS["int8"], s, s, m, torch.ones(3))
 
 
 def test_static_scales_per_channel_shape():

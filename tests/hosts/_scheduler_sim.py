@@ -44,8 +44,10 @@ def make_config(
     max_num_batched_tokens: int,
     block_size: int,
     num_blocks: int,
+    quantization: dict[str, Any] | None = None,
 ) -> Any:
-    """FastDeploy's own ``FDConfig`` for ``--model-impl paddlefleet`` with ``num_blocks`` blocks."""
+    """FastDeploy's own ``FDConfig`` for ``--model-impl paddlefleet`` with ``num_blocks`` blocks;
+    ``quantization``: FastDeploy's ``--quantization`` (e.g. ``mix_quant`` with a ``kv_cache_quant_type``)."""
     import fastdeploy.envs as fd_envs
     from fastdeploy.engine.args_utils import EngineArgs
 
@@ -57,6 +59,7 @@ def make_config(
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         enable_chunked_prefill=True,
+        **({} if quantization is None else {"quantization": dict(quantization)}),
     ).create_engine_config()
     # FastDeploy turns V1 scheduling off on platforms it does not serve on (CPU here); the
     # scheduler under test is V1's, so it is turned back on for these scenarios

@@ -147,8 +147,15 @@ class QuantizedKVCache(NamedTuple):
       written with the codes), ``[Hkv]`` or ``[Hkv * D]`` float for a static one (from the
       checkpoint, read only).
     * ``quant``: the format (:class:`~fastdeploy_paddlefleet.kvcache.quant.KVCacheQuant`).
+    * ``key_quant_scale`` / ``value_quant_scale`` (static formats only, optional): the **quant
+      multipliers** the write multiplies by, FastDeploy's ``cache_k_scale`` / ``cache_v_scale``
+      (``max_bound / s`` of the checkpoint's scale, rounded to the model dtype on their own:
+      ``serving/kv_scales.py``), shaped and typed like the dequant multipliers, in the model dtype.
+      ``None``: the write takes ``T(1 / scale)`` of the dequant multiplier, which can differ from
+      FastDeploy's by one ulp of ``T`` (``docs/kv_quant.md``).
 
-    Five fields, so ``k, v = kv_cache`` fails loudly on code that does not know quantized caches.
+    Five fields at least, so ``k, v = kv_cache`` fails loudly on code that does not know quantized
+    caches.
     """
 
     key: Any
@@ -156,6 +163,8 @@ class QuantizedKVCache(NamedTuple):
     key_scale: Any
     value_scale: Any
     quant: KVCacheQuant
+    key_quant_scale: Any = None
+    value_quant_scale: Any = None
 
 
 class AttentionBackend(abc.ABC):

@@ -418,12 +418,44 @@ def _check_codes(name: str, x: Any, expected: tuple[int | None, ...]) -> int:
     return shape[0]
 
 
+def _check_quant_multipliers(cache: Any, fmt: KVCacheQuant, model_dtype: Any) -> None:
+    """A static cache's quant multipliers (FastDeploy's ``cache_k_scale`` / ``cache_v_scale``), if any."""
+    mults = (getattr(cache, "key_quant_scale", None), getattr(cache, "value_quant_scale", None))
+    if mults == (None, None):
+        return
+    if None in mults:
+        lone = "kv_cache.key_quant_scale" if mults[0] is not None else "kv_cache.value_quant_scale"
+        raise ValueError(f"{lone} is given alone: the quant multipliers come as a K and V pair")
+    if fmt.dynamic:
+        raise ValueError(
+            f"kv_cache.key_quant_scale / value_quant_scale are given for {fmt.name}, which computes its "
+            "quant multipliers per token: only static formats take them"
+        )
+    for name, m, sc in (
+        ("kv_cache.key_quant_scale", mults[0], cache.key_scale),
+        ("kv_cache.value_quant_scale", mults[1], cache.value_scale),
+    ):
+        if not hasattr(m, "shape") or not hasattr(m, "dtype") or type(m).__module__.split(".")[0] == "numpy":
+            raise TypeError(f"{name} must be a paddle or torch tensor, got {type(m).__name__}")
+        if _shape(m) != _shape(sc):
+            raise ValueError(
+                f"{name} must have the dequant multipliers' shape {list(_shape(sc))}, got {list(_shape(m))}"
+            )
+        if dtype_name(m.dtype) != dtype_name(model_dtype):
+            raise TypeError(
+                f"{name}.dtype={m.dtype} must be the model dtype {model_dtype} (FastDeploy's cache_k_scale "
+                "is a model-dtype parameter, multiplied by as it is)"
+            )
+
+
 def check_quantized_cache(cache: Any, hkv: int, block_size: int, dqk: int, dv: int, model_dtype: Any) -> int:
     """A :class:`~.base.QuantizedKVCache` (O(1), no sync): ``uint8`` codes ``[num_blocks, Hkv, block_size,
     D]``; a dynamic format's dequant scales ``[num_blocks, Hkv, block_size]`` in the model dtype (K's:
     FastDeploy keeps them in ``paddle.get_default_dtype()``), a static format's ``[Hkv]`` or (per channel)
-    ``[Hkv * D]`` of any float dtype; the tensors written (codes, dynamic scales) distinct. Returns
-    ``num_blocks``; ``TypeError`` / ``ValueError`` naming the field and its value."""
+    ``[Hkv * D]`` of any float dtype, and its optional quant multipliers (``key_quant_scale`` /
+    ``value_quant_scale``: both or neither, static formats only, the dequant multipliers' shapes, the
+    model dtype); the tensors written (codes, dynamic scales) distinct. Returns ``num_blocks``;
+    ``TypeError`` / ``ValueError`` naming the field and its value."""
     if not isinstance(cache.quant, KVCacheQuant):
         raise TypeError(f"kv_cache.quant must be a KVCacheQuant, got {type(cache.quant).__name__}")
     fmt = cache.quant
@@ -462,6 +494,7 @@ def check_quantized_cache(cache: Any, hkv: int, block_size: int, dqk: int, dv: i
                 if st == 0 and size > 1:
                     raise ValueError(f"{name} has stride 0 on axis {axis} (strides {list(strides)})")
             written.append((name, sc))
+    _check_quant_multipliers(cache, fmt, model_dtype)
     for i, (name, x) in enumerate(written):  # a write through one would overwrite another
         for other, y in written[:i]:
             p = _data_ptr(x)

@@ -178,11 +178,12 @@ def _rint(x: Any) -> Any:
     return paddle.where(neg_zero, paddle.full_like(r, -0.0), r)
 
 
-def _quantize(x: Any, fmt: Any, scale: Any, dtype: str) -> tuple[Any, Any]:
+def _quantize(x: Any, fmt: Any, scale: Any, dtype: str, multipliers: bool = False) -> tuple[Any, Any]:
     """FastDeploy's write rule (``docs/kv_quant.md``) in paddle: rows ``x [N, D]`` (model dtype
     ``dtype``) -> codes ``uint8 [N, D]`` and, for ``block_wise_fp8``, the dequant multipliers ``[N]``
     (fp32 holding ``dtype`` values). ``scale``: a static format's dequant multipliers broadcast to
-    ``[N, 1]`` or ``[N, D]``."""
+    ``[N, 1]`` or ``[N, D]`` (quant multiplier ``T(1 / scale)``), or with ``multipliers`` its quant
+    multipliers themselves (FastDeploy's ``cache_k_scale``, ``dtype`` values: used as they are)."""
     import paddle
 
     xf = x.astype("float32")
@@ -198,6 +199,9 @@ def _quantize(x: Any, fmt: Any, scale: Any, dtype: str) -> tuple[Any, Any]:
             ok, out, paddle.where(bad, paddle.full_like(out, float("nan")), paddle.zeros_like(out))
         )
         c = c.unsqueeze(-1)
+    elif multipliers:
+        c = _round_to(scale.astype("float32"), dtype)  # dtype values already: unchanged
+        out = None
     else:
         c = _round_to(1.0 / scale.astype("float32"), dtype)
         out = None
@@ -240,15 +244,20 @@ def _write_quantized(
 
     fmt = cache.quant
     dtype = dtype_name(k.dtype)
-    for codes_t, scale_t, x in ((cache.key, cache.key_scale, k), (cache.value, cache.value_scale, v)):
+    mults = (cache.key_quant_scale, cache.value_quant_scale)
+    multipliers = not fmt.dynamic and mults[0] is not None  # FastDeploy's own quant multipliers
+    for codes_t, scale_t, x, mult_t in (
+        (cache.key, cache.key_scale, k, mults[0]),
+        (cache.value, cache.value_scale, v, mults[1]),
+    ):
         dim = int(codes_t.shape[3])
         rows = x.reshape([-1, dim])
         static = None
         if not fmt.dynamic:
-            sc = scale_t.astype("float32")
+            sc = (mult_t if multipliers else scale_t).astype("float32")
             heads = paddle.to_tensor(np.tile(np.arange(hkv), rows.shape[0] // hkv), place=rows.place)
             static = sc.reshape([hkv, dim])[heads] if fmt.channel_wise else sc[heads].unsqueeze(-1)
-        codes, out = _quantize(rows, fmt, static, dtype)
+        codes, out = _quantize(rows, fmt, static, dtype, multipliers)
         flat, strides = _flat(codes_t)
         index = paddle.to_tensor(_row_offsets(strides, block, head, slot, dim), place=codes_t.place)
         flat.index_put_((index,), codes.reshape([-1]))
@@ -401,7 +410,8 @@ class ReferenceBackend(AttentionBackend):
         return_torch = _is_torch(q)
         q, k, v = (_to_paddle(x) for x in (q, k, v))
         if isinstance(kv_cache, QuantizedKVCache):  # codes and scales, dequantized as they are read
-            kv_cache = QuantizedKVCache(*(_to_paddle(x) for x in kv_cache[:4]), kv_cache.quant)
+            mults = tuple(None if x is None else _to_paddle(x) for x in kv_cache[5:7])
+            kv_cache = QuantizedKVCache(*(_to_paddle(x) for x in kv_cache[:4]), kv_cache.quant, *mults)
         else:
             kv_cache = (_to_paddle(kv_cache[0]), _to_paddle(kv_cache[1]))
         hq, hkv, dv, g = layer.num_q_heads, layer.num_kv_heads, layer.v_head_dim, layer.group_size

@@ -187,11 +187,15 @@ class _LayerPlan:
         )
 
 
-def _scale_ptrs(kv_cache: Any) -> tuple[int, int] | None:
-    """The scales' addresses of a :class:`~.base.QuantizedKVCache` (``None`` for a plain pair)."""
+def _scale_ptrs(kv_cache: Any) -> tuple[int, ...] | None:
+    """The scales' addresses of a :class:`~.base.QuantizedKVCache`, a static format's quant multipliers'
+    too when it carries them (``None`` for a plain pair)."""
     if type(kv_cache) is not QuantizedKVCache:
         return None
-    return (kv_cache.key_scale.data_ptr(), kv_cache.value_scale.data_ptr())
+    ptrs = (kv_cache.key_scale.data_ptr(), kv_cache.value_scale.data_ptr())
+    if kv_cache.key_quant_scale is None:
+        return ptrs
+    return (*ptrs, kv_cache.key_quant_scale.data_ptr(), kv_cache.value_quant_scale.data_ptr())
 
 
 def _write_plan(cache: Any, headwise: bool) -> Any:
@@ -204,7 +208,8 @@ def _write_plan(cache: Any, headwise: bool) -> Any:
         return CacheWritePlan(cache[0], cache[1], headwise=headwise)
     return CacheWritePlan(
         cache.key, cache.value, headwise=headwise, quant=cache.quant, key_scale=cache.key_scale,
-        value_scale=cache.value_scale,
+        value_scale=cache.value_scale, key_quant_scale=cache.key_quant_scale,
+        value_quant_scale=cache.value_quant_scale,
     )  # fmt: skip
 
 
@@ -566,7 +571,10 @@ class TritonBackend(AttentionBackend):
         # the cache in the kernels' framework (torch views of paddle tensors), taken whole by the write
         cache = tuple(_to_torch(x) if torch_views else x for x in kv_cache[: 4 if quant else 2])
         if quant is not None:
-            cache = QuantizedKVCache(*cache, quant)
+            mults = (kv_cache.key_quant_scale, kv_cache.value_quant_scale)
+            if mults[0] is not None or mults[1] is not None:  # a static format's quant multipliers
+                mults = tuple(None if x is None else _to_torch(x) if torch_views else x for x in mults)
+            cache = QuantizedKVCache(*cache, quant, *mults)
         tkc, tvc = cache[0], cache[1]
         dtype = str(q.dtype).rsplit(".", 1)[-1]
         if dtype not in _DTYPES:

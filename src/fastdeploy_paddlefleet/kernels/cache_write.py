@@ -41,7 +41,7 @@ def _write_kv_kernel(
     HKV: tl.constexpr, BLOCK_HKV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BS: tl.constexpr, HEADWISE: tl.constexpr,
     PAGE_H: tl.constexpr, HAS_ERR: tl.constexpr = False, QFMT: tl.constexpr = -1,
-    PER_CHANNEL: tl.constexpr = False,
+    PER_CHANNEL: tl.constexpr = False, STATIC_MULT: tl.constexpr = False,
 ):  # fmt: skip
     t = tl.program_id(0)
     b = tl.load(Bid + t)
@@ -94,15 +94,15 @@ def _write_kv_kernel(
             vq, v_scale = quant_dynamic(vf, T)
             tl.store(KS + page * stride_ksp + slot * stride_ksr, k_scale.to(KS.dtype.element_ty), mask=ok)
             tl.store(VS + page * stride_vsp + slot * stride_vsr, v_scale.to(VS.dtype.element_ty), mask=ok)
-        else:  # static: the checkpoint's scales, per kv head or per channel
+        else:  # static: the checkpoint's scales (quant multipliers if STATIC_MULT), per kv head or channel
             if PER_CHANNEL:
                 ks = tl.load(KS + offs_h[:, None] * DQK + offs_dk[None, :], mask=mk, other=1.0)
                 vs = tl.load(VS + offs_h[:, None] * DV + offs_dv[None, :], mask=mv, other=1.0)
             else:
                 ks = tl.load(KS + offs_h, mask=h_in, other=1.0)[:, None]
                 vs = tl.load(VS + offs_h, mask=h_in, other=1.0)[:, None]
-            kq = quant_static(kf, ks.to(tl.float32), QFMT == 1, T)
-            vq = quant_static(vf, vs.to(tl.float32), QFMT == 1, T)
+            kq = quant_static(kf, ks.to(tl.float32), QFMT == 1, T, STATIC_MULT)
+            vq = quant_static(vf, vs.to(tl.float32), QFMT == 1, T, STATIC_MULT)
         tl.store(k_dst, kq, mask=mk)
         tl.store(v_dst, vq, mask=mv)
 
@@ -122,6 +122,8 @@ def write_kv_cache(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     quant: Any = None,
+    key_quant_scale: torch.Tensor | None = None,
+    value_quant_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``k [T, Hkv, Dqk]`` / ``v [T, Hkv, Dv]`` into ``key_cache [NB, Hkv, BS, Dqk]`` /
     ``value_cache [NB, Hkv, BS, Dv]`` in place. ``block_tables [bsz, max_blocks]`` or, with
@@ -142,7 +144,10 @@ def write_kv_cache(
     ``key_cache`` / ``value_cache`` are ``uint8`` codes and ``key_scale`` / ``value_scale`` the dequant
     multipliers (``x ~= code * scale``): ``[num_blocks, Hkv, block_size]`` in the model dtype (k's),
     written here, for ``block_wise_fp8``; ``[Hkv]`` or ``[Hkv * D]``, read, for static formats. The codes
-    follow FastDeploy's rule (``docs/kv_quant.md``, ``kernels/kv_quant.py``)."""
+    follow FastDeploy's rule (``docs/kv_quant.md``, ``kernels/kv_quant.py``). A static format's
+    ``key_quant_scale`` / ``value_quant_scale`` (both or neither, shaped like the scales, in the model
+    dtype): FastDeploy's quant multipliers ``cache_k_scale`` / ``cache_v_scale``, multiplied by as they
+    are; without them the write takes ``T(1 / scale)``, which can be one ulp off FastDeploy's."""
     ks, vs = k.stride(), v.stride()
     if len(ks) != 3 or len(vs) != 3:
         raise ValueError(f"k and v must be [T, Hkv, D], got shapes {list(k.shape)} and {list(v.shape)}")
@@ -152,14 +157,19 @@ def write_kv_cache(
     # the plan of an earlier call with the same caches (_PLANS), else a new one; its key: what the plan
     # derives from the caches (caches_key), headwise, the switches
     key = (caches_key(key_cache, value_cache), headwise, switches_key())
+    key_scale, value_scale, mult = write_scales(
+        quant, key_scale, value_scale, key_quant_scale, value_quant_scale
+    )
     if quant is not None:
-        key += (quant, caches_key(key_scale, value_scale))
+        key += (quant, caches_key(key_scale, value_scale), mult)
     try:
         plan, slot = _PLANS.take(key)
     except TypeError:  # an unhashable argument: no memo
         key = plan = slot = None
     if plan is None:
         scales = dict(key_scale=key_scale, value_scale=value_scale, quant=quant)
+        if mult:  # the scales resolved above are the quant multipliers
+            scales = dict(scales, key_quant_scale=key_scale, value_quant_scale=value_scale)
         plan = CacheWritePlan(key_cache, value_cache, headwise=headwise, **scales)
     else:
         plan.bind(key_cache, value_cache, key_scale, value_scale)
@@ -216,8 +226,39 @@ def write_quantized_kv_cache(
     write_kv_cache(
         k, v, cache.key, cache.value, batch_id_per_token, cu_seqlens_q, seq_lens_decoder, block_tables,
         headwise=headwise, errors=errors, key_scale=cache.key_scale, value_scale=cache.value_scale,
-        quant=cache.quant,
+        quant=cache.quant, key_quant_scale=getattr(cache, "key_quant_scale", None),
+        value_quant_scale=getattr(cache, "value_quant_scale", None),
     )  # fmt: skip
+
+
+def write_scales(
+    quant: Any, key_scale: Any, value_scale: Any, key_quant_scale: Any = None, value_quant_scale: Any = None
+) -> tuple[Any, Any, bool]:
+    """``(key scales, value scales, multipliers)``: the tensors the write kernel reads. A static
+    format's quant multipliers (FastDeploy's ``cache_k_scale`` / ``cache_v_scale``) when given, the
+    kernel multiplying by them as they are (``multipliers`` True); else the dequant multipliers.
+    ``ValueError`` names a lone multiplier, one for a dynamic or unquantized cache, or one whose shape
+    is not its dequant scale's."""
+    given = (key_quant_scale is not None, value_quant_scale is not None)
+    if not any(given):
+        return key_scale, value_scale, False
+    if not all(given):
+        which = "key_quant_scale" if given[0] else "value_quant_scale"
+        raise ValueError(f"{which} given alone: a static cache's quant multipliers come as a K and V pair")
+    if quant is None or getattr(quant, "dynamic", True):
+        name = getattr(quant, "name", quant)
+        raise ValueError(
+            f"key_quant_scale / value_quant_scale are a static format's quant multipliers; quant={name!r} "
+            "takes none (block_wise_fp8 computes its own, an unquantized cache has none)"
+        )
+    for name, q, d in (("key", key_quant_scale, key_scale), ("value", value_quant_scale, value_scale)):
+        if d is None or list(q.shape) != list(d.shape):
+            got = None if d is None else list(d.shape)
+            raise ValueError(
+                f"{name}_quant_scale has shape {list(q.shape)}, its dequant multipliers {name}_scale {got}: "
+                "one quant multiplier per dequant multiplier"
+            )
+    return key_quant_scale, value_quant_scale, True
 
 
 #: one-shot plans of :func:`write_kv_cache` (``kernels/launch/direct.py`` :class:`PlanMemo`)
@@ -239,7 +280,14 @@ class CacheWritePlan:
         key_scale: torch.Tensor | None = None,
         value_scale: torch.Tensor | None = None,
         quant: Any = None,
+        key_quant_scale: torch.Tensor | None = None,
+        value_quant_scale: torch.Tensor | None = None,
     ) -> None:
+        key_scale, value_scale, mult = write_scales(
+            quant, key_scale, value_scale, key_quant_scale, value_quant_scale
+        )
+        #: the kernel reads a static format's quant multipliers (FastDeploy's), not its dequant ones
+        self.multipliers = mult
         hkv = key_cache.shape[1] if key_cache.dim() == 4 else -1
         dqk, dv = key_cache.shape[-1], value_cache.shape[-1]
         page_h = []
@@ -272,6 +320,8 @@ class CacheWritePlan:
         self.quant = quant
         bs = key_cache.shape[2]
         self.scale_strides, qconsts = self._scales(key_scale, value_scale, quant, page_h[0], bs)
+        if mult:
+            qconsts["STATIC_MULT"] = True
         self.key_scale, self.value_scale = key_scale, value_scale
         self.consts = dict(
             HKV=hkv, BLOCK_HKV=triton.next_power_of_2(hkv), DQK=dqk, DV=dv,
@@ -326,9 +376,9 @@ class CacheWritePlan:
         key_scale: torch.Tensor | None = None,
         value_scale: torch.Tensor | None = None,
     ) -> None:
-        """Point the plan at ``key_cache`` / ``value_cache`` (and a quantized cache's scales): tensors
-        equal to the ones it was built for in :func:`~.launch.direct.tensor_key`, or ``None`` to hold
-        none between calls (a memoised plan)."""
+        """Point the plan at ``key_cache`` / ``value_cache`` (and a quantized cache's scales, the quant
+        multipliers for a plan built with them): tensors equal to the ones it was built for in
+        :func:`~.launch.direct.tensor_key`, or ``None`` to hold none between calls (a memoised plan)."""
         self.key_cache, self.value_cache = key_cache, value_cache
         self.key_scale, self.value_scale = key_scale, value_scale
 

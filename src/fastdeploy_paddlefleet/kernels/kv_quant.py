@@ -8,8 +8,10 @@ dtype ``T`` and a quant multiplier ``c`` (a ``T`` value):
 * fp8: the e4m3fn code of that integer (round to nearest even); int8: the byte ``q + 128``.
 
 ``block_wise_fp8`` takes ``c = T(448 / max|x|)`` per token and kv head and stores the dequant
-multiplier ``T(1 / c)``; static formats take ``c = T(1 / scale)`` of the checkpoint's dequant
-multiplier. Deviations from FastDeploy, all where FastDeploy's own result is not finite: a vector
+multiplier ``T(1 / c)``; static formats take FastDeploy's own quant multiplier ``c`` when the cache
+carries it (``cache_k_scale = T(max_bound / s)``, rounded on its own: ``serving/kv_scales.py``), else
+``c = T(1 / scale)`` of the dequant multiplier (one ulp of ``T`` off FastDeploy's for some scales).
+Deviations from FastDeploy, all where FastDeploy's own result is not finite: a vector
 whose ``c`` overflows (all zero, or ``max|x|`` too small for ``T``) gets codes 0 and scale 0 (FastDeploy
 writes NaN codes); a dynamic vector holding a NaN or an infinity gets codes 0 and scale NaN.
 
@@ -97,11 +99,15 @@ def quant_dynamic(x, T: tl.constexpr):
 
 
 @triton.jit
-def quant_static(x, scale, IS_FP8: tl.constexpr, T: tl.constexpr):
-    """Static fp8 / int8 codes of ``x [R, D]`` (fp32 holding ``T`` values) at the dequant multiplier
-    ``scale`` (fp32, broadcast to ``x``: ``[R, 1]`` per kv head, ``[R, D]`` per channel): quant
-    multiplier ``c = T(1 / scale)``."""
-    c = to_dtype(tl.div_rn(1.0 + scale * 0.0, scale), T)
+def quant_static(x, scale, IS_FP8: tl.constexpr, T: tl.constexpr, MULT: tl.constexpr = False):
+    """Static fp8 / int8 codes of ``x [R, D]`` (fp32 holding ``T`` values) at ``scale`` (fp32,
+    broadcast to ``x``: ``[R, 1]`` per kv head, ``[R, D]`` per channel). ``MULT``: ``scale`` IS the
+    quant multiplier ``c`` (FastDeploy's ``cache_k_scale``, a ``T`` value: used as it is); else it is
+    the dequant multiplier and ``c = T(1 / scale)``."""
+    if MULT:
+        c = to_dtype(scale, T)  # a T value already: unchanged
+    else:
+        c = to_dtype(tl.div_rn(1.0 + scale * 0.0, scale), T)
     return encode(to_dtype(c * x, T), IS_FP8)
 
 
@@ -122,7 +128,7 @@ def dequant(codes, scale, IS_FP8: tl.constexpr):
 @triton.jit
 def _quant_rows_kernel(
     X, C, S, Q, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    FMT: tl.constexpr, PER_CHANNEL: tl.constexpr, T: tl.constexpr,
+    FMT: tl.constexpr, PER_CHANNEL: tl.constexpr, T: tl.constexpr, MULT: tl.constexpr = False,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
@@ -137,7 +143,7 @@ def _quant_rows_kernel(
             s = tl.load(Q + d[None, :] + r[:, None] * 0, mask=m, other=1.0).to(tl.float32)
         else:
             s = tl.load(Q + r, mask=rm, other=1.0).to(tl.float32)[:, None]
-        codes = quant_static(x, s, FMT == 1, T)
+        codes = quant_static(x, s, FMT == 1, T, MULT)
     tl.store(C + r[:, None] * D + d[None, :], codes, mask=m)
 
 

@@ -322,8 +322,10 @@ def quantized_layer_cache_views(
     uniform shape or the runner's own), dynamic scales ``[NB, H, BS]``. Returns codes
     ``key[:, :Hkv_l, :, :qk_l]`` / ``value[:, :Hkv_l, :, :v_l]`` and scales ``[:, :Hkv_l, :]`` (strided
     views sharing the cache's memory); a static format's scales are ``static_scales[layer.index]``
-    (dequant multipliers ``[Hkv_l]`` or ``[Hkv_l * D]``, ``serving/kv_scales.py``): ``ValueError``
-    naming the checkpoint tensor when absent."""
+    (dequant multipliers ``[Hkv_l]`` or ``[Hkv_l * D]``, ``serving/kv_scales.py``), with its quant
+    multipliers ``static_scales.quant_multipliers(layer.index)`` where it has them (FastDeploy's
+    ``cache_k_scale``, which the write multiplies by): ``ValueError`` naming the checkpoint tensor when
+    absent."""
     from ..backends.base import QuantizedKVCache
 
     layers = list(plan)
@@ -332,6 +334,7 @@ def quantized_layer_cache_views(
     views = layer_cache_views(codes, layers)
     out = []
     for layer, (key, value) in zip(layers, views, strict=True):
+        mult: tuple[Any, Any] = (None, None)
         if quant.dynamic:
             scales = []
             for what, t, cache in (
@@ -358,7 +361,10 @@ def quantized_layer_cache_views(
                     f"cache scales, and {name!r} was not loaded"
                 )
             k_scale, v_scale = pair
-        out.append(QuantizedKVCache(key, value, k_scale, v_scale, quant))
+            # FastDeploy's own quant multipliers (cache_k_scale), which the write multiplies by
+            mults = getattr(static_scales, "quant_multipliers", None)
+            mult = (mults(layer.index) if mults is not None else None) or mult
+        out.append(QuantizedKVCache(key, value, k_scale, v_scale, quant, *mult))
     return out
 
 

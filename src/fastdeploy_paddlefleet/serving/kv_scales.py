@@ -6,10 +6,21 @@ checkpoint beside each attention layer, under FastDeploy's names
 (``model_executor/layers/quantization/kv_cache.py``), where the layer prefix is the attention
 module's path (``decoder.layers.3.self_attn``; a leading ``model.`` is accepted as for weights).
 Each holds ``s`` per kv head ``[kv_heads]`` or per channel ``[kv_heads * head_dim]`` (``int8`` is
-always per channel). FastDeploy's ``load_scale`` casts ``s`` to the model dtype and keeps the
-dequant multiplier ``s / max_bound`` (``cache_k_out_scale``); so does :meth:`StaticKVScales.finish`,
-which also cuts a full-size tensor to this tensor-parallel rank's kv heads (``layer.kv_head_range``),
-as the kv heads themselves are cut. A layer whose tensor is missing is refused, naming it.
+always per channel). FastDeploy's loader casts ``s`` to the model dtype ``T`` and keeps two
+multipliers (``model_executor/layers/quantization/kv_cache.py`` ``load_scale``; the v1 loader's
+``Attention.weight_loader``, ``layers/attention/attention.py:247-251``):
+
+* the **quant multiplier** ``cache_k_scale = max_bound / s``, in ``T``: what its cache write multiplies
+  by (``QuantToC8``);
+* the **dequant multiplier** ``cache_k_out_scale = s / max_bound`` (``load_scale``; the v1 loader's
+  ``process_weights_after_loading`` takes ``1 / cache_k_scale``).
+
+:meth:`StaticKVScales.finish` keeps both, per layer, cut to this tensor-parallel rank's kv heads
+(``layer.kv_head_range``) as the kv heads themselves are cut: the dequant multiplier (``s / max_bound``)
+as the mapping's values, the quant multiplier (:func:`quant_multiplier`) in
+:meth:`~StaticKVScales.quant_multipliers`, which the cache write uses as it is. ``T(1 / dequant)`` is
+NOT the same value: for about a quarter of scales it is one ulp of ``T`` off (``docs/kv_quant.md``).
+A layer whose tensor is missing is refused, naming it.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ class StaticKVScales(Mapping):
         self.quant = quant
         self._raw: dict[str, Any] = {}
         self._scales: dict[int, tuple[Any, Any]] = {}
+        self._quant: dict[int, tuple[Any, Any]] = {}
 
     # -- Mapping --------------------------------------------------------------------------------
     def __getitem__(self, index: int) -> tuple[Any, Any]:
@@ -64,6 +76,12 @@ class StaticKVScales(Mapping):
 
     def __len__(self) -> int:
         return len(self._scales)
+
+    def quant_multipliers(self, index: int) -> tuple[Any, Any] | None:
+        """Layer ``index``'s quant multipliers ``(key, value)`` (FastDeploy's ``cache_k_scale`` /
+        ``cache_v_scale``, model dtype, shaped like the dequant multipliers) once :meth:`finish` ran;
+        ``None`` for a layer it did not load."""
+        return self._quant.get(index)
 
     def tensor_name(self, index: int, which: str) -> str:
         """The checkpoint name of layer ``index``'s ``"k"`` or ``"v"`` scale."""
@@ -92,12 +110,13 @@ class StaticKVScales(Mapping):
 
     def finish(self, plan: AttentionPlan, dtype: Any) -> None:
         """Turn the taken tensors into each layer's dequant multipliers ``s / max_bound`` in
-        ``dtype`` (FastDeploy's ``load_scale``), cut to this rank's kv heads. ``ValueError`` names a
-        missing tensor or one of the wrong size."""
+        ``dtype`` (FastDeploy's ``load_scale``) and quant multipliers ``max_bound / s``
+        (:func:`quant_multiplier`), cut to this rank's kv heads. ``ValueError`` names a missing tensor
+        or one of the wrong size."""
         import paddle
 
         for layer in plan:
-            pair = []
+            pair, mults = [], []
             for which, dim in (("k", layer.qk_head_dim), ("v", layer.v_head_dim)):
                 name = self.tensor_name(layer.index, which)
                 raw = self._raw.get(name)
@@ -111,13 +130,30 @@ class StaticKVScales(Mapping):
                 t = raw if isinstance(raw, paddle.Tensor) else paddle.to_tensor(raw)
                 t = local_scale(t.cast(dtype).reshape([-1]), layer, dim, self.quant, name)
                 pair.append(t / self.quant.max_bound)  # FastDeploy's cache_k_out_scale, in the model dtype
+                mults.append(quant_multiplier(t, self.quant.max_bound))  # its cache_k_scale
             self._scales[layer.index] = (pair[0], pair[1])
+            self._quant[layer.index] = (mults[0], mults[1])
         logger.info(
             "static %s cache scales loaded for %d layers (%s)",
             self.quant.name,
             len(self._scales),
             "per channel" if self.quant.channel_wise else "per kv head",
         )
+
+
+def quant_multiplier(t: Any, max_bound: float) -> Any:
+    """FastDeploy's quant multiplier of the checkpoint scales ``t`` (a paddle tensor in the model dtype
+    ``T``): ``max_bound / t`` rounded once to ``T`` (``cache_k_scale``). On a GPU it is FastDeploy's
+    own expression (``Attention.weight_loader``: ``max_bound / loaded_weight``), the same op on the same
+    dtype; paddle's GPU division is IEEE-rounded (fp32), and for fp16 / bf16 rounds the fp32 quotient
+    once to ``T`` (exact enough: fp32 has more than ``2p + 2`` bits). Elsewhere (CPU: no fp16 / bf16
+    division in paddle, and its fp32 one is not always correctly rounded) the same value through a
+    float64 quotient rounded once to ``T``."""
+    import paddle
+
+    if t.place.is_gpu_place():
+        return max_bound / t
+    return (paddle.full_like(t, max_bound, dtype="float64") / t.astype("float64")).astype(t.dtype)
 
 
 def local_scale(t: Any, layer: LayerAttention, head_dim: int, quant: KVCacheQuant, name: str) -> Any:
@@ -141,4 +177,12 @@ def local_scale(t: Any, layer: LayerAttention, head_dim: int, quant: KVCacheQuan
     )
 
 
-__all__ = ["K_SUFFIX", "OTHER_SUFFIXES", "V_SUFFIX", "StaticKVScales", "is_cache_scale_name", "local_scale"]
+__all__ = [
+    "K_SUFFIX",
+    "OTHER_SUFFIXES",
+    "V_SUFFIX",
+    "StaticKVScales",
+    "is_cache_scale_name",
+    "local_scale",
+    "quant_multiplier",
+]
