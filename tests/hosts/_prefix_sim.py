@@ -72,7 +72,7 @@ def _fresh(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(30002, 60000) for _ in range(n)]
 
 
-def shared_trace(seed: int, window: int, n: int, max_len: int, aborts: float = 0.1) -> Trace:
+def shared_trace(seed: int, window: int, n: int, max_len: int, aborts: float = 0.1, gap: int = 6) -> Trace:
     """System prompts of 0.5 to 20 windows shared by several requests, multi-turn conversations
     re-sending their history (outputs included), identical prompts arriving together, aborts."""
     rng = random.Random(seed)
@@ -106,7 +106,7 @@ def shared_trace(seed: int, window: int, n: int, max_len: int, aborts: float = 0
         if rng.random() < aborts:
             abort_at.setdefault(step + rng.randint(0, 40), []).append(arrivals[-1][1])
         i += 1
-        step += rng.randint(0, 6)
+        step += rng.randint(0, gap)
     return Trace(sorted(arrivals, key=lambda a: a[0]), abort_at)
 
 
