@@ -201,7 +201,10 @@ report(
 
 
 def test_prefix_caching_stays_on_without_warning(host, tiny_dir):
-    script = f"TINY = {tiny_dir!r}\nimport fastdeploy\nfrom _scheduler_sim import make_config, make_manager, recycler_of\n"
+    script = (
+        f"TINY = {tiny_dir!r}\nimport fastdeploy\n"
+        "from _scheduler_sim import make_config, make_manager, recycler_of\n"
+    )
     d = run_scenario(script + HOOK, host=host, env=PLUGIN_ENV).check().data
     assert d["prefix_on"] is True and d["has_prefix"] is True
     assert not [w for w in d["warnings"] if "prefix" in w], d["warnings"]
