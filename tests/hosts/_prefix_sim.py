@@ -305,6 +305,11 @@ class CheckingWorker:
         self.queries += e - s
 
 
+def pool_tag(mgr: Any, unit: int) -> Any:
+    """The tag the shared pool keeps for ``unit`` (``None``: untagged)."""
+    return mgr._distinct[0].tags.get(unit)
+
+
 class PrefixSim:
     """The engine loop around FastDeploy's real ``ResourceManagerV1`` (``_scheduler_sim.Sim``'s
     order: schedule, pickle the batch, the worker runs it ``lag`` steps later, tokens come back)."""
@@ -325,6 +330,11 @@ class PrefixSim:
         self.prompt_tokens = 0
 
     def check_engine(self, step: int) -> None:
+        """held + cached + free = pool: ``held`` the units running requests' lanes hold, ``cached``
+        the units cached entries refer to (held too, or *evictable*: nobody holds them and they
+        keep their content), ``free`` the pool's free list and never-used units. Evictable units
+        are exactly the cached ones nobody holds, they are available (``free_units``) and in no
+        free list; no held or cached unit is free."""
         rec = self.rec
         mgr, pre = rec.manager, rec.prefix
         held: set[int] = set()
@@ -334,11 +344,19 @@ class PrefixSim:
                     held.update(u for u in ids if u >= 0)
         cached: set[int] = set()
         if pre is not None:
-            for e in pre.entries.values():
-                if e.units is not None:
-                    for lanes in e.units:
-                        cached.update(u for u in lanes if u >= 0)
+            for eid, e in pre.entries.items():
+                for g, lanes in enumerate(e.units):
+                    for j, u in enumerate(lanes):
+                        if u >= 0:
+                            if u in cached:
+                                raise SimError(f"step {step}: unit {u} is in two cached entries")
+                            if pool_tag(mgr, u) != (eid, g, j):
+                                raise SimError(f"step {step}: unit {u} of entry {eid} is not tagged to it")
+                            cached.add(u)
         pool = mgr._distinct[0]
+        if len(pool.tags) != len(cached):
+            raise SimError(f"step {step}: {len(pool.tags)} tagged units, {len(cached)} in cached entries")
+        evictable = set(pool.lru)
         free = set(pool.free) | set(range(pool.fresh, pool.num_units))
         if len(free) != len(pool.free) + pool.num_units - pool.fresh:
             raise SimError(f"step {step}: a unit is twice in the free list")
@@ -346,18 +364,26 @@ class PrefixSim:
             raise SimError(
                 f"step {step}: units {sorted((held | cached) & free)[:5]} are held or cached and free"
             )
+        if evictable != cached - held:
+            raise SimError(
+                f"step {step}: evictable {sorted(evictable ^ (cached - held))[:5]} differ from the cached "
+                "units nobody holds"
+            )
         if len(held | cached) + len(free) != mgr.total_units:
             raise SimError(
                 f"step {step}: held {len(held)} + cached {len(cached - held)} + free {len(free)} "
                 f"!= pool {mgr.total_units}"
             )
+        if mgr.free_units != len(free) + len(evictable):
+            raise SimError(f"step {step}: free_units {mgr.free_units} != free {len(free)} + evictable")
         self.peak_cached = max(self.peak_cached, len(cached - held))
         self.engine_checks += 1
 
     def all_free_or_cached(self) -> bool:
-        mgr, pre = self.rec.manager, self.rec.prefix
-        cached = pre.cached_units() if pre is not None else 0
-        return not mgr.requests and mgr.free_units + cached == mgr.total_units
+        """No request left, and every unit free or evictable (cached, held by nobody)."""
+        mgr = self.rec.manager
+        pool = mgr._distinct[0]
+        return not mgr.requests and not pool.refs and mgr.free_units == mgr.total_units
 
     def run(self, trace: Trace, max_steps: int) -> PrefixSim:
 

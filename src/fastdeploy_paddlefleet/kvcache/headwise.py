@@ -179,31 +179,51 @@ class _Pool:
 
     Units ``fresh .. num_units - 1`` have never been used; ``free`` holds the ones given back
     (reused first, last in first out). Construction costs nothing whatever the pool size.
+
+    Prefix caching (``serving/kv_recycling/prefix_cache.py``) *tags* the units a cached entry
+    refers to. A tagged unit whose last holder lets go is not free but *evictable*: it keeps its
+    content for a later hit and sits in ``lru`` (release order, oldest first), it counts as
+    available (a fresh allocation may take it), and :meth:`take` hands it out only when no untagged
+    unit is left, telling ``on_evict`` first so the entry stops referring to it (vLLM's cached-free
+    blocks). Without tags (prefix caching off) ``lru`` stays empty and nothing here changes.
     """
 
-    __slots__ = ("num_units", "free", "fresh", "refs")
+    __slots__ = ("num_units", "free", "fresh", "refs", "tags", "lru", "on_evict")
 
     def __init__(self, num_units: int) -> None:
         self.num_units = num_units
         self.free: list[int] = []
         self.fresh = 0
-        #: holders beyond the first of a shared unit (prefix caching: cached entries and the
-        #: requests served from them); empty without sharing, so ``give`` stays one append
+        #: holders beyond the first of a shared unit (prefix caching: the requests served from a
+        #: cached entry); empty without sharing, so ``give`` stays one append
         self.refs: dict[int, int] = {}
+        #: unit -> the tag of the cached entry slot that refers to it (prefix caching)
+        self.tags: dict[int, Any] = {}
+        #: tagged units nobody holds, oldest release first (insertion order)
+        self.lru: dict[int, None] = {}
+        #: called ``on_evict(unit, tag)`` when :meth:`take` reuses an evictable unit
+        self.on_evict: Any = None
 
     def available(self) -> int:
-        return len(self.free) + self.num_units - self.fresh
+        return len(self.free) + self.num_units - self.fresh + len(self.lru)
 
     def take(self) -> int:
         if self.free:
             return self.free.pop()
-        if self.fresh >= self.num_units:  # callers check available() first
-            raise RuntimeError("head-wise KV pool: allocation past the checked capacity")
-        self.fresh += 1
-        return self.fresh - 1
+        if self.fresh < self.num_units:
+            self.fresh += 1
+            return self.fresh - 1
+        if self.lru:  # evict the least recently released cached unit
+            unit = next(iter(self.lru))
+            del self.lru[unit]
+            tag = self.tags.pop(unit)
+            if self.on_evict is not None:
+                self.on_evict(unit, tag)
+            return unit
+        raise RuntimeError("head-wise KV pool: allocation past the checked capacity")  # callers check
 
     def give(self, unit: int) -> None:
-        """One holder lets go of ``unit``; it is free once no holder is left."""
+        """One holder lets go of ``unit``; once no holder is left it is free, or evictable if tagged."""
         extra = self.refs.get(unit)
         if extra:
             if extra == 1:
@@ -211,11 +231,32 @@ class _Pool:
             else:
                 self.refs[unit] = extra - 1
             return
-        self.free.append(unit)
+        if unit in self.tags:
+            self.lru[unit] = None
+        else:
+            self.free.append(unit)
 
     def share(self, unit: int) -> None:
-        """One more holder of ``unit`` (a held unit: callers never share a free one)."""
-        self.refs[unit] = self.refs.get(unit, 0) + 1
+        """One more holder of ``unit``: a held unit, or an evictable one (claimed back, never evicted
+        while held). Callers never share a free one."""
+        if unit in self.lru:
+            del self.lru[unit]
+        else:
+            self.refs[unit] = self.refs.get(unit, 0) + 1
+
+    def tag(self, unit: int, tag: Any) -> None:
+        """A cached entry refers to ``unit`` (held or evictable): it stays evictable when let go."""
+        self.tags[unit] = tag
+
+    def untag(self, unit: int, tag: Any) -> None:
+        """The entry slot ``tag`` no longer refers to ``unit``: an evictable unit becomes free, a
+        held one is freed by its last holder as usual. A tag that is not ``unit``'s is ignored."""
+        if self.tags.get(unit) != tag:
+            return
+        del self.tags[unit]
+        if unit in self.lru:
+            del self.lru[unit]
+            self.free.append(unit)
 
 
 class _Lane:
@@ -548,6 +589,25 @@ class HeadwiseKVManager:
         """One holder of ``unit`` of ``group``'s pool lets go (free at the last)."""
         self._pools[group].give(unit)
 
+    def tag_unit(self, group: int, unit: int, tag: Any) -> None:
+        """A cached prefix entry refers to ``unit`` of ``group``'s pool (``tag`` names the entry's
+        slot): once no holder is left the unit is evictable, not free (``_Pool``)."""
+        self._pools[group].tag(unit, tag)
+
+    def untag_unit(self, group: int, unit: int, tag: Any) -> None:
+        """The entry slot ``tag`` drops ``unit``: evictable becomes free (``_Pool.untag``)."""
+        self._pools[group].untag(unit, tag)
+
+    def on_evict(self, callback: Any) -> None:
+        """``callback(unit, tag)`` runs when an allocation reuses an evictable unit (every pool)."""
+        for pool in self._distinct:
+            pool.on_evict = callback
+
+    @property
+    def evictable_units(self) -> int:
+        """Units cached entries refer to and nobody holds (counted in :attr:`free_units`)."""
+        return sum(len(p.lru) for p in self._distinct)
+
     def holders(self, group: int, unit: int) -> int:
         """How many holders ``unit`` of ``group``'s pool has beyond the first."""
         return self._pools[group].refs.get(unit, 0)
@@ -619,6 +679,19 @@ class HeadwiseKVManager:
         r.next_release = nxt
 
     def _free_all(self, r: _Request) -> None:
+        if any(p.tags for p in self._distinct):
+            # cached units become evictable (prefix caching): the last blocks first, so that LRU
+            # evicts a request's own tail before the prefix it may share with others
+            width = max((len(lane.ids) for lanes in r.lanes for lane in lanes), default=0)
+            for k in range(width - 1, -1, -1):
+                for lanes, pool in zip(r.lanes, self._pools, strict=True):
+                    for lane in lanes:
+                        if k < len(lane.ids) and lane.ids[k] >= 0:
+                            pool.give(lane.ids[k])
+            for lanes in r.lanes:
+                for lane in lanes:
+                    lane.ids = []
+            return
         for lanes, pool in zip(r.lanes, self._pools, strict=True):
             for lane in lanes:
                 if pool.refs:

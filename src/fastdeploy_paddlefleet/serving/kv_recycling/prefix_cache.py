@@ -64,15 +64,16 @@ def missing_members(cache_manager: Any) -> list[str]:
 
 
 class _Entry:
-    """One cached logical block: ``writer`` and ``block`` while live, ``units[g][j]`` once owned;
-    ``node``: FastDeploy's ``BlockNode`` once the block is in the tree."""
+    """One cached logical block: ``units[g][j]`` (``-1``: none) the units it refers to (tagged in
+    the pool), ``writer`` and ``block`` while the request that allocated it runs, ``node``:
+    FastDeploy's ``BlockNode`` once the block is in the tree."""
 
     __slots__ = ("writer", "block", "units", "node")
 
-    def __init__(self, writer: str, block: int) -> None:
+    def __init__(self, writer: str, block: int, units: list[list[int]]) -> None:
         self.writer: str | None = writer
         self.block = block
-        self.units: list[list[int]] | None = None
+        self.units = units
         self.node: Any = None
 
 
@@ -106,15 +107,43 @@ class PrefixCache:
         pool = cache_manager.node_id_pool
         self._next_node = max(pool) + 1 if pool else 0
         self.served_tokens = 0  # tokens served from cache (what FastDeploy's metrics count too)
+        self.in_tree = 0  # entries that are nodes of FastDeploy's tree
+        #: nodes kept at most: every unit of the pool on its own node (beyond that many nodes hold
+        #: nothing); FastDeploy's LRU leaves past it are dropped (:meth:`trim`)
+        self.max_nodes = max(self.mgr.total_units, self._node_ids_min)
+        self.mgr.on_evict(self._evicted)
         self._wrap()
 
     # ---- entries -------------------------------------------------------------------------
     def new_entry(self, rid: str, block: int) -> int:
-        """A fresh entry id for ``rid``'s logical ``block`` (what FastDeploy's block_tables hold)."""
+        """A fresh entry id for ``rid``'s logical ``block`` (what FastDeploy's block_tables hold),
+        referring to the units ``rid`` holds for it: tagged, so that a window release by the running
+        writer leaves them evictable with their content instead of free (a later request with the
+        same prefix is served from them while they survive)."""
         eid = self._free_ids.pop() if self._free_ids else self._take_id()
-        self.entries[eid] = _Entry(rid, block)
+        units = self.mgr.units_at(rid, block)
+        mgr = self.mgr
+        for g, lanes in enumerate(units):
+            for j, u in enumerate(lanes):
+                if u >= 0:
+                    mgr.tag_unit(g, u, (eid, g, j))
+        self.entries[eid] = _Entry(rid, block, units)
         self.own.setdefault(rid, {})[block] = eid
         return eid
+
+    def _evicted(self, unit: int, tag: tuple[int, int, int]) -> None:
+        """The pool reused evictable ``unit``: its entry no longer has it (``-1``)."""
+        eid, g, j = tag
+        e = self.entries.get(eid)
+        if e is not None and e.units[g][j] == unit:
+            e.units[g][j] = -1
+
+    def _unref(self, eid: int, e: _Entry, g: int, j: int) -> None:
+        """Entry ``eid`` stops referring to its unit of group ``g`` lane ``j`` (free if unheld)."""
+        u = e.units[g][j]
+        if u >= 0:
+            e.units[g][j] = -1
+            self.mgr.untag_unit(g, u, (eid, g, j))
 
     def _take_id(self) -> int:
         self._next_id += 1
@@ -123,26 +152,23 @@ class PrefixCache:
     def units(self, eid: int) -> list[list[int]] | None:
         """The units entry ``eid`` stands for per group and lane (``None``: unknown entry)."""
         e = self.entries.get(eid)
-        if e is None:
-            return None
-        if e.units is not None:
-            return e.units
-        return self.mgr.units_at(e.writer, e.block)
+        return None if e is None else e.units
 
     def _drop(self, eid: int) -> None:
-        """Forget an entry: an owned one's units lose their holder; a live one's stay the writer's."""
+        """Forget an entry: its units are no longer cached (evictable ones become free, held ones
+        are freed by their last holder)."""
         e = self.entries.pop(eid, None)
         if e is None:
             return
-        if e.units is not None:
-            for g, lanes in enumerate(e.units):
-                for u in lanes:
-                    if u >= 0:
-                        self.mgr.give_unit(g, u)
-        elif e.writer is not None:
+        for g, lanes in enumerate(e.units):
+            for j in range(len(lanes)):
+                self._unref(eid, e, g, j)
+        if e.writer is not None:
             own = self.own.get(e.writer)
             if own is not None and own.get(e.block) == eid:
                 del own[e.block]
+        if e.node is not None:
+            self.in_tree -= 1
         self._free_ids.append(eid)
 
     def _held(self, eids: list[int]) -> list[list[list[int]]]:
@@ -229,7 +255,8 @@ class PrefixCache:
 
     def before_free(self, request: Any) -> None:
         """Before FastDeploy's ``_free_blocks``: cache the written outputs, then run the keep rule
-        on the request's path and move the kept units of its own entries into them."""
+        on the request's path: its own entries keep the units the rule keeps (evictable once the
+        request lets go) and drop the others (free at once: no match can read them)."""
         rid = request.request_id
         if rid not in self.mgr:
             return
@@ -244,15 +271,14 @@ class PrefixCache:
             e = self.entries.get(eid)
             if e is None or e.writer != rid or own.get(k) != eid:
                 continue
-            units = []
             for g, lanes in enumerate(plan.keep):
-                row = []
                 for j, keep in enumerate(lanes):
-                    row.append(self.mgr.detach(rid, g, j, k) if k in keep else -1)
-                units.append(row)
-            e.units, e.writer = units, None
+                    if k not in keep:
+                        self._unref(eid, e, g, j)
+            e.writer = None
             if e.node is None:
                 e.node = path[k]
+                self.in_tree += 1
             del own[k]
 
     def after_free(self, rid: str) -> None:
@@ -262,43 +288,34 @@ class PrefixCache:
             e = self.entries.get(eid)
             if e is None:
                 continue
-            if e.node is not None:  # in the tree but not on the path the keep rule saw: holds nothing
-                e.units, e.writer = [[-1 for _ in lanes] for lanes in self.windows], None
+            if e.node is not None:  # in the tree but not on the path the keep rule saw: refers to nothing
+                for g, lanes in enumerate(e.units):
+                    for j in range(len(lanes)):
+                        self._unref(eid, e, g, j)
+                e.writer = None
             else:
                 self._drop(eid)
         self.written.pop(rid, None)
 
     # ---- availability --------------------------------------------------------------------
     def evictable(self) -> int:
-        """Units only cached entries hold, on nodes no running request passes through."""
-        mgr, n = self.mgr, 0
-        for e in self.entries.values():
-            if e.units is None or e.node is None or e.node.shared_count != 0:
-                continue
-            for g, lanes in enumerate(e.units):
-                for u in lanes:
-                    if u >= 0 and mgr.holders(g, u) == 0:
-                        n += 1
-        return n
+        """Units cached entries refer to and nobody holds: available (in the manager's
+        ``free_units``), reused oldest release first by an allocation that finds no free unit."""
+        return self.mgr.evictable_units
 
     def cached_units(self) -> int:
-        """Units held by owned entries (cached), shared or not."""
-        return sum(
-            1
-            for e in self.entries.values()
-            if e.units is not None
-            for lanes in e.units
-            for u in lanes
-            if u >= 0
-        )
+        """Units cached entries refer to (held by running requests or evictable)."""
+        return sum(len(p.tags) for p in self.mgr._distinct)
 
-    def evict(self, units: int) -> None:
-        """Evict FastDeploy's LRU leaves until ``units`` units are free or none is left."""
-        cm, mgr = self.cm, self.mgr
-        while mgr.free_units < units and cm.gpu_lru_leaf_heap:
-            before = (mgr.free_units, len(cm.gpu_lru_leaf_heap), len(self.entries))
-            cm.free_block_ids(max(1, (units - mgr.free_units) // max(1, self.ppb)))
-            if before == (mgr.free_units, len(cm.gpu_lru_leaf_heap), len(self.entries)):
+    def trim(self) -> None:
+        """Drop FastDeploy's LRU leaves (``free_block_ids``, its own path) while the tree has more
+        than :attr:`max_nodes` nodes: evicted units leave empty nodes behind, and node ids and
+        memory must not grow without bound. A dropped leaf's evictable units become free."""
+        cm = self.cm
+        while self.in_tree > self.max_nodes and cm.gpu_lru_leaf_heap:
+            before = (self.in_tree, len(cm.gpu_lru_leaf_heap))
+            cm.free_block_ids(self.in_tree - self.max_nodes)
+            if before == (self.in_tree, len(cm.gpu_lru_leaf_heap)):
                 break  # FastDeploy evicted nothing (an eviction still in flight): ask again later
 
     # ---- FastDeploy instance wrappers ----------------------------------------------------
@@ -318,6 +335,8 @@ class PrefixCache:
                 break
             if e.node is node:
                 break
+            if e.node is None:
+                self.in_tree += 1
             e.node = node
             node = node.parent
 

@@ -311,11 +311,7 @@ class KVRecycler:
                 need = admission_pages(pool, parts[0], parts[1], self._caps)
         else:
             need = pages_needed(pool, n, self._caps)
-        prefix = self.prefix
-        if prefix is not None and need > self.manager.free_units:
-            try_free = args[0] if args else kwargs.get("try_free_gpu_blocks", True)
-            if try_free:  # cached units nobody runs on are available: evict FastDeploy's LRU leaves
-                prefix.evict(need)
+        # cached units nobody holds are in free_units (evictable): the pool reuses them, oldest first
         return need <= self.manager.free_units
 
     def expect_threshold(
@@ -337,15 +333,12 @@ class KVRecycler:
         """FastDeploy's free count: the free pages in FastDeploy blocks of every layer (``free //
         pages_per_block``, at most ``num_gpu_blocks``). Never a promise the pool cannot keep: a block
         of every lane costs at least as many pages as a capped sliding lane's growth does."""
-        free = self.manager.free_units
-        if self.prefix is not None:
-            free += self.prefix.evictable()
+        free = self.manager.free_units  # evictable cached units included (prefix caching)
         return min(self.num_gpu_blocks, free // self.layout.pool.pages_per_block)
 
     def usage(self) -> float:
         mgr = self.manager
-        free = mgr.free_units + (self.prefix.evictable() if self.prefix is not None else 0)
-        return (mgr.total_units - free) / max(1, mgr.total_units)
+        return (mgr.total_units - mgr.free_units) / max(1, mgr.total_units)
 
     def allocate(self, request: Any, num_blocks: int) -> list[int]:
         """FastDeploy's ``_allocate_gpu_blocks``: the ids to extend ``request.block_tables`` with
@@ -630,6 +623,8 @@ def install() -> bool:
         rec = recycler_of(self)
         if rec is not None:
             with self.lock:
+                if rec.prefix is not None:
+                    rec.prefix.trim()
                 rec.release_computed(self)
         out = schedule(self, *args, **kwargs)
         rec = recycler_of(self)
