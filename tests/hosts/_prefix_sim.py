@@ -110,6 +110,33 @@ def shared_trace(seed: int, window: int, n: int, max_len: int, aborts: float = 0
     return Trace(sorted(arrivals, key=lambda a: a[0]), abort_at)
 
 
+def system_prompt_trace(
+    seed: int, window: int, max_len: int, block_size: int, chunk: int, sizes: tuple[int, ...] = (2, 5, 10, 20)
+) -> tuple[Trace, dict[str, int]]:
+    """Conversations sharing a system prompt of ``sizes`` windows (at most ``max_len - 200``
+    tokens): the first decodes well past prompt + window (``window + 3 * block_size + 60`` tokens
+    out), then four more arrive, two while the first still decodes (its sliding blocks at the end of
+    the system prompt already left every window) and two after it finished. Returns the trace and,
+    per later request, the system prompt's length: what FastDeploy alone serves it (whole blocks)."""
+    rng = random.Random(seed)
+    arrivals: list[tuple[int, str, list[int], int]] = []
+    later: dict[str, int] = {}
+    start = 0
+    for f in sizes:
+        system = _fresh(rng, min(f * window, max_len - 200))
+        first_out = window + 3 * block_size + 60
+        rid = f"p{seed}-{f}"
+        arrivals.append((start, rid + "-a", system + _fresh(rng, 8), first_out))
+        past = start + -(-(len(system) + 8) // chunk) + window + 3 * block_size + 5  # first is past P + window
+        done = start + -(-(len(system) + 8) // chunk) + first_out + 10  # first has finished
+        for i, at in enumerate((past, past + 7, done, done + 9)):
+            out = window + 2 * block_size + rng.randint(0, 30)
+            arrivals.append((at, f"{rid}-{i}", system + _fresh(rng, rng.randint(5, 40)), out))
+            later[f"{rid}-{i}"] = len(system)
+        start += 25
+    return Trace(sorted(arrivals, key=lambda a: a[0])), later
+
+
 def distinct_trace(seed: int, n: int, prompt: int, out: int) -> Trace:
     """``n`` requests of distinct random prompts, all at once (no sharing at all)."""
     rng = random.Random(seed)
@@ -193,9 +220,10 @@ class CheckingWorker:
                 (preempted if ttype == "PREEMPTED" else aborted).append(rid)
                 continue
             delta = getattr(task, TASK_ATTR, None)
-            if delta is None:
+            if delta is None and self.check:
                 raise SimError(f"step {step}: {ttype} task of {rid} carries no {TASK_ATTR}")
-            self._apply(step, rid, delta)
+            if delta is not None:  # none without recycling (FastDeploy alone): only the slots are run
+                self._apply(step, rid, delta)
             if ttype == "PREFILL":
                 slot = self.slots.get(idx)
                 if slot is None or slot.rid != rid or task.prefill_start_index == 0 or rid not in self.tokens:
@@ -328,6 +356,7 @@ class PrefixSim:
         self.peak_running = 0
         self.peak_cached = 0
         self.prompt_tokens = 0
+        self.requests: dict[str, Any] = {}  # every request added, by id (FastDeploy's own counters)
 
     def check_engine(self, step: int) -> None:
         """held + cached + free = pool: ``held`` the units running requests' lanes hold, ``cached``
@@ -385,8 +414,16 @@ class PrefixSim:
         pool = mgr._distinct[0]
         return not mgr.requests and not pool.refs and mgr.free_units == mgr.total_units
 
-    def run(self, trace: Trace, max_steps: int) -> PrefixSim:
+    def served_by_fastdeploy(self, rids: Any = None) -> dict[str, int]:
+        """Per request, the tokens FastDeploy counted as served from its GPU cache at admission
+        (``request.metrics.gpu_cache_token_num``, set once, never for a re-admission)."""
+        out = {}
+        for rid, req in self.requests.items():
+            if rids is None or rid in rids:
+                out[rid] = int(getattr(req.metrics, "gpu_cache_token_num", 0) or 0)
+        return out
 
+    def run(self, trace: Trace, max_steps: int) -> PrefixSim:
         rm = self.rm
         pending = deque(trace.arrivals)
         step = 0
@@ -394,6 +431,7 @@ class PrefixSim:
             while pending and pending[0][0] <= step:
                 _, rid, prompt, mtok = pending.popleft()
                 req = build_request(rid, prompt, mtok)
+                self.requests[rid] = req
                 rm.add_request(req)
                 self.prompt_tokens += len(prompt)
                 for future in list(getattr(req, "async_process_futures", None) or ()):

@@ -126,6 +126,68 @@ def test_shared_prefix_traces_checked_token_by_token(host, tiny_dir, tmp_path, p
     assert sum(r["steps"] for r in runs) >= 2_500  # x 4 presets: >= 10,000 schedule() steps in all
 
 
+SYSTEM_PROMPT = """
+import os, time
+from _prefix_sim import PrefixSim, system_prompt_trace
+
+rows = []
+for name, window in PRESET_WINDOWS:
+    d = preset_dir(name, window)
+    trace, later = system_prompt_trace(11, window, 1024, 16, 128)
+    row = dict(preset=name, window=window, blocks=BLOCKS, later=len(later))
+    for mode in ("off", "on"):
+        os.environ["FDFLEET_KV_RECYCLE"] = "off" if mode == "off" else "auto"
+        cfg = make_config(TINY, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=128,
+                          block_size=16, num_blocks=BLOCKS)
+        cfg.cache_config.enable_prefix_caching = True
+        rm = make_manager(cfg, d)
+        rec = recycler_of(rm)
+        t = time.time()
+        sim = PrefixSim(rm, 1).run(trace, 3000)
+        served = sim.served_by_fastdeploy()
+        row[mode] = dict(
+            recycling=rec is not None, steps=sim.steps, served=sum(served.values()),
+            served_later=sum(served[r] for r in later),
+            # later requests served their whole system prompt (whole blocks): what FastDeploy alone does
+            full_prompt=sum(1 for r, n in later.items() if served[r] >= n // 16 * 16),
+            finished=sim.finished, preempted=sim.preempted, left=len(rm.requests),
+            end_ok=sim.all_free_or_cached() if rec is not None else True,
+            engine_checks=sim.engine_checks, keys=sim.worker.keys_checked, seconds=round(time.time() - t, 2),
+            per={r: served[r] for r in later},
+        )
+    rows.append(row)
+report(rows=rows)
+"""
+
+
+@pytest.mark.parametrize("blocks", [240, 120])
+def test_shared_system_prompt_served_past_its_window(host, tiny_dir, tmp_path, blocks):
+    """A system prompt of 2 to 20 windows shared by conversations arriving after the first one has
+    decoded well past prompt + window (its sliding blocks at the end of the prompt left every
+    window): each later conversation is served the system prompt as FastDeploy alone serves it
+    (recycling off, same KV bytes): tokens served from cache (FastDeploy's own per-request
+    ``gpu_cache_token_num``) with recycling on >= 0.95 of recycling off, every preset. Released
+    sliding blocks of cached entries stay evictable (cached, available) until a fresh allocation
+    needs their page; the recycling runs are checked token by token as the traces above."""
+    script = (
+        f"TINY = {tiny_dir!r}\nWORK = {str(tmp_path)!r}\nPRESET_WINDOWS = {TRACE_PRESETS!r}\n"
+        f"BLOCKS = {blocks}\n"
+        "import fastdeploy\nfrom _scheduler_sim import make_config, make_manager, recycler_of\n"
+        + PRESETS
+        + SYSTEM_PROMPT
+    )
+    rows = run_scenario(script, host=host, env=PLUGIN_ENV, timeout=600).check().data["rows"]
+    for r in rows:
+        print("SYSPROMPT", json.dumps(r))
+    for r in rows:
+        on, off = r["on"], r["off"]
+        assert on["recycling"] and not off["recycling"], r
+        assert on["engine_checks"] == on["steps"] and on["end_ok"] and on["left"] == 0 == off["left"], r
+        assert off["served_later"] > 0, r
+        assert on["served"] >= 0.95 * off["served"], r
+        assert on["served_later"] >= 0.95 * off["served_later"], r
+
+
 CAPACITY = """
 from _prefix_sim import PrefixSim, distinct_trace
 
