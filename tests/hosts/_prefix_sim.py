@@ -127,8 +127,9 @@ def system_prompt_trace(
         first_out = window + 3 * block_size + 60
         rid = f"p{seed}-{f}"
         arrivals.append((start, rid + "-a", system + _fresh(rng, 8), first_out))
-        past = start + -(-(len(system) + 8) // chunk) + window + 3 * block_size + 5  # first is past P + window
-        done = start + -(-(len(system) + 8) // chunk) + first_out + 10  # first has finished
+        prefill = -(-(len(system) + 8) // chunk)
+        past = start + prefill + window + 3 * block_size + 5  # the first is past P + window
+        done = start + prefill + first_out + 10  # the first has finished
         for i, at in enumerate((past, past + 7, done, done + 9)):
             out = window + 2 * block_size + rng.randint(0, 30)
             arrivals.append((at, f"{rid}-{i}", system + _fresh(rng, rng.randint(5, 40)), out))
@@ -385,7 +386,9 @@ class PrefixSim:
         pool = mgr._distinct[0]
         if len(pool.tags) != len(cached):
             raise SimError(f"step {step}: {len(pool.tags)} tagged units, {len(cached)} in cached entries")
-        evictable = set(pool.lru)
+        evictable = set(pool.lru) | set(pool.hot)
+        if len(evictable) != len(pool.lru) + len(pool.hot):
+            raise SimError(f"step {step}: a unit is both hot and cold")
         free = set(pool.free) | set(range(pool.fresh, pool.num_units))
         if len(free) != len(pool.free) + pool.num_units - pool.fresh:
             raise SimError(f"step {step}: a unit is twice in the free list")

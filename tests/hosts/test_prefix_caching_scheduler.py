@@ -153,14 +153,13 @@ for name, window in PRESET_WINDOWS:
             finished=sim.finished, preempted=sim.preempted, left=len(rm.requests),
             end_ok=sim.all_free_or_cached() if rec is not None else True,
             engine_checks=sim.engine_checks, keys=sim.worker.keys_checked, seconds=round(time.time() - t, 2),
-            per={r: served[r] for r in later},
         )
     rows.append(row)
 report(rows=rows)
 """
 
 
-@pytest.mark.parametrize("blocks", [240, 120])
+@pytest.mark.parametrize("blocks", [240, 160])
 def test_shared_system_prompt_served_past_its_window(host, tiny_dir, tmp_path, blocks):
     """A system prompt of 2 to 20 windows shared by conversations arriving after the first one has
     decoded well past prompt + window (its sliding blocks at the end of the prompt left every

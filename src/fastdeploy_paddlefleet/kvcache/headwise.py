@@ -182,13 +182,16 @@ class _Pool:
 
     Prefix caching (``serving/kv_recycling/prefix_cache.py``) *tags* the units a cached entry
     refers to. A tagged unit whose last holder lets go is not free but *evictable*: it keeps its
-    content for a later hit and sits in ``lru`` (release order, oldest first), it counts as
-    available (a fresh allocation may take it), and :meth:`take` hands it out only when no untagged
-    unit is left, telling ``on_evict`` first so the entry stops referring to it (vLLM's cached-free
-    blocks). Without tags (prefix caching off) ``lru`` stays empty and nothing here changes.
+    content for a later hit, it counts as available (a fresh allocation may take it), and
+    :meth:`take` hands it out only when no untagged unit is left, telling ``on_evict`` first so the
+    entry stops referring to it (vLLM's cached-free blocks). Evictable units sit in ``lru`` (cold)
+    or ``hot`` (``is_hot(tag)`` when let go: the entry is on a running request's path, where
+    FastDeploy alone would evict nothing), each in release order; cold ones are reused first,
+    oldest first, then hot ones. Without tags (prefix caching off) both stay empty and nothing here
+    changes.
     """
 
-    __slots__ = ("num_units", "free", "fresh", "refs", "tags", "lru", "on_evict")
+    __slots__ = ("num_units", "free", "fresh", "refs", "tags", "lru", "hot", "on_evict", "is_hot")
 
     def __init__(self, num_units: int) -> None:
         self.num_units = num_units
@@ -199,13 +202,17 @@ class _Pool:
         self.refs: dict[int, int] = {}
         #: unit -> the tag of the cached entry slot that refers to it (prefix caching)
         self.tags: dict[int, Any] = {}
-        #: tagged units nobody holds, oldest release first (insertion order)
+        #: tagged units nobody holds, oldest release first (insertion order): reused first
         self.lru: dict[int, None] = {}
+        #: the same for units whose entry was on a running request's path when let go
+        self.hot: dict[int, None] = {}
         #: called ``on_evict(unit, tag)`` when :meth:`take` reuses an evictable unit
         self.on_evict: Any = None
+        #: ``is_hot(tag)``: whether a unit let go goes to ``hot`` (None: never)
+        self.is_hot: Any = None
 
     def available(self) -> int:
-        return len(self.free) + self.num_units - self.fresh + len(self.lru)
+        return len(self.free) + self.num_units - self.fresh + len(self.lru) + len(self.hot)
 
     def take(self) -> int:
         if self.free:
@@ -213,9 +220,10 @@ class _Pool:
         if self.fresh < self.num_units:
             self.fresh += 1
             return self.fresh - 1
-        if self.lru:  # evict the least recently released cached unit
-            unit = next(iter(self.lru))
-            del self.lru[unit]
+        if self.lru or self.hot:  # evict the least recently released cached unit, cold ones first
+            lru = self.lru or self.hot
+            unit = next(iter(lru))
+            del lru[unit]
             tag = self.tags.pop(unit)
             if self.on_evict is not None:
                 self.on_evict(unit, tag)
@@ -231,16 +239,21 @@ class _Pool:
             else:
                 self.refs[unit] = extra - 1
             return
-        if unit in self.tags:
-            self.lru[unit] = None
-        else:
+        tag = self.tags.get(unit)
+        if tag is None:
             self.free.append(unit)
+        elif self.is_hot is not None and self.is_hot(tag):
+            self.hot[unit] = None
+        else:
+            self.lru[unit] = None
 
     def share(self, unit: int) -> None:
         """One more holder of ``unit``: a held unit, or an evictable one (claimed back, never evicted
         while held). Callers never share a free one."""
         if unit in self.lru:
             del self.lru[unit]
+        elif unit in self.hot:
+            del self.hot[unit]
         else:
             self.refs[unit] = self.refs.get(unit, 0) + 1
 
@@ -257,6 +270,16 @@ class _Pool:
         if unit in self.lru:
             del self.lru[unit]
             self.free.append(unit)
+        elif unit in self.hot:
+            del self.hot[unit]
+            self.free.append(unit)
+
+    def cool(self, unit: int) -> None:
+        """A hot evictable ``unit`` is no longer on a running request's path: reused with the cold
+        ones (the most recent of them)."""
+        if unit in self.hot:
+            del self.hot[unit]
+            self.lru[unit] = None
 
 
 class _Lane:
@@ -598,15 +621,21 @@ class HeadwiseKVManager:
         """The entry slot ``tag`` drops ``unit``: evictable becomes free (``_Pool.untag``)."""
         self._pools[group].untag(unit, tag)
 
-    def on_evict(self, callback: Any) -> None:
-        """``callback(unit, tag)`` runs when an allocation reuses an evictable unit (every pool)."""
+    def on_evict(self, callback: Any, is_hot: Any = None) -> None:
+        """``callback(unit, tag)`` runs when an allocation reuses an evictable unit; ``is_hot(tag)``
+        says whether a unit let go is reused only after the others (every pool; ``_Pool``)."""
         for pool in self._distinct:
             pool.on_evict = callback
+            pool.is_hot = is_hot
+
+    def cool_unit(self, group: int, unit: int) -> None:
+        """``unit`` (if evictable and hot) is reused with the cold ones from now on."""
+        self._pools[group].cool(unit)
 
     @property
     def evictable_units(self) -> int:
         """Units cached entries refer to and nobody holds (counted in :attr:`free_units`)."""
-        return sum(len(p.lru) for p in self._distinct)
+        return sum(len(p.lru) + len(p.hot) for p in self._distinct)
 
     def holders(self, group: int, unit: int) -> int:
         """How many holders ``unit`` of ``group``'s pool has beyond the first."""

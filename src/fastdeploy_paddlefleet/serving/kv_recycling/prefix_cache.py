@@ -108,10 +108,11 @@ class PrefixCache:
         self._next_node = max(pool) + 1 if pool else 0
         self.served_tokens = 0  # tokens served from cache (what FastDeploy's metrics count too)
         self.in_tree = 0  # entries that are nodes of FastDeploy's tree
+        self._freeing: dict[str, list[Any]] = {}  # request -> its path, from before_free to after_free
         #: nodes kept at most: every unit of the pool on its own node (beyond that many nodes hold
         #: nothing); FastDeploy's LRU leaves past it are dropped (:meth:`trim`)
         self.max_nodes = max(self.mgr.total_units, self._node_ids_min)
-        self.mgr.on_evict(self._evicted)
+        self.mgr.on_evict(self._evicted, self._hot)
         self._wrap()
 
     # ---- entries -------------------------------------------------------------------------
@@ -137,6 +138,28 @@ class PrefixCache:
         e = self.entries.get(eid)
         if e is not None and e.units[g][j] == unit:
             e.units[g][j] = -1
+
+    def _hot(self, tag: tuple[int, int, int]) -> bool:
+        """A unit let go now is reused last when its entry is on a running request's path (its
+        writer runs, or a running request passes through its node): FastDeploy alone would evict
+        nothing there, so a shared prefix some conversation is on survives pressure as it would."""
+        e = self.entries.get(tag[0])
+        return e is not None and (e.writer is not None or (e.node is not None and e.node.shared_count > 0))
+
+    def _cool(self, path: list[Any]) -> None:
+        """Entries of ``path`` (leaf side first) no running request passes through any more: their
+        hot evictable units are reused with the cold ones, the path's end first."""
+        mgr = self.mgr
+        for node in reversed(path):
+            if node.shared_count > 0:
+                continue
+            e = self.entries.get(node.block_id)
+            if e is None or e.writer is not None or e.node is not node:
+                continue
+            for g, lanes in enumerate(e.units):
+                for u in lanes:
+                    if u >= 0:
+                        mgr.cool_unit(g, u)
 
     def _unref(self, eid: int, e: _Entry, g: int, j: int) -> None:
         """Entry ``eid`` stops referring to its unit of group ``g`` lane ``j`` (free if unheld)."""
@@ -264,6 +287,7 @@ class PrefixCache:
         path = self._path(rid)
         if not path:
             return
+        self._freeing[rid] = path
         eids = [n.block_id for n in path]
         plan = keep_plan(self.windows, self._held(eids), self.bs, len(eids) * self.bs)
         own = self.own.get(rid, {})
@@ -283,7 +307,8 @@ class PrefixCache:
 
     def after_free(self, rid: str) -> None:
         """After FastDeploy's ``_free_blocks`` and the manager's: forget what ``rid`` still owned
-        (entries past its path; FastDeploy recycled the uncached ones already)."""
+        (entries past its path; FastDeploy recycled the uncached ones already), and cool the path's
+        hot units where no running request passes any more."""
         for eid in list(self.own.pop(rid, {}).values()):
             e = self.entries.get(eid)
             if e is None:
@@ -296,6 +321,7 @@ class PrefixCache:
             else:
                 self._drop(eid)
         self.written.pop(rid, None)
+        self._cool(self._freeing.pop(rid, []))
 
     # ---- availability --------------------------------------------------------------------
     def evictable(self) -> int:
