@@ -435,3 +435,44 @@ def test_size_pools_fills_budget_and_shrinks_sliding_groups():
     assert sliding < full / 5  # a window of 5 needs a few blocks per request, the full group 100
     uniform = size_pools(groups_from_plan(plan, "none"), 10**6, block_bytes, 4, 400)
     assert max(uniform) - min(uniform) <= 1
+
+
+def test_tagged_units_stay_evictable_and_are_reused_last():
+    """Prefix caching tags units a cached entry refers to: released, they keep their content as
+    *evictable* (counted free), are claimed back by a new holder, reused LRU only once no untagged
+    unit is left (cold before hot), and the entry is told; untagged units behave as before."""
+    plan = AttentionPlan(
+        (LayerAttention(0, "headwise", 4, 2, 8, 8, 1.0, window_left=3, sliding_kv_heads=(1, 2)),)
+    )
+    mgr = HeadwiseKVManager(plan, num_blocks=4, block_size=4)  # 8 pages
+    evicted, hot = [], set()
+    mgr.on_evict(lambda u, tag: evicted.append((u, tag)), lambda tag: tag in hot)
+    mgr.admit("a")
+    assert mgr.append("a", 16, computed=0)
+    a1 = mgr.head_pages("a", 0, 1)
+    for k in range(4):
+        mgr.tag_unit(0, a1[k], ("a", k))
+    hot.add(("a", 1))
+    assert mgr.release("a", 16) == 3  # counted free: evictable
+    assert mgr.free_pages == 3 and mgr.evictable_units == 3
+    pool = mgr._pools[0]
+    assert list(pool.lru) == [a1[0], a1[2]] and list(pool.hot) == [a1[1]] and not pool.free
+    mgr.share_unit(0, a1[2])  # a request served block 2 claims it back: no longer evictable
+    assert mgr.evictable_units == 2 and mgr.free_pages == 2
+    mgr.give_unit(0, a1[2])  # let go again: evictable, the most recent cold one
+    assert list(pool.lru) == [a1[0], a1[2]]
+    mgr.untag_unit(0, a1[2], ("other", 2))  # not its tag: ignored
+    mgr.untag_unit(0, a1[2], ("a", 2))  # the entry drops it: free at once
+    assert pool.free == [a1[2]] and mgr.evictable_units == 2
+    mgr.admit("b")
+    assert mgr.append("b", 4, computed=0)  # 2 pages: the free one first, then the oldest cold one
+    assert evicted == [(a1[0], ("a", 0))] and set(mgr.head_pages("b", 0, 0) + mgr.head_pages("b", 0, 1)) == {
+        a1[2],
+        a1[0],
+    }
+    mgr.finish("a")  # a's last tagged unit (block 3) becomes evictable, its untagged full head free
+    assert list(pool.lru) == [a1[3]] and list(pool.hot) == [a1[1]] and mgr.free_pages == 6
+    mgr.admit("c")
+    assert mgr.append("c", 12, computed=0)  # 6 pages: the 4 free ones, then cold, then hot
+    assert evicted[1:] == [(a1[3], ("a", 3)), (a1[1], ("a", 1))] and mgr.free_pages == 0
+    assert not pool.tags and mgr.evictable_units == 0

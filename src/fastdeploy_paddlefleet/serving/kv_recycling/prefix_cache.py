@@ -5,24 +5,26 @@ bridge the scheduler hook (``scheduler.py``) installs when FastDeploy's own
 ``cache_config.enable_prefix_caching`` is on for a model that recycles window pages.
 
 FastDeploy keeps its radix tree (``PrefixCacheManager``): hashing, matching, ``shared_count``
-refcounts per node, LRU order of leaves, eviction. What it calls a block id is, here, an *entry
-id*: one per (request, logical block) the request allocated. :class:`PrefixCache` maps each entry
-to the units (pages of the one pool) each group and lane holds for that block:
+refcounts per node, LRU order of leaves. What it calls a block id is, here, an *entry id*: one per
+(request, logical block) the request allocated. :class:`PrefixCache` maps each entry to the units
+(pages of the one pool) each group and lane holds for that block, and *tags* them in the pool
+(``headwise._Pool.tags``):
 
-* while its writer runs, an entry is *live*: its units are whatever the writer's lanes hold for
-  that block (a window release by the writer empties the entry too: a running request never pins
-  what it released, so recycling keeps its capacity);
-* when the writer is freed (finish, abort, preemption: FastDeploy's ``_free_blocks``), the entries
-  of its cached path become *owned*: :func:`~...kvcache.prefix.keep_plan` says which units a later
-  request can still be served from; those move from the writer to the entry (one holder each), the
-  rest go back to the pool at once;
-* a request served ``L`` cached tokens holds (one more holder each) the units its windows need at
-  ``L`` (``-1`` below each sliding window), as if it had computed them itself.
+* a tagged unit whose last holder lets go (the writer's window release, the end of a request) is
+  not free but *evictable*: it keeps its content for a later hit, counts as available, and is
+  reused by an allocation only when no free unit is left, least recently released first (units on
+  a running request's path last); the pool then tells the entry, which reads ``-1`` there (vLLM's
+  cached-but-free blocks). So a system prompt longer than a window stays servable after the first
+  conversation decoded past it, as with FastDeploy alone;
+* when the writer is freed (finish, abort, preemption: FastDeploy's ``_free_blocks``),
+  :func:`~...kvcache.prefix.keep_plan` says which units of its cached path a later request can
+  still be served from; its own entries drop the others (free at once);
+* a request served ``L`` cached tokens holds (one more holder each, claiming evictable ones back)
+  the units its windows need at ``L`` (``-1`` below each sliding window), as if it had computed
+  them itself; no unit is reused or written while a live request holds it.
 
-A unit returns to the pool when its last holder lets go (``headwise._Pool.refs``), so no unit is
-written while a live request or a cached entry still holds it. Owned units nobody else holds on
-nodes no running request passes through are *evictable*: they count as available, and an
-allocation that needs them evicts FastDeploy's LRU leaves (``free_block_ids``) until it has them.
+Nodes left holding nothing stay in the tree until it holds more nodes than the pool has units; then
+FastDeploy's LRU leaves are dropped through its own ``free_block_ids`` (:meth:`PrefixCache.trim`).
 
 The instance wrappers on ``PrefixCacheManager`` (never the class: other models keep FastDeploy's
 behaviour exactly): ``mm_match_block`` (cut the match to the largest servable length, LRU fix-up),
