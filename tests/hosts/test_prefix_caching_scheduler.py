@@ -185,6 +185,7 @@ def test_shared_system_prompt_served_past_its_window(host, tiny_dir, tmp_path, b
         assert off["served_later"] > 0, r
         assert on["served"] >= 0.95 * off["served"], r
         assert on["served_later"] >= 0.95 * off["served_later"], r
+        assert on["full_prompt"] >= off["full_prompt"], r  # served the whole system prompt as often
 
 
 CAPACITY = """
