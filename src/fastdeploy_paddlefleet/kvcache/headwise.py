@@ -275,10 +275,14 @@ class _Pool:
             self.free.append(unit)
 
     def cool(self, unit: int) -> None:
-        """A hot evictable ``unit`` is no longer on a running request's path: reused with the cold
-        ones (the most recent of them)."""
+        """An evictable ``unit`` (hot or cold) is no longer on a running request's path: the most
+        recent of the cold ones (callers cool a path from its end to its root, so LRU reuses a
+        path's end first, as FastDeploy evicts leaves first)."""
         if unit in self.hot:
             del self.hot[unit]
+            self.lru[unit] = None
+        elif unit in self.lru:
+            del self.lru[unit]
             self.lru[unit] = None
 
 
@@ -629,7 +633,7 @@ class HeadwiseKVManager:
             pool.is_hot = is_hot
 
     def cool_unit(self, group: int, unit: int) -> None:
-        """``unit`` (if evictable and hot) is reused with the cold ones from now on."""
+        """``unit`` (if evictable) is the most recent cold one (``_Pool.cool``)."""
         self._pools[group].cool(unit)
 
     @property

@@ -149,8 +149,10 @@ class PrefixCache:
         return e is not None and (e.writer is not None or (e.node is not None and e.node.shared_count > 0))
 
     def _cool(self, path: list[Any]) -> None:
-        """Entries of ``path`` (leaf side first) no running request passes through any more: their
-        hot evictable units are reused with the cold ones, the path's end first."""
+        """Entries of ``path`` no running request passes through any more: their evictable units
+        (hot or cold) are queued again from the path's end to its root, so that LRU reuses the
+        path's end first and its root (a prefix others share) last, as FastDeploy's leaf-first
+        eviction would; a request's own private tail goes before the prompt it shares."""
         mgr = self.mgr
         for node in reversed(path):
             if node.shared_count > 0:
