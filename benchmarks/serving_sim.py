@@ -34,9 +34,11 @@ block 64, ``max_num_batched_tokens`` 8192:
   ``recycling-prefix`` (both: prefix caching asked for with recycling on; the row's
   ``prefix_caching`` says whether the hook kept it on). Prefix caching is FastDeploy's
   ``enable_prefix_caching`` (its default ``enable_output_caching=False``). Rows add the tokens
-  FastDeploy served from cache (``prefix_cache_token_num``, its own counter) and the prefill tokens
-  the worker ran. Conversations: twice what the recycling pool holds at the chats' mean final
-  context (at least 16), all starting at time 0; ``max_num_seqs`` 512 only.
+  FastDeploy served from cache (``cached_tokens_served``: each request's
+  ``metrics.gpu_cache_token_num``, summed; ``prefix_cache_token_num``: its counter, which counts
+  every admission attempt) and the prefill tokens the worker ran. Conversations: twice what the
+  recycling pool holds at the chats' mean final context (at least 16), all starting at time 0;
+  ``max_num_seqs`` 512 only.
 
 Requests: twice what the recycling pool holds at the workload's sizing length (``capacity(...)
 .recycling_requests``, capped at ``max_num_seqs``; prefill- and decode-heavy: ``max_model_len``,
@@ -676,6 +678,7 @@ def run_chat_one(
         "output_tokens": st.tokens,
         "requested_output_tokens": requested,
         "prompt_tokens": chat.prompt_tokens,
+        "cached_tokens_served": chat.served,
         "prefix_cache_token_num": chat.served_metric,
         "prefix_hit_requests": chat.hit_requests,
         "prefill_tokens_run": st.prefill_tokens,

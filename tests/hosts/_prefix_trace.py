@@ -15,11 +15,15 @@ Every token id is drawn from a seeded generator (a conversation's ids never repe
 construction: each conversation draws from its own range), so FastDeploy's chained block hashes
 match exactly the shared system prompt and a conversation's own history, nothing else.
 
-What is counted is FastDeploy's own: the ``prefix_cache_token_num`` counter
-(``main_process_metrics``, incremented by ``get_prefix_cached_blocks`` with the tokens each
-admission is served from cache, preempted re-admissions excluded, c1b7c083d RM1 1469), and per
-request ``request.metrics.gpu_cache_token_num`` / ``request.num_cached_tokens`` as FastDeploy left
-them. Nothing of the plugin is read to count hits.
+What is counted is FastDeploy's own: per request, ``request.metrics.gpu_cache_token_num`` as
+FastDeploy's ``get_prefix_cached_blocks`` left it at the admission that admitted the request (the
+tokens served from cache after its full-match revert; preempted re-admissions do not touch it,
+c1b7c083d RM1 1460), summed over the requests (``ChatStats.served``); and the
+``prefix_cache_token_num`` / ``prefix_gpu_cache_token_num`` counters (``main_process_metrics``,
+RM1 1469). The counters are bumped at every admission *attempt*: a request whose blocks do not fit
+is matched, freed (RM1 1137) and matched again at the next ``schedule()``, and counted again, so
+under memory pressure they exceed what was served (``served_metric >= served``). Nothing of the
+plugin is read to count hits.
 """
 
 from __future__ import annotations
@@ -75,15 +79,22 @@ def make_chat_trace(
     every: float,
     think: float,
     max_context: int | None = None,
+    vocab: int | None = None,
 ) -> ChatTrace:
     """``conversations`` chats, each of ``turns`` (uniform) turns with user messages of ``user`` and
     replies of ``output`` tokens (uniform), arriving ``every`` apart; a chat stops before a turn
-    whose prompt plus reply would pass ``max_context``."""
+    whose prompt plus reply would pass ``max_context``. ``vocab``: every id drawn from ``[3, vocab)``
+    (a real model's vocabulary; conversations may then share ids by chance), else each
+    conversation draws from its own range."""
     rng = random.Random(seed)
-    sys_ids = tuple(rng.randrange(1000, 2000) for _ in range(system))
+    sys_ids = tuple(
+        rng.randrange(1000, 2000) if vocab is None else rng.randrange(3, vocab) for _ in range(system)
+    )
     convs, start = [], []
     for c in range(conversations):
         lo = 10_000 + c * 10_000  # this conversation's own id range: no cross-conversation match
+        if vocab is not None:
+            lo = 3
         n = rng.randint(*turns)
         length = system
         chat = []
@@ -92,7 +103,8 @@ def make_chat_trace(
             o = rng.randint(*output)
             if max_context is not None and length + u + o > max_context and chat:
                 break
-            chat.append(Turn(tuple(rng.randrange(lo, lo + 10_000) for _ in range(u)), o))
+            hi = lo + 10_000 if vocab is None else vocab
+            chat.append(Turn(tuple(rng.randrange(lo, hi) for _ in range(u)), o))
             length += u + o
         convs.append(tuple(chat))
         start.append(c * every)
@@ -117,10 +129,10 @@ class ChatStats:
     """FastDeploy's own figures of a run (module docstring)."""
 
     prompt_tokens: int = 0
-    served_metric: int = 0  # prefix_cache_token_num's increase over the run
-    served_gpu_metric: int = 0  # prefix_gpu_cache_token_num's increase over the run
-    served_requests: int = 0  # sum of request.metrics.gpu_cache_token_num (first admissions)
+    served: int = 0  # sum of request.metrics.gpu_cache_token_num (the admitting admission)
     hit_requests: int = 0  # requests served at least one token from cache
+    served_metric: int = 0  # prefix_cache_token_num's increase over the run (every attempt)
+    served_gpu_metric: int = 0  # prefix_gpu_cache_token_num's increase over the run (every attempt)
     per_turn: list[tuple[int, int, int, int]] = field(default_factory=list)  # (conv, turn, prompt, served)
 
 
@@ -189,7 +201,7 @@ class ChatSim(Sim):
                 if len(req.output_token_ids) >= req.sampling_params.max_tokens:  # finished
                     del live[c]
                     served = int(getattr(req.metrics, "gpu_cache_token_num", 0) or 0)
-                    chat.served_requests += served
+                    chat.served += served
                     chat.hit_requests += int(served > 0)
                     chat.per_turn.append((c, nxt[c], len(prompts[req.request_id]), served))
                     history[c] = prompts[req.request_id] + list(req.output_token_ids)
