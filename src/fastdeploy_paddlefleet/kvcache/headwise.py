@@ -181,12 +181,15 @@ class _Pool:
     (reused first, last in first out). Construction costs nothing whatever the pool size.
     """
 
-    __slots__ = ("num_units", "free", "fresh")
+    __slots__ = ("num_units", "free", "fresh", "refs")
 
     def __init__(self, num_units: int) -> None:
         self.num_units = num_units
         self.free: list[int] = []
         self.fresh = 0
+        #: holders beyond the first of a shared unit (prefix caching: cached entries and the
+        #: requests served from them); empty without sharing, so ``give`` stays one append
+        self.refs: dict[int, int] = {}
 
     def available(self) -> int:
         return len(self.free) + self.num_units - self.fresh
@@ -200,7 +203,19 @@ class _Pool:
         return self.fresh - 1
 
     def give(self, unit: int) -> None:
+        """One holder lets go of ``unit``; it is free once no holder is left."""
+        extra = self.refs.get(unit)
+        if extra:
+            if extra == 1:
+                del self.refs[unit]
+            else:
+                self.refs[unit] = extra - 1
+            return
         self.free.append(unit)
+
+    def share(self, unit: int) -> None:
+        """One more holder of ``unit`` (a held unit: callers never share a free one)."""
+        self.refs[unit] = self.refs.get(unit, 0) + 1
 
 
 class _Lane:
@@ -466,6 +481,77 @@ class HeadwiseKVManager:
         """The largest ``computed`` bound given for the request so far."""
         return self._req(req_id).computed
 
+    def admit_served(self, req_id: Any, ids: Sequence[Sequence[Sequence[int]]], tokens: int) -> None:
+        """Admit a request served ``tokens`` cached tokens (prefix caching): ``ids[g][j]`` are lane
+        ``j`` of group ``g``'s units of the first ``tokens // block_size`` blocks, ``-1`` for the
+        blocks below the lane's window at ``tokens`` (``kvcache/prefix.py``: exactly the blocks the
+        release rule gives back at computed bound ``tokens``, so the request starts in the state it
+        would be in had it computed them). Each unit gains one holder; the request's computed bound
+        and held tokens are ``tokens``."""
+        bs = self.block_size
+        tokens = _count("tokens", tokens)
+        if tokens % bs:
+            raise ValueError(f"tokens={tokens!r}: expected a multiple of block_size={bs}")
+        self.admit(req_id)
+        r = self._reqs[req_id]
+        m = tokens // bs
+        if len(ids) != len(self.groups):
+            raise ValueError(f"ids has {len(ids)} groups, the manager {len(self.groups)}")
+        nxt = _INF
+        for gi, (lanes, gids, pool) in enumerate(zip(r.lanes, ids, self._pools, strict=True)):
+            if len(gids) != len(lanes):
+                raise ValueError(f"ids[{gi}] has {len(gids)} lanes, group {gi} has {len(lanes)}")
+            for j, (lane, lids) in enumerate(zip(lanes, gids, strict=True)):
+                lo = lane.release_target(tokens, bs)
+                row = list(lids)
+                if len(row) != m:
+                    raise ValueError(f"ids[{gi}][{j}] has {len(row)} blocks, tokens={tokens} needs {m}")
+                for k, u in enumerate(row):
+                    if k < lo:
+                        row[k] = -1
+                    elif u < 0:
+                        del self._reqs[req_id]
+                        raise ValueError(
+                            f"ids[{gi}][{j}][{k}] is -1 but the window at {tokens} tokens needs block {k}"
+                        )
+                for u in row:
+                    if u >= 0:
+                        pool.share(u)
+                lane.ids = row
+                lane.released = lo
+                nxt = min(nxt, lane.next_release_at(bs))
+        r.num_tokens = r.computed = tokens
+        r.next_release = nxt
+
+    def detach(self, req_id: Any, group: int, lane: int, block: int) -> int:
+        """Take ``req_id``'s unit of ``block`` on ``lane`` of ``group`` out of its lane without
+        freeing it (its holder becomes the caller, e.g. a cached prefix entry); ``-1`` if none."""
+        ids = self._req(req_id).lanes[group][lane].ids
+        if block >= len(ids):
+            return -1
+        u = ids[block]
+        ids[block] = -1
+        return u
+
+    def units_at(self, req_id: Any, block: int) -> list[list[int]]:
+        """``req_id``'s unit of logical ``block`` per group and lane (``-1``: none), cheaply."""
+        return [
+            [lane.ids[block] if block < len(lane.ids) else -1 for lane in lanes]
+            for lanes in self._req(req_id).lanes
+        ]
+
+    def share_unit(self, group: int, unit: int) -> None:
+        """One more holder of ``unit`` of ``group``'s pool."""
+        self._pools[group].share(unit)
+
+    def give_unit(self, group: int, unit: int) -> None:
+        """One holder of ``unit`` of ``group``'s pool lets go (free at the last)."""
+        self._pools[group].give(unit)
+
+    def holders(self, group: int, unit: int) -> int:
+        """How many holders ``unit`` of ``group``'s pool has beyond the first."""
+        return self._pools[group].refs.get(unit, 0)
+
     def finish(self, req_id: Any) -> None:
         """Free every page of the request and forget it."""
         self._free_all(self._req(req_id))
@@ -486,10 +572,16 @@ class HeadwiseKVManager:
         demand = [0] * len(self._distinct)
         for lanes, pi in zip(r.lanes, self._pool_index, strict=True):
             d = 0
+            refs = self._distinct[pi].refs
             for lane in lanes:
                 target = lane.release_target(computed, bs)
                 have = len(lane.ids)
-                d -= max(0, min(target, have) - lane.released)  # pages given back
+                top = min(target, have)
+                if refs:  # a shared unit released by one holder stays with the others
+                    ids = lane.ids
+                    d -= sum(1 for k in range(lane.released, top) if ids[k] >= 0 and ids[k] not in refs)
+                else:
+                    d -= max(0, top - lane.released)  # pages given back
                 d += max(0, need - max(have, target))  # pages taken
             demand[pi] += d
         missing = {}
@@ -529,7 +621,12 @@ class HeadwiseKVManager:
     def _free_all(self, r: _Request) -> None:
         for lanes, pool in zip(r.lanes, self._pools, strict=True):
             for lane in lanes:
-                pool.free.extend(u for u in lane.ids if u >= 0)
+                if pool.refs:
+                    for u in lane.ids:
+                        if u >= 0:
+                            pool.give(u)
+                else:
+                    pool.free.extend(u for u in lane.ids if u >= 0)
                 lane.ids = []
 
     # ---- counters -------------------------------------------------------------------------

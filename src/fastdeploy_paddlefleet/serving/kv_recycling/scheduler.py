@@ -63,6 +63,7 @@ from ...kvcache.pools import admission_pages, allocation_cap, min_gpu_blocks, pa
 from ...plan.layer import AttentionPlan
 from .._fields import field
 from ..names import wants_paddlefleet as _wants_paddlefleet
+from .prefix_cache import PrefixCache
 from .protocol import TASK_ATTR, KVDelta, RecyclingLayout, layout_from_plans, merge_tp_plans
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,12 @@ def _refusals(fd_config: Any, environ: Mapping[str, str]) -> list[str]:
         out.append(
             f"kvcache_storage_backend={field(cache, 'kvcache_storage_backend')!r}: stored blocks "
             "follow FastDeploy's one table"
+        )
+    if field(cache, "enable_prefix_caching") and field(field(fd_config, "model_config"), "enable_mm"):
+        out.append(
+            "enable_prefix_caching with a multimodal model (model_config.enable_mm=True): multimodal "
+            "hash keys and chunked-input reverts are not matched window-aware "
+            "(pass --no-enable-prefix-caching)"
         )
     if field(spec, "method") is not None:
         out.append(
@@ -207,11 +214,7 @@ def decide(
             + ". Set FDFLEET_KV_RECYCLE=off to serve this model without recycling"
         )
     if field(cache, "enable_prefix_caching"):
-        cache.enable_prefix_caching = False
-        (logger.warning if warn else logger.debug)(
-            "paddlefleet window recycling: enable_prefix_caching switched off for this model "
-            "(cached prefix blocks are not window-aware; pass --no-enable-prefix-caching to silence this)"
-        )
+        logger.debug("window recycling with window-aware prefix caching (docs/prefix_caching.md)")
     return RecyclingSetup(
         plan=plan,
         layout=layout,
@@ -266,6 +269,8 @@ class KVRecycler:
         self._sent: dict[str, list[list[list[int]]]] = {}
         self._pending: dict[str, tuple[bool, list[tuple[int, int, int, int]]]] = {}
         self._due: dict[str, float] = {}  # rid -> computed bound of its next release
+        #: window-aware prefix caching (FastDeploy's enable_prefix_caching), set by the hook
+        self.prefix: PrefixCache | None = None
         #: the admission threshold FastDeploy computed last and its parts (``expect_threshold``)
         self._threshold: tuple[int, tuple[int, list[int]] | None] | None = None
         # the most pages one allocation can take on a sliding lane: window + one step + look-ahead
@@ -305,6 +310,11 @@ class KVRecycler:
                 need = admission_pages(pool, parts[0], parts[1], self._caps)
         else:
             need = pages_needed(pool, n, self._caps)
+        prefix = self.prefix
+        if prefix is not None and need > self.manager.free_units:
+            try_free = args[0] if args else kwargs.get("try_free_gpu_blocks", True)
+            if try_free:  # cached units nobody runs on are available: evict FastDeploy's LRU leaves
+                prefix.evict(need)
         return need <= self.manager.free_units
 
     def expect_threshold(
@@ -326,11 +336,15 @@ class KVRecycler:
         """FastDeploy's free count: the free pages in FastDeploy blocks of every layer (``free //
         pages_per_block``, at most ``num_gpu_blocks``). Never a promise the pool cannot keep: a block
         of every lane costs at least as many pages as a capped sliding lane's growth does."""
-        return self.manager.free_units // self.layout.pool.pages_per_block
+        free = self.manager.free_units
+        if self.prefix is not None:
+            free += self.prefix.evictable()
+        return min(self.num_gpu_blocks, free // self.layout.pool.pages_per_block)
 
     def usage(self) -> float:
         mgr = self.manager
-        return (mgr.total_units - mgr.free_units) / max(1, mgr.total_units)
+        free = mgr.free_units + (self.prefix.evictable() if self.prefix is not None else 0)
+        return (mgr.total_units - free) / max(1, mgr.total_units)
 
     def allocate(self, request: Any, num_blocks: int) -> list[int]:
         """FastDeploy's ``_allocate_gpu_blocks``: the ids to extend ``request.block_tables`` with
@@ -350,6 +364,10 @@ class KVRecycler:
         n = max(0, int(num_blocks))
         target = (len(tables) + n) * self.block_size
         computed = min(int(request.num_computed_tokens), max(target, mgr.num_tokens(rid)))
+        prefix = self.prefix
+        if prefix is not None:  # released up to a block boundary: the cached path stays servable at its end
+            prefix.written[rid] = max(prefix.written.get(rid, 0), computed)
+            computed = max(computed // self.block_size * self.block_size, mgr.computed(rid))
         result = mgr.reserve(rid, target, computed)
         if not result:
             raise RuntimeError(
@@ -357,11 +375,27 @@ class KVRecycler:
                 f"{result.missing} pages (free {mgr.free_units} of {mgr.total_units}); this is a bug"
             )
         ids = self._collect(rid)[0][0]
+        self._due[rid] = mgr.next_release(rid)
+        if prefix is not None:  # FastDeploy's tables hold entry ids: its radix tree caches them
+            return [prefix.new_entry(rid, k) for k in range(len(tables), len(tables) + n)]
         for k in range(min(len(tables), len(ids))):  # released entries read -1 in FastDeploy's copy
             if ids[k] < 0:
                 tables[k] = -1
-        self._due[rid] = mgr.next_release(rid)
         return ids[len(tables) : len(tables) + n]
+
+    def admit_served(self, request: Any, held: list[list[list[int]]], tokens: int) -> None:
+        """A request FastDeploy served ``tokens`` cached tokens: it holds the units its windows need
+        (``held[g][j][k]`` along the matched path) and its first delta maps them."""
+        rid = request.request_id
+        mgr = self.manager
+        if rid in mgr:
+            raise ValueError(f"request {rid!r} was served a cached prefix while it holds KV blocks")
+        m = tokens // self.block_size
+        mgr.admit_served(rid, [[row[:m] for row in lanes] for lanes in held], tokens)
+        self._sent[rid] = [[[] for _ in g.lanes] for g in self.layout.groups]
+        self._pending[rid] = (True, [])
+        self._collect(rid)
+        self._due[rid] = mgr.next_release(rid)
 
     def free(self, request: Any) -> None:
         """FastDeploy's ``_free_blocks``: the whole request (finish, abort, preemption)."""
@@ -380,6 +414,8 @@ class KVRecycler:
         one). Queues the changes; :meth:`attach` delivers them in this step's batch."""
         mgr = self.manager
         due = self._due
+        prefix = self.prefix
+        bs = self.block_size
         released = 0
         for request in rm.running:
             rid = request.request_id
@@ -389,16 +425,22 @@ class KVRecycler:
             computed = request.num_computed_tokens
             if computed >= request.need_prefill_tokens:  # decoding (FastDeploy's _is_decoding)
                 computed = request.num_total_tokens - 1
+            if prefix is not None:  # known written; released only up to a block boundary
+                computed = min(int(computed), mgr.num_tokens(rid))
+                prefix.written[rid] = max(prefix.written.get(rid, 0), computed)
+                computed = computed // bs * bs
             if computed < threshold:  # no block left every window yet: the common case
                 continue
             computed = min(int(computed), mgr.num_tokens(rid))
-            if computed > 0 and mgr.release(rid, computed):
+            # a shared unit (prefix caching) leaves the lane without freeing a page: diff the lanes then too
+            if computed > 0 and (mgr.release(rid, computed) or prefix is not None):
                 released += 1
                 ids = self._collect(rid)[0][0]
-                tables = request.block_tables
-                for k in range(min(len(tables), len(ids))):  # FastDeploy's copy reads -1 too
-                    if ids[k] < 0:
-                        tables[k] = -1
+                if prefix is None:
+                    tables = request.block_tables
+                    for k in range(min(len(tables), len(ids))):  # FastDeploy's copy reads -1 too
+                        if ids[k] < 0:
+                            tables[k] = -1
             due[rid] = mgr.next_release(rid)
         return released
 
@@ -497,11 +539,27 @@ def _attach_recycler(rm: Any) -> None:
         setattr(rm, RECYCLER_ATTR, None)
         return
     cache = rm.config.cache_config
-    rm.enable_prefix_cache = False
     # FastDeploy builds the scheduler before profiling, on a placeholder count: size, refuse nothing
     rec = KVRecycler(setup, int(rm.cache_manager.num_gpu_blocks), int(cache.block_size), placeholder=True)
+    _attach_prefix(rm, rec)
     setattr(rm, RECYCLER_ATTR, rec)
     rm.cache_manager.can_allocate_gpu_blocks = rec.can_allocate
+
+
+def _attach_prefix(rm: Any, rec: KVRecycler) -> None:
+    """FastDeploy's ``enable_prefix_caching`` on: window-aware prefix caching (``prefix_cache.py``)
+    over this ``ResourceManagerV1``'s radix tree; FastDeploy internals it needs are checked by name."""
+    cache = rm.config.cache_config
+    if not field(cache, "enable_prefix_caching"):
+        rm.enable_prefix_cache = False
+        return
+    if not callable(getattr(type(rm), "get_prefix_cached_blocks", None)):
+        raise ValueError(
+            "window-aware prefix caching needs ResourceManagerV1.get_prefix_cached_blocks, which this "
+            "FastDeploy lacks; pass --no-enable-prefix-caching or set FDFLEET_KV_RECYCLE=off"
+        )
+    max_blocks = -(-rec.setup.max_model_len // rec.block_size) + 2
+    rec.prefix = PrefixCache(rec, rm.cache_manager, max_blocks)
 
 
 def install() -> bool:
@@ -545,8 +603,26 @@ def install() -> bool:
         rec = recycler_of(self)
         if rec is None:
             return free_blocks(self, request)
+        prefix = rec.prefix
+        if prefix is None:
+            rec.free(request)
+            return None
+        # keep rule first (the path's kept units move to its entries), then FastDeploy's own release
+        # (shared counts, LRU leaf, uncached entry ids back through recycle_gpu_blocks), then the rest
+        prefix.before_free(request)
+        free_blocks(self, request)
         rec.free(request)
+        prefix.after_free(request.request_id)
         return None
+
+    prefix_blocks = getattr(cls, "get_prefix_cached_blocks", None)
+
+    def get_prefix_cached_blocks(self: Any, request: Any) -> Any:
+        ok = prefix_blocks(self, request)
+        rec = recycler_of(self)
+        if ok and rec is not None and rec.prefix is not None:
+            rec.prefix.admit(request)
+        return ok
 
     @functools.wraps(schedule)
     def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -570,14 +646,14 @@ def install() -> bool:
             if rec.manager.requests:
                 raise RuntimeError("reset_cache_config with requests holding KV blocks")
             # the profiled count: refused in FastDeploy's words if it cannot hold one max_model_len request
-            setattr(
-                self,
-                RECYCLER_ATTR,
-                KVRecycler(
-                    rec.setup, int(self.cache_manager.num_gpu_blocks), rec.block_size, placeholder=False
-                ),
+            new = KVRecycler(
+                rec.setup, int(self.cache_manager.num_gpu_blocks), rec.block_size, placeholder=False
             )
-            self.cache_manager.can_allocate_gpu_blocks = recycler_of(self).can_allocate
+            if rec.prefix is not None and (rec.prefix.entries or self.cache_manager.req_leaf_map):
+                raise RuntimeError("reset_cache_config with cached prefix blocks")
+            _attach_prefix(self, new)
+            setattr(self, RECYCLER_ATTR, new)
+            self.cache_manager.can_allocate_gpu_blocks = new.can_allocate
 
     @functools.wraps(threshold)
     def _get_can_schedule_prefill_threshold_block(self: Any, num_chunk_new_block: int) -> int:
@@ -606,6 +682,8 @@ def install() -> bool:
     cls._get_can_schedule_prefill_threshold_block = _get_can_schedule_prefill_threshold_block
     cls.available_block_num = available_block_num
     cls.get_gpu_cache_usage_perc = get_gpu_cache_usage_perc
+    if callable(prefix_blocks):
+        cls.get_prefix_cached_blocks = functools.wraps(prefix_blocks)(get_prefix_cached_blocks)
     setattr(cls, _PATCHED, True)
     logger.info("paddlefleet window recycling hook installed on %s.ResourceManagerV1", _MODULE)
     return True
