@@ -62,7 +62,8 @@ class ChatTrace:
         return {
             "system": len(self.system),
             "conversations": len(self.convs),
-            "turns": [len(c) for c in self.convs],
+            "turns": [min(len(c) for c in self.convs), max(len(c) for c in self.convs)],
+            "requests": self.requests,
             "user_tokens": [min(users), max(users)],
             "output_tokens": [min(outs), max(outs)],
             "think": self.think,
