@@ -124,3 +124,92 @@ def test_shared_prefix_traces_checked_token_by_token(host, tiny_dir, tmp_path, p
         assert r["served"] > 0 and r["hit_reqs"] > 0, r
     assert sum(r["preempted"] for r in runs) > 0 and sum(r["aborted"] for r in runs) > 0
     assert sum(r["steps"] for r in runs) >= 2_500  # x 4 presets: >= 10,000 schedule() steps in all
+
+
+CAPACITY = """
+from _prefix_sim import PrefixSim, distinct_trace
+
+d = preset_dir(NAME, None)
+length, out = 8192, 512
+blocks = max(8192 // 64 + 2, 24 * -(-(length + 140) // 64))
+row = {"preset": NAME, "blocks": blocks}
+for prefix in (False, True):
+    cfg = make_config(TINY, max_model_len=8192, max_num_seqs=512, max_num_batched_tokens=8192, block_size=64,
+                      num_blocks=blocks)
+    cfg.cache_config.enable_prefix_caching = prefix
+    rm = make_manager(cfg, d, fastdeploy_check=True)
+    rec = recycler_of(rm)
+    sim = PrefixSim(rm, 1, check=False).run(distinct_trace(7, 300, length - out, out), 450)
+    key = "on" if prefix else "off"
+    row[key] = sim.peak_running
+    row[key + "_prefix"] = rec.prefix is not None
+    row[key + "_preempted"] = sim.preempted
+    row[key + "_served"] = rec.prefix.served_tokens if rec.prefix is not None else 0
+report(row=row)
+"""
+
+CAPACITY_PRESETS = ["gpt-oss-20b", "gemma3-27b", "mimo-v2-flash-like", "ernie-4.5-21b-a3b-headwise"]
+
+
+@pytest.mark.parametrize("preset", CAPACITY_PRESETS)
+def test_capacity_kept_without_sharing(host, tiny_dir, tmp_path, preset):
+    """8k-token requests of distinct prompts, all at once, the same KV bytes: with prefix caching on
+    (finished requests' paths cached, evicted LRU as new requests need the pages) peak concurrency is
+    at least 0.9 of prefix caching off (recycling on in both; the full presets as in
+    ``test_kv_recycling_scheduler.test_capacity_at_equal_kv_bytes``)."""
+    script = (
+        f"TINY = {tiny_dir!r}\nWORK = {str(tmp_path)!r}\nNAME = {preset!r}\n"
+        "import fastdeploy\nfrom _scheduler_sim import make_config, make_manager, recycler_of\n"
+        + PRESETS.replace('c["num_hidden_layers"]', 'c["_unused"]')
+        .replace('c["window_attn_skip_freq"] = c["window_attn_skip_freq"][:8]', "pass")
+        .replace('c["layer_types"] = c["layer_types"][:4]', "pass")
+        + CAPACITY
+    )
+    row = run_scenario(script, host=host, env=PLUGIN_ENV, timeout=600).check().data["row"]
+    print(json.dumps(row))
+    assert row["off_prefix"] is False and row["on_prefix"] is True, row
+    assert row["on_served"] == 0, row  # nothing shared: nothing served
+    assert row["on"] >= 0.9 * row["off"], row
+
+
+HOOK = """
+import logging
+from fastdeploy_paddlefleet.serving.kv_recycling import scheduler as hook
+
+records = []
+class Grab(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+logging.getLogger("fastdeploy_paddlefleet").addHandler(Grab())
+cfg = make_config(TINY, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, block_size=16,
+                  num_blocks=64)
+cfg.cache_config.enable_prefix_caching = True
+rm = make_manager(cfg)
+rec = recycler_of(rm)
+mm = None
+cfg.model_config.enable_mm = True
+try:
+    hook.decide(cfg, {})
+except ValueError as e:
+    mm = str(e)
+cfg.model_config.enable_mm = False
+report(
+    prefix_on=cfg.cache_config.enable_prefix_caching, has_prefix=rec.prefix is not None,
+    warnings=[m for lvl, m in records if lvl == "WARNING"], multimodal=mm,
+)
+"""
+
+
+def test_prefix_caching_stays_on_without_warning(host, tiny_dir):
+    script = (
+        f"TINY = {tiny_dir!r}\nimport fastdeploy\n"
+        "from _scheduler_sim import make_config, make_manager, recycler_of\n"
+    )
+    d = run_scenario(script + HOOK, host=host, env=PLUGIN_ENV).check().data
+    assert d["prefix_on"] is True and d["has_prefix"] is True
+    assert not [w for w in d["warnings"] if "prefix" in w], d["warnings"]
+    assert (
+        d["multimodal"]
+        and "enable_mm=True" in d["multimodal"]
+        and "FDFLEET_KV_RECYCLE=off" in d["multimodal"]
+    )

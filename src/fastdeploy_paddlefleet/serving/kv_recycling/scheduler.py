@@ -40,8 +40,9 @@ Never on worse terms than FastDeploy's own pool, never by ``max_model_len``. Any
 ``n``, so an allocation it was promised always succeeds (checked: :class:`KVRecycler` raises
 rather than over-commit).
 
-Interactions (:func:`decide`): prefix caching is switched off for this model with one WARNING
-(matching cached blocks would need window-aware matching); recompute preemption, chunked
+Interactions (:func:`decide`): FastDeploy's prefix caching is served window-aware
+(``prefix_cache.py``, ``docs/prefix_caching.md``; refused by name for a multimodal model); recompute
+preemption, chunked
 prefill and tensor parallelism (lanes merged over ranks) are handled; PD disaggregation
 (``splitwise_role`` other than ``mixed``), CPU swap / KV storage, speculative decoding / MTP,
 ``FD_PD_REORDER``, FastDeploy's cache manager v1 and extend tables are refused by name
@@ -176,10 +177,10 @@ def decide(
     fd_config: Any, environ: Mapping[str, Any] | None = None, *, warn: bool = True
 ) -> RecyclingSetup | None:
     """Whether window recycling runs for ``fd_config``, and with what (``None``: FastDeploy's own
-    accounting). ``ValueError`` naming each setting it cannot serve; switches prefix caching off
-    (one WARNING) where it applies. The worker calls this too, so both sides agree.
-    ``environ``: FastDeploy's switches (default :func:`fastdeploy_switches`). ``warn=False``: the
-    prefix-caching WARNING is the engine's to give (the worker passes False)."""
+    accounting). ``ValueError`` naming each setting it cannot serve; prefix caching stays on
+    (window-aware). The worker calls this too, so both sides agree.
+    ``environ``: FastDeploy's switches (default :func:`fastdeploy_switches`). ``warn``: kept for
+    callers (the worker passes False); nothing is warned about any more."""
     if not wants_paddlefleet(fd_config):
         return None
     if kv_recycle() == "off":
