@@ -23,6 +23,23 @@ block 64, ``max_num_batched_tokens`` 8192:
   (prompt 4096-7168, output 256-1024), uniform draws, seed 11, ``max_model_len`` 8192 (the row's
   ``context``).
 
+* ``shared-prefix`` (gpt-oss-20b, MiMo-like; issue 32): multi-turn chats through
+  ``tests/hosts/_prefix_trace.py``: a 2048-token system prompt shared by every conversation, 4 to 8
+  turns per conversation, user messages 128-512 tokens, replies 128-256, each turn re-sending the
+  whole history (previous prompt, the generated tokens, the new message) and arriving
+  ``think_s`` simulated seconds after the previous turn's last token; ``max_model_len`` 8192 (a
+  chat stops before a turn that would pass it). Three modes (:data:`PREFIX_MODES`), the same trace
+  and KV bytes: ``fastdeploy-prefix`` (FastDeploy's prefix caching, its own accounting),
+  ``recycling`` (window recycling; prefix caching off, what the hook did before issue 32) and
+  ``recycling-prefix`` (both: prefix caching asked for with recycling on; the row's
+  ``prefix_caching`` says whether the hook kept it on). Prefix caching is FastDeploy's
+  ``enable_prefix_caching`` (its default ``enable_output_caching=False``). Rows add the tokens
+  FastDeploy served from cache (``cached_tokens_served``: each request's
+  ``metrics.gpu_cache_token_num``, summed; ``prefix_cache_token_num``: its counter, which counts
+  every admission attempt) and the prefill tokens the worker ran. Conversations: twice what the
+  recycling pool holds at the chats' mean final context (at least 16), all starting at time 0;
+  ``max_num_seqs`` 512 only.
+
 Requests: twice what the recycling pool holds at the workload's sizing length (``capacity(...)
 .recycling_requests``, capped at ``max_num_seqs``; prefill- and decode-heavy: ``max_model_len``,
 short: 512, mixed: the mix's mean final context), at least 16; that fills both modes (recycling
@@ -80,7 +97,8 @@ bound (ramp, drain and recomputation after preemption are left out).
 Run ``python benchmarks/serving_sim.py --out benchmarks/results/serving_sim.json`` (tens of minutes
 on a shared 2-core machine; ``--models`` / ``--workload`` / ``--seqs`` with ``--merge`` redo only
 some rows) or ``--smoke`` (seconds, tiny prefill-heavy, short and mixed workloads, written to a
-temporary directory: never the committed results).
+temporary directory: never the committed results; ``--smoke --workload shared-prefix``: a tiny
+shared-prefix run in its three modes).
 """
 
 from __future__ import annotations
@@ -145,7 +163,23 @@ MIXED = {
     "p_long": 0.3,
     "max_model_len": 8192,
 }
-WORKLOADS = ("prefill-heavy", "decode-heavy", "short", "mixed")
+# shared-prefix (issue 32): multi-turn chats sharing a system prompt, three modes (module docstring)
+SHARED_PREFIX = {
+    "presets": ["gpt-oss-20b", "mimo-v2-flash-like"],
+    "max_model_len": 8192,
+    "system": 2048,
+    "turns": (4, 8),
+    "user": (128, 512),
+    "output": (128, 256),
+    "think_s": 2.0,
+}
+#: the shared-prefix workload's modes: (name, window recycling, prefix caching asked for)
+PREFIX_MODES = (
+    ("fastdeploy-prefix", False, True),
+    ("recycling", True, False),
+    ("recycling-prefix", True, True),
+)
+WORKLOADS = ("prefill-heavy", "decode-heavy", "short", "mixed", "shared-prefix")
 SEED = 11
 DTYPE = "bfloat16"
 BLOCK, BATCHED, MAX_SEQS = 64, 8192, 512
@@ -175,10 +209,18 @@ class Shape:
     requests: int = 0
     long: tuple[tuple[int, int], tuple[int, int]] | None = None
     p_long: float = 0.0
+    #: shared-prefix chats (``SHARED_PREFIX``'s keys but presets): ``prompt`` / ``output`` then
+    #: only describe the first turn's prompt and the replies
+    chat: dict[str, Any] | None = None
 
     @property
     def fixed(self) -> bool:
-        return self.long is None and self.prompt[0] == self.prompt[1] and self.output[0] == self.output[1]
+        return (
+            self.chat is None
+            and self.long is None
+            and self.prompt[0] == self.prompt[1]
+            and self.output[0] == self.output[1]
+        )
 
     @property
     def shortest_prompt(self) -> int:
@@ -195,13 +237,32 @@ class Shape:
             out.append((0, f"r{seed}-{i}", rng.randint(*prompt), rng.randint(*output)))
         return out
 
+    def chat_trace(self, conversations: int, seed: int = SEED) -> Any:
+        """The seeded chats of a shared-prefix shape (``_prefix_trace.make_chat_trace``)."""
+        from _prefix_trace import make_chat_trace
+
+        c = self.chat
+        return make_chat_trace(
+            seed,
+            conversations,
+            tuple(c["turns"]),
+            c["system"],
+            tuple(c["user"]),
+            tuple(c["output"]),
+            every=0.0,
+            think=c["think_s"],
+            max_context=self.max_model_len,
+        )
+
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "workload": self.workload,
             "context": self.context,
             "max_model_len": self.max_model_len,
         }
-        if self.fixed:
+        if self.chat is not None:
+            d.update(prompt=None, output=None, chat=dict(self.chat))
+        elif self.fixed:
             d.update(prompt=self.prompt[0], output=self.output[0])
         else:
             d.update(
@@ -230,6 +291,26 @@ def _mixed_shape(mix: dict[str, Any], requests: int = 0) -> Shape:
     )
 
 
+def _chat_shape(chat: dict[str, Any], requests: int = 0) -> Shape:
+    """A shared-prefix shape; sized at the chats' mean final context (system prompt plus the mean
+    turns of mean user message and reply, within ``max_model_len``)."""
+    spec = {k: v for k, v in chat.items() if k != "presets"}
+    mml = spec.pop("max_model_len")
+    turn = (sum(spec["user"]) + sum(spec["output"])) / 2
+    mean = min(mml, spec["system"] + sum(spec["turns"]) / 2 * turn)
+    system = spec["system"]
+    return Shape(
+        "shared-prefix",
+        mml,
+        mml,
+        (system + spec["user"][0], system + spec["user"][1]),
+        tuple(spec["output"]),
+        size_at=round(mean),
+        requests=requests,
+        chat=spec,
+    )
+
+
 def shapes(workload: str, name: str) -> list[Shape]:
     """The full run's shapes of ``workload`` for preset ``name`` (empty where it does not run)."""
     if workload == "prefill-heavy":
@@ -244,6 +325,8 @@ def shapes(workload: str, name: str) -> list[Shape]:
         return [Shape(workload, pr + o, SHORT_WORKLOAD["max_model_len"], (pr, pr), (o, o), size_at=pr + o)]
     if workload == "mixed":
         return [_mixed_shape(MIXED)]
+    if workload == "shared-prefix":
+        return [_chat_shape(SHARED_PREFIX)] if name in SHARED_PREFIX["presets"] else []
     raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
 
 
@@ -260,6 +343,20 @@ SMOKE = {
                 "long": ((1024, 1536), (16, 32)),
                 "p_long": 0.3,
                 "max_model_len": 2048,
+            },
+            requests=24,
+        ),
+    ],
+    # run only when named (--smoke --workload shared-prefix): 24 tiny chats in the three modes
+    "prefix_shapes": [
+        _chat_shape(
+            {
+                "max_model_len": 2048,
+                "system": 512,
+                "turns": (2, 3),
+                "user": (32, 128),
+                "output": (16, 32),
+                "think_s": 0.05,
             },
             requests=24,
         ),
@@ -483,6 +580,120 @@ def run_one(
     }
 
 
+def run_chat_one(
+    name: str,
+    shape: Shape,
+    conversations: int,
+    mode: str,
+    budget: int | None,
+    work: Path,
+    max_seqs: int = MAX_SEQS,
+) -> dict[str, Any]:
+    """One shared-prefix row: ``shape.chat_trace(conversations)`` through FastDeploy's real scheduler
+    in one of :data:`PREFIX_MODES` (``_prefix_trace.ChatSim``, a worker without lag, each forward
+    priced by the step model); the counts of cached tokens are FastDeploy's own."""
+    import headwise_sim as hs
+    from _prefix_trace import ChatSim
+    from _scheduler_sim import make_config, make_manager, recycler_of
+
+    from fastdeploy_paddlefleet.plan import plan_from_config
+    from fastdeploy_paddlefleet.presets import load_preset
+    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
+
+    modes = {m: (rc, pc) for m, rc, pc in PREFIX_MODES}
+    if mode not in modes:
+        raise ValueError(f"shared-prefix mode must be one of {sorted(modes)}, got {mode!r}")
+    recycling, prefix = modes[mode]
+    _extend_models()
+    model = hs.build_model(name)
+    kv_bytes = hs.kv_budget_bytes(model) if budget is None else budget
+    d = work / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(load_preset(name)))
+    plan = plan_from_config(str(d))
+    layout, fd_blocks, pool_blocks = kv_blocks(plan, kv_bytes)
+    num_blocks = pool_blocks if recycling else fd_blocks
+    tiny = work / "tiny"
+    if not (tiny / "config.json").exists():
+        write_model_dir("tiny", tiny, dtype="float32", seed=5)
+    os.environ["FDFLEET_KV_RECYCLE"] = "auto" if recycling else "off"
+    cfg = make_config(
+        str(tiny),
+        max_model_len=shape.max_model_len,
+        max_num_seqs=min(max_seqs, FD_MAX_SEQS_LIMIT),
+        max_num_batched_tokens=BATCHED,
+        block_size=BLOCK,
+        num_blocks=int(num_blocks),
+    )
+    cfg.scheduler_config.max_num_seqs = max_seqs
+    # FastDeploy's switch (EngineArgs turns it off on the CPU platform; on, as on a GPU, where asked)
+    cfg.cache_config.enable_prefix_caching = prefix
+    rm = make_manager(cfg, str(d))
+    rec = recycler_of(rm)
+    if (rec is not None) != recycling:
+        raise RuntimeError(f"{name}: mode {mode} but recycler {rec!r}")
+    kept = bool(cfg.cache_config.enable_prefix_caching)  # the hook may have switched it off
+    usage = {"peak": 0.0, "sum": 0.0, "steps": 0, "decode": 0, "decode_steps": 0}
+
+    def step_time(dec: list[int], ch: list[tuple[int, int]]) -> float:
+        u = rm.get_gpu_cache_usage_perc()
+        usage["peak"] = max(usage["peak"], u)
+        usage["sum"] += u
+        usage["steps"] += 1
+        if dec:
+            usage["decode"] += len(dec)
+            usage["decode_steps"] += 1
+        return hs.step_time(model, dec, ch)
+
+    trace = shape.chat_trace(conversations)
+    sim = ChatSim(rm, 0, check=False, step_time=step_time)
+    t0 = time.time()
+    st, chat = sim.run_chat(trace, 10**7)
+    requested = sum(t.max_tokens for c in trace.convs for t in c)
+    if st.tokens != requested:
+        raise RuntimeError(f"{name} shared-prefix {mode}: {st.tokens} output tokens of {requested}")
+    pools = (
+        {"pages": rec.num_pages, "pages_per_block": layout.pages_per_block, "groups": len(layout.groups)}
+        if rec is not None
+        else {"blocks": int(num_blocks)}
+    )
+    return {
+        "model": name,
+        **shape.describe(),
+        "trace": trace.describe(),
+        "conversations": conversations,
+        "requests": trace.requests,
+        "mode": mode,
+        "recycling": recycling,
+        "prefix_caching_asked": prefix,
+        "prefix_caching": kept,
+        "max_num_seqs": max_seqs,
+        "beyond_fastdeploy_limit": max_seqs > FD_MAX_SEQS_LIMIT,
+        "cap_reached": st.peak_running >= max_seqs,
+        "kv_bytes": kv_bytes,
+        "num_gpu_blocks": int(num_blocks),
+        "pools": pools,
+        "peak_running": st.peak_running,
+        "steps": st.steps,
+        "output_tokens": st.tokens,
+        "requested_output_tokens": requested,
+        "prompt_tokens": chat.prompt_tokens,
+        "cached_tokens_served": chat.served,
+        "prefix_cache_token_num": chat.served_metric,
+        "prefix_hit_requests": chat.hit_requests,
+        "prefill_tokens_run": st.prefill_tokens,
+        "seconds_simulated": sim.clock,
+        "tokens_per_s": st.tokens / sim.clock if sim.clock else 0.0,
+        "ttft_p50_s": _pct(st.ttft, 0.5),
+        "ttft_p99_s": _pct(st.ttft, 0.99),
+        "preempted": st.preempted,
+        "kv_usage_peak": usage["peak"],
+        "kv_usage_mean": usage["sum"] / max(1, usage["steps"]),
+        "mean_decode_batch": usage["decode"] / max(1, usage["decode_steps"]),
+        "wall_s": round(time.time() - t0, 2),
+    }
+
+
 def decode_bound(
     name: str, prompt: int, out: int, max_seqs: int | None = None, weights: str = "bf16"
 ) -> dict[str, Any]:
@@ -568,6 +779,26 @@ def decode_bounds(presets: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def prefix_gains(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per shared-prefix (model, context): ``recycling-prefix`` over each other mode, output tokens/s
+    and TTFT p50 (ratios; TTFT below 1 is better), and whether the hook kept prefix caching on."""
+    by = {_key(r): r for r in rows if r.get("workload") == "shared-prefix"}
+    out = {}
+    for workload, name, ctx, seqs in sorted({k[:4] for k in by}):
+        got = {m: by.get((workload, name, ctx, seqs, m)) for m, _, _ in PREFIX_MODES}
+        if any(v is None for v in got.values()):
+            continue
+        both, fdp, rc = got["recycling-prefix"], got["fastdeploy-prefix"], got["recycling"]
+        out[f"{name}@{ctx} shared-prefix max_num_seqs={seqs}"] = {
+            "tokens_per_s_vs_fastdeploy_prefix": both["tokens_per_s"] / max(1e-12, fdp["tokens_per_s"]),
+            "tokens_per_s_vs_recycling": both["tokens_per_s"] / max(1e-12, rc["tokens_per_s"]),
+            "ttft_p50_vs_fastdeploy_prefix": both["ttft_p50_s"] / max(1e-12, fdp["ttft_p50_s"]),
+            "ttft_p50_vs_recycling": both["ttft_p50_s"] / max(1e-12, rc["ttft_p50_s"]),
+            "prefix_caching_kept": bool(both.get("prefix_caching")),
+        }
+    return out
+
+
 SHORT = {
     "gpt-oss-20b": "gpt-oss-20b",
     "mimo-v2-flash-like": "MiMo-like",
@@ -589,7 +820,8 @@ def _label(workload: str, model: str, context: int, seqs: int) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Claim, bounds: list[dict[str, Any]] | None = None) -> None:
     """Recycling / FastDeploy's accounting per (workload, model, context, max_num_seqs): tokens/s
-    (with the step model's bounds, bf16), peak running, TTFT p50; one colour per workload."""
+    (with the step model's bounds, bf16), peak running, TTFT p50; one colour per workload. Shared-prefix
+    rows (three modes) get two panels of their own: output tokens/s and TTFT p50 per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -598,6 +830,8 @@ def plot(rows: list[dict[str, Any]], path: Claim, bounds: list[dict[str, Any]] |
 
     order = {m: i for i, m in enumerate(PRESETS)}
     worder = {w: i for i, w in enumerate(WORKLOADS)}
+    chats = [r for r in rows if r.get("workload") == "shared-prefix"]
+    rows = [r for r in rows if r.get("workload") != "shared-prefix"]
     keys = sorted(
         {_key(r)[:4] for r in rows},
         key=lambda k: (worder.get(k[0], 9), order.get(k[1], 9), k[2], k[3] != "512"),
@@ -617,13 +851,18 @@ def plot(rows: list[dict[str, Any]], path: Claim, bounds: list[dict[str, Any]] |
         for b in bounds or ()
         if b["weights"] == "bf16"
     }
-    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.5 * len(keys)), 13))
+    n_panels = (3 if keys else 0) + (2 if chats else 0)
+    fig, axes = plt.subplots(n_panels, 1, figsize=(max(10, 0.5 * len(keys)), 4.3 * n_panels), squeeze=False)
+    axes = list(axes[:, 0])
+    if chats:
+        _plot_chats(chats, axes[-2:], order)
+        axes = axes[:-2]
     panels = (
         ("tokens_per_s", "output tokens/s, recycling / FastDeploy", 1.6),
         ("peak_running", "peak running requests, recycling / FastDeploy", None),
         ("ttft_p50_s", "TTFT p50, recycling / FastDeploy (lower is better)", None),
     )
-    for ax, (metric, title, target) in zip(axes, panels, strict=True):
+    for ax, (metric, title, target) in zip(axes, panels if keys else (), strict=True):
         vals = [
             by[(w, m, c, q, "recycling")][metric] / max(1e-12, by[(w, m, c, q, "fastdeploy")][metric])
             for w, m, c, q in keys
@@ -658,10 +897,44 @@ def plot(rows: list[dict[str, Any]], path: Claim, bounds: list[dict[str, Any]] |
         "accounting (H200 step model)\n* max_num_seqs beyond FastDeploy's limit of 512: a what-if",
         fontsize=10,
     )
-    fig.tight_layout()
+    # room for the two-line title above the first panel's own
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()) if chats else None)
     with replacing(path) as tmp:  # a claim (benchmarks/_outputs.py)
         fig.savefig(tmp, dpi=110)
     plt.close(fig)
+
+
+def _plot_chats(chats: list[dict[str, Any]], axes: list[Any], order: dict[str, int]) -> None:
+    """The shared-prefix panels: output tokens/s and TTFT p50 of each mode, grouped per model."""
+    colours = {"fastdeploy-prefix": "tab:grey", "recycling": "tab:orange", "recycling-prefix": "tab:green"}
+    groups = sorted({(r["model"], r["context"]) for r in chats}, key=lambda k: (order.get(k[0], 9), k[1]))
+    by = {(r["model"], r["context"], r["mode"]): r for r in chats}
+    modes = [m for m, _, _ in PREFIX_MODES]
+    width = 0.8 / len(modes)
+    for ax, (metric, title) in zip(
+        axes,
+        (
+            (
+                "tokens_per_s",
+                "shared-prefix chats (2k system prompt, multi-turn, same KV bytes): output tokens/s",
+            ),
+            ("ttft_p50_s", "TTFT p50 (s, lower is better)"),
+        ),
+        strict=True,
+    ):
+        for j, mode in enumerate(modes):
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(groups))]
+            vals = [by[(m, c, mode)][metric] if (m, c, mode) in by else 0.0 for m, c in groups]
+            label = mode
+            if mode == "recycling-prefix" and any(
+                not by[(m, c, mode)].get("prefix_caching", True) for m, c in groups if (m, c, mode) in by
+            ):
+                label += " (prefix caching switched off by the hook)"
+            bars = ax.bar(xs, vals, width, color=colours[mode], label=label)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_xticks(range(len(groups)), [f"{SHORT.get(m, m)} {c // 1024}k" for m, c in groups], fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -684,7 +957,10 @@ def main(argv: list[str] | None = None) -> int:
         default=["all"],
         help="prefill-heavy: prompt = context - 1024, 1024 generated (4 models, 8k and 32k); "
         "decode-heavy: 1024-token prompts, the rest generated (gpt-oss, MiMo-like at 8k); "
-        "short: 256 + 256 tokens (4 models); mixed: 70%% short, 30%% long requests (4 models); default all",
+        "short: 256 + 256 tokens (4 models); mixed: 70%% short, 30%% long requests (4 models); "
+        "shared-prefix: multi-turn chats sharing a 2048-token system prompt, FastDeploy's prefix caching "
+        "without recycling, recycling without it, and both (gpt-oss, MiMo-like at 8k; with --smoke only "
+        "when named); default all",
     )
     p.add_argument(
         "--seqs",
@@ -744,8 +1020,17 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [
             (s, m, q) for m in presets for s in SMOKE["shapes"] if s.workload in workloads for q in settings
         ]
+        if "shared-prefix" in args.workload:  # only when named (SMOKE)
+            jobs += [(s, m, q) for m in presets for s in SMOKE["prefix_shapes"] for q in settings]
     else:
-        jobs = [(s, m, q) for w in workloads for m in presets for s in shapes(w, m) for q in settings]
+        jobs = [
+            (s, m, q)
+            for w in workloads
+            for m in presets
+            for s in shapes(w, m)
+            for q in settings
+            if s.chat is None or q == "512"  # shared-prefix: max_num_seqs 512 only
+        ]
     rows = merged["rows"] if merged else []
     for r in rows:  # rows of runs before the settings existed: max_num_seqs 512
         r.setdefault("workload", "prefill-heavy")
@@ -762,8 +1047,10 @@ def main(argv: list[str] | None = None) -> int:
         n = shape.requests
         if n <= 0:  # saturated: twice what the recycling pool holds at the sizing length
             n = max(16, 2 * capacities(_plan(name), kv_bytes, shape.size_at, cap)[1])
-        for mode in ("fastdeploy", "recycling"):
-            row = {"seqs": seqs, **run_one(name, shape, n, mode, budget, work, cap)}
+        runner = run_chat_one if shape.chat is not None else run_one
+        modes = [m for m, _, _ in PREFIX_MODES] if shape.chat is not None else ["fastdeploy", "recycling"]
+        for mode in modes:
+            row = {"seqs": seqs, **runner(name, shape, n, mode, budget, work, cap)}
             rows = [r for r in rows if _key(r) != _key(row)] + [row]
             if not args.json:
                 tqdm.write(
@@ -773,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
     gains = {}
     for workload, name, ctx, seqs in sorted({_key(r)[:4] for r in rows}):
+        if workload == "shared-prefix":
+            continue
         fd = next(r for r in rows if _key(r) == (workload, name, ctx, seqs, "fastdeploy"))
         rc = next(r for r in rows if _key(r) == (workload, name, ctx, seqs, "recycling"))
         suffix = ("" if workload == "prefill-heavy" else f" {workload}") + f" max_num_seqs={seqs}"
@@ -799,6 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
                 "decode-heavy": DECODE_HEAVY,
                 "short": SHORT_WORKLOAD,
                 "mixed": MIXED,
+                "shared-prefix": {**SHARED_PREFIX, "modes": [m for m, _, _ in PREFIX_MODES]},
                 "seed": SEED,
                 "arrivals": "all at time 0; twice what the recycling pool holds at the sizing length",
             },
@@ -811,6 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
         "gains": gains,
+        "prefix_gains": prefix_gains(rows),
         "bounds": [] if args.smoke else decode_bounds(sorted({r["model"] for r in rows}, key=PRESETS.index)),
     }
     try:
@@ -824,6 +1115,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for key, g in gains.items():
             print(f"{key}: tokens/s {g['tokens_per_s_gain']:+.0%}, concurrency x{g['concurrency_ratio']:.2f}")
+        for key, g in result["prefix_gains"].items():
+            print(
+                f"{key}: recycling-prefix tokens/s x{g['tokens_per_s_vs_fastdeploy_prefix']:.3f} vs "
+                f"fastdeploy-prefix, x{g['tokens_per_s_vs_recycling']:.3f} vs recycling; TTFT p50 "
+                f"x{g['ttft_p50_vs_fastdeploy_prefix']:.3f} / x{g['ttft_p50_vs_recycling']:.3f}"
+                f"{'' if g['prefix_caching_kept'] else ' (the hook switched prefix caching off)'}"
+            )
         for b in result["bounds"]:
             print(
                 f"bound {b['model']} {b['workload']} {b['context']} max_num_seqs={b['seqs']} {b['weights']}: "
