@@ -315,6 +315,7 @@ class Sim:
         self.queue: deque[tuple[int, bytes]] = deque()
         self.snapshots: deque[tuple[int, dict[str, Any]]] = deque()
         self.stats = Stats()
+        self.preempted_ids: set[str] = set()  # requests preempted at least once
         self.arrived_at: dict[str, int] = {}
 
     # ---- engine-side invariants -------------------------------------------------------------
@@ -382,6 +383,7 @@ class Sim:
         rm = self.rm
         for rid in preempted:
             self.stats.preempted += 1
+            self.preempted_ids.add(rid)
             rm.reschedule_preempt_task(rid)
         for rid in aborted:
             self.stats.aborted += 1
