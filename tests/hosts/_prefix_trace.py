@@ -32,6 +32,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from _prefix_sim import build_request as make_chat_request
 from _scheduler_sim import Sim
 
 
@@ -110,19 +111,6 @@ def make_chat_trace(
         convs.append(tuple(chat))
         start.append(c * every)
     return ChatTrace(sys_ids, tuple(convs), tuple(start), think)
-
-
-def make_chat_request(rid: str, prompt: list[int], max_tokens: int) -> Any:
-    from fastdeploy.engine.request import Request
-    from fastdeploy.engine.sampling_params import SamplingParams
-
-    return Request(
-        request_id=rid,
-        prompt_token_ids=list(prompt),
-        prompt_token_ids_len=len(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens),
-        eos_token_ids=[0],
-    )
 
 
 @dataclass
