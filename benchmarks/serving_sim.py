@@ -479,131 +479,27 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def run_one(
+def _scheduler(
     name: str,
     shape: Shape,
-    n_req: int,
-    mode: str,
+    recycling: bool,
+    prefix: bool | None,
     budget: int | None,
     work: Path,
-    max_seqs: int = MAX_SEQS,
-) -> dict[str, Any]:
+    max_seqs: int,
+) -> tuple[Any, ...]:
+    """FastDeploy's real scheduler for ``name`` at ``shape``: the preset's KV bytes as FastDeploy's
+    blocks (or the recycling pool's), the hook on or off, FastDeploy's prefix caching switch set
+    where ``prefix`` is not None. Returns ``(rm, rec, layout, num_blocks, kv_bytes, usage,
+    step_time)``: ``step_time`` prices a step by the step model and records the KV usage in
+    ``usage``."""
     import headwise_sim as hs
-    from _scheduler_sim import Sim, Trace, make_config, make_manager, recycler_of
-
-    from fastdeploy_paddlefleet.plan import plan_from_config
-    from fastdeploy_paddlefleet.presets import load_preset
-    from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
-
-    _extend_models()
-    model = hs.build_model(name)
-    kv_bytes = hs.kv_budget_bytes(model) if budget is None else budget
-    d = work / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(load_preset(name)))
-    plan = plan_from_config(str(d))
-    layout, fd_blocks, pool_blocks = kv_blocks(plan, kv_bytes)
-    num_blocks = pool_blocks if mode == "recycling" else fd_blocks
-    tiny = work / "tiny"
-    if not (tiny / "config.json").exists():
-        write_model_dir("tiny", tiny, dtype="float32", seed=5)
-    os.environ["FDFLEET_KV_RECYCLE"] = "auto" if mode == "recycling" else "off"
-    cfg = make_config(
-        str(tiny),
-        max_model_len=shape.max_model_len,
-        max_num_seqs=min(max_seqs, FD_MAX_SEQS_LIMIT),
-        max_num_batched_tokens=BATCHED,
-        block_size=BLOCK,
-        num_blocks=int(num_blocks),
-    )
-    # beyond FastDeploy's limit (FDConfig.check refuses more than 512): a what-if, set after the
-    # check; the scheduler and the hook read it from here (slots, the pool's concurrency)
-    cfg.scheduler_config.max_num_seqs = max_seqs
-    rm = make_manager(cfg, str(d))
-    rec = recycler_of(rm)
-    if (rec is not None) != (mode == "recycling"):
-        raise RuntimeError(f"{name}: mode {mode} but recycler {rec!r}")
-    if rec is not None and rec.num_pages != layout.num_pages(num_blocks):
-        raise RuntimeError(
-            f"{name}: the hook's pool has {rec.num_pages} pages, the layout {layout.num_pages(num_blocks)}"
-        )
-    usage = {"peak": 0.0, "sum": 0.0, "steps": 0, "decode": 0, "decode_steps": 0}
-
-    def step_time(dec: list[int], ch: list[tuple[int, int]]) -> float:
-        u = rm.get_gpu_cache_usage_perc()  # the pool's usage in recycling mode (the hook's)
-        usage["peak"] = max(usage["peak"], u)
-        usage["sum"] += u
-        usage["steps"] += 1
-        if dec:
-            usage["decode"] += len(dec)
-            usage["decode_steps"] += 1
-        return hs.step_time(model, dec, ch)
-
-    sim = Sim(rm, 0, check=False, step_time=step_time)
-    arrivals = shape.arrivals(n_req)
-    t0 = time.time()
-    st = sim.run(Trace(arrivals, {}), 10**7)
-    requested = sum(a[3] for a in arrivals)
-    if st.tokens != requested:
-        raise RuntimeError(f"{name} {shape.workload} {mode}: {st.tokens} output tokens of {requested}")
-    pools = (
-        {"pages": rec.num_pages, "pages_per_block": layout.pages_per_block, "groups": len(layout.groups)}
-        if rec is not None
-        else {"blocks": int(num_blocks)}
-    )
-    return {
-        "model": name,
-        **shape.describe(),
-        "requests": n_req,
-        "mode": mode,
-        "max_num_seqs": max_seqs,
-        "beyond_fastdeploy_limit": max_seqs > FD_MAX_SEQS_LIMIT,
-        "cap_reached": st.peak_running >= max_seqs,
-        "kv_bytes": kv_bytes,
-        "num_gpu_blocks": int(num_blocks),
-        "pools": pools,
-        "peak_running": st.peak_running,
-        "steps": st.steps,
-        "output_tokens": st.tokens,
-        "requested_output_tokens": requested,
-        "prompt_tokens": sum(a[2] for a in arrivals),
-        "prefill_tokens_run": st.prefill_tokens,
-        "seconds_simulated": sim.clock,
-        "tokens_per_s": st.tokens / sim.clock if sim.clock else 0.0,
-        "ttft_p50_s": _pct(st.ttft, 0.5),
-        "ttft_p99_s": _pct(st.ttft, 0.99),
-        "preempted": st.preempted,
-        "kv_usage_peak": usage["peak"],
-        "kv_usage_mean": usage["sum"] / max(1, usage["steps"]),
-        "mean_decode_batch": usage["decode"] / max(1, usage["decode_steps"]),
-        "wall_s": round(time.time() - t0, 2),
-    }
-
-
-def run_chat_one(
-    name: str,
-    shape: Shape,
-    conversations: int,
-    mode: str,
-    budget: int | None,
-    work: Path,
-    max_seqs: int = MAX_SEQS,
-) -> dict[str, Any]:
-    """One shared-prefix row: ``shape.chat_trace(conversations)`` through FastDeploy's real scheduler
-    in one of :data:`PREFIX_MODES` (``_prefix_trace.ChatSim``, a worker without lag, each forward
-    priced by the step model); the counts of cached tokens are FastDeploy's own."""
-    import headwise_sim as hs
-    from _prefix_trace import ChatSim
     from _scheduler_sim import make_config, make_manager, recycler_of
 
     from fastdeploy_paddlefleet.plan import plan_from_config
     from fastdeploy_paddlefleet.presets import load_preset
     from fastdeploy_paddlefleet.serving.modeldir import write_model_dir
 
-    modes = {m: (rc, pc) for m, rc, pc in PREFIX_MODES}
-    if mode not in modes:
-        raise ValueError(f"shared-prefix mode must be one of {sorted(modes)}, got {mode!r}")
-    recycling, prefix = modes[mode]
     _extend_models()
     model = hs.build_model(name)
     kv_bytes = hs.kv_budget_bytes(model) if budget is None else budget
@@ -625,18 +521,24 @@ def run_chat_one(
         block_size=BLOCK,
         num_blocks=int(num_blocks),
     )
+    # beyond FastDeploy's limit (FDConfig.check refuses more than 512): a what-if, set after the
+    # check; the scheduler and the hook read it from here (slots, the pool's concurrency)
     cfg.scheduler_config.max_num_seqs = max_seqs
-    # FastDeploy's switch (EngineArgs turns it off on the CPU platform; on, as on a GPU, where asked)
-    cfg.cache_config.enable_prefix_caching = prefix
+    if prefix is not None:
+        # FastDeploy's switch (EngineArgs turns it off on the CPU platform; on, as on a GPU, where asked)
+        cfg.cache_config.enable_prefix_caching = prefix
     rm = make_manager(cfg, str(d))
     rec = recycler_of(rm)
     if (rec is not None) != recycling:
-        raise RuntimeError(f"{name}: mode {mode} but recycler {rec!r}")
-    kept = bool(cfg.cache_config.enable_prefix_caching)  # the hook may have switched it off
+        raise RuntimeError(f"{name}: recycling {recycling} but recycler {rec!r}")
+    if rec is not None and rec.num_pages != layout.num_pages(num_blocks):
+        raise RuntimeError(
+            f"{name}: the hook's pool has {rec.num_pages} pages, the layout {layout.num_pages(num_blocks)}"
+        )
     usage = {"peak": 0.0, "sum": 0.0, "steps": 0, "decode": 0, "decode_steps": 0}
 
     def step_time(dec: list[int], ch: list[tuple[int, int]]) -> float:
-        u = rm.get_gpu_cache_usage_perc()
+        u = rm.get_gpu_cache_usage_perc()  # the pool's usage in recycling mode (the hook's)
         usage["peak"] = max(usage["peak"], u)
         usage["sum"] += u
         usage["steps"] += 1
@@ -645,28 +547,28 @@ def run_chat_one(
             usage["decode_steps"] += 1
         return hs.step_time(model, dec, ch)
 
-    trace = shape.chat_trace(conversations)
-    sim = ChatSim(rm, 0, check=False, step_time=step_time)
-    t0 = time.time()
-    st, chat = sim.run_chat(trace, 10**7)
-    requested = sum(t.max_tokens for c in trace.convs for t in c)
-    if st.tokens != requested:
-        raise RuntimeError(f"{name} shared-prefix {mode}: {st.tokens} output tokens of {requested}")
+    return rm, rec, layout, num_blocks, kv_bytes, usage, step_time
+
+
+def _run_fields(
+    st: Any,
+    sim: Any,
+    usage: dict,
+    rec: Any,
+    layout: Any,
+    num_blocks: int,
+    kv_bytes: int,
+    max_seqs: int,
+    requested: int,
+    t0: float,
+) -> dict[str, Any]:
+    """The figures every row reports, from the run's stats, the sim's clock and the KV usage."""
     pools = (
         {"pages": rec.num_pages, "pages_per_block": layout.pages_per_block, "groups": len(layout.groups)}
         if rec is not None
         else {"blocks": int(num_blocks)}
     )
     return {
-        "model": name,
-        **shape.describe(),
-        "trace": trace.describe(),
-        "conversations": conversations,
-        "requests": trace.requests,
-        "mode": mode,
-        "recycling": recycling,
-        "prefix_caching_asked": prefix,
-        "prefix_caching": kept,
         "max_num_seqs": max_seqs,
         "beyond_fastdeploy_limit": max_seqs > FD_MAX_SEQS_LIMIT,
         "cap_reached": st.peak_running >= max_seqs,
@@ -677,10 +579,6 @@ def run_chat_one(
         "steps": st.steps,
         "output_tokens": st.tokens,
         "requested_output_tokens": requested,
-        "prompt_tokens": chat.prompt_tokens,
-        "cached_tokens_served": chat.served,
-        "prefix_cache_token_num": chat.served_metric,
-        "prefix_hit_requests": chat.hit_requests,
         "prefill_tokens_run": st.prefill_tokens,
         "seconds_simulated": sim.clock,
         "tokens_per_s": st.tokens / sim.clock if sim.clock else 0.0,
@@ -691,6 +589,84 @@ def run_chat_one(
         "kv_usage_mean": usage["sum"] / max(1, usage["steps"]),
         "mean_decode_batch": usage["decode"] / max(1, usage["decode_steps"]),
         "wall_s": round(time.time() - t0, 2),
+    }
+
+
+def run_one(
+    name: str,
+    shape: Shape,
+    n_req: int,
+    mode: str,
+    budget: int | None,
+    work: Path,
+    max_seqs: int = MAX_SEQS,
+) -> dict[str, Any]:
+    from _scheduler_sim import Sim, Trace
+
+    rm, rec, layout, num_blocks, kv_bytes, usage, step_time = _scheduler(
+        name, shape, mode == "recycling", None, budget, work, max_seqs
+    )
+    sim = Sim(rm, 0, check=False, step_time=step_time)
+    arrivals = shape.arrivals(n_req)
+    t0 = time.time()
+    st = sim.run(Trace(arrivals, {}), 10**7)
+    requested = sum(a[3] for a in arrivals)
+    if st.tokens != requested:
+        raise RuntimeError(f"{name} {shape.workload} {mode}: {st.tokens} output tokens of {requested}")
+    return {
+        "model": name,
+        **shape.describe(),
+        "requests": n_req,
+        "mode": mode,
+        "prompt_tokens": sum(a[2] for a in arrivals),
+        **_run_fields(st, sim, usage, rec, layout, num_blocks, kv_bytes, max_seqs, requested, t0),
+    }
+
+
+def run_chat_one(
+    name: str,
+    shape: Shape,
+    conversations: int,
+    mode: str,
+    budget: int | None,
+    work: Path,
+    max_seqs: int = MAX_SEQS,
+) -> dict[str, Any]:
+    """One shared-prefix row: ``shape.chat_trace(conversations)`` through FastDeploy's real scheduler
+    in one of :data:`PREFIX_MODES` (``_prefix_trace.ChatSim``, a worker without lag, each forward
+    priced by the step model); the counts of cached tokens are FastDeploy's own."""
+    from _prefix_trace import ChatSim
+
+    modes = {m: (rc, pc) for m, rc, pc in PREFIX_MODES}
+    if mode not in modes:
+        raise ValueError(f"shared-prefix mode must be one of {sorted(modes)}, got {mode!r}")
+    recycling, prefix = modes[mode]
+    rm, rec, layout, num_blocks, kv_bytes, usage, step_time = _scheduler(
+        name, shape, recycling, prefix, budget, work, max_seqs
+    )
+    kept = bool(rm.config.cache_config.enable_prefix_caching)  # the hook may have switched it off
+    trace = shape.chat_trace(conversations)
+    sim = ChatSim(rm, 0, check=False, step_time=step_time)
+    t0 = time.time()
+    st, chat = sim.run_chat(trace, 10**7)
+    requested = sum(t.max_tokens for c in trace.convs for t in c)
+    if st.tokens != requested:
+        raise RuntimeError(f"{name} shared-prefix {mode}: {st.tokens} output tokens of {requested}")
+    return {
+        "model": name,
+        **shape.describe(),
+        "trace": trace.describe(),
+        "conversations": conversations,
+        "requests": trace.requests,
+        "mode": mode,
+        "recycling": recycling,
+        "prefix_caching_asked": prefix,
+        "prefix_caching": kept,
+        "prompt_tokens": chat.prompt_tokens,
+        "cached_tokens_served": chat.served,
+        "prefix_cache_token_num": chat.served_metric,
+        "prefix_hit_requests": chat.hit_requests,
+        **_run_fields(st, sim, usage, rec, layout, num_blocks, kv_bytes, max_seqs, requested, t0),
     }
 
 
