@@ -218,6 +218,37 @@ def test_static_calibration_scales():
         cal.scales(kv_cache_quant("block_wise_fp8"))
 
 
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "int8"])
+def test_calibrated_caches_write_with_fastdeploys_quant_multiplier(name):
+    # FastDeploy's static write multiplies by cache_k_scale = T(max_bound / s), not by 1 / dequant:
+    # the calibrated caches carry that multiplier, computed here in numpy (float64, one rounding)
+    import paddle
+
+    from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant
+    from fastdeploy_paddlefleet.minifleet.config import load_raw_config
+    from fastdeploy_paddlefleet.plan import plan_from_config
+    from fastdeploy_paddlefleet.runner.batch import allocate_quantized_kv_caches
+    from fastdeploy_paddlefleet.runner.kv_quant_compare import KVCalibration
+
+    fmt = kv_cache_quant(name)
+    layer = plan_from_config(load_raw_config("tiny")).layers[1]
+    rng = np.random.default_rng(1)
+    key = (rng.normal(size=(3, 2, 4, 16)) * 3.7).astype(np.float32)
+    val = (rng.normal(size=(3, 2, 4, 8)) * 0.3).astype(np.float32)
+    cal = KVCalibration([layer])
+    cal.observe({1: (paddle.to_tensor(key), paddle.to_tensor(val))})
+    (cache,) = allocate_quantized_kv_caches([layer], 3, 4, fmt, "float32", cal.scales(fmt))
+    for x, dequant, mult in (
+        (key, cache.key_scale, cache.key_quant_scale),
+        (val, cache.value_scale, cache.value_quant_scale),
+    ):
+        amax = np.abs(x).max(axis=(0, 2))
+        s = (amax.reshape(-1) if fmt.channel_wise else amax.max(axis=-1)).astype(np.float32)
+        assert mult is not None
+        np.testing.assert_array_equal(mult.numpy(), (fmt.max_bound / s.astype(np.float64)).astype(np.float32))
+        np.testing.assert_array_equal(dequant.numpy(), s / np.float32(fmt.max_bound))
+
+
 def test_headwise_kv_with_a_quantized_cache(capsys):
     code, rep = verify_json(
         capsys, "--preset", "tiny-headwise", "--headwise-kv", "--steps", "4", "--kv-cache-quant", "fp8"

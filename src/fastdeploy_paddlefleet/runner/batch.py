@@ -348,8 +348,9 @@ def allocate_quantized_kv_caches(
     Codes ``uint8 [num_blocks, Hkv_l, block_size, D_l]`` (K: ``qk_head_dim``, V: ``v_head_dim``);
     a dynamic format's scales ``[num_blocks, Hkv_l, block_size]`` in ``dtype`` (the model's);
     a static format's scales are ``static_scales[layer.index] = (key [S], value [S])`` dequant
-    multipliers (``S`` = ``Hkv_l`` or, per channel, ``Hkv_l * D_l``): ``ValueError`` naming the layer
-    when absent or misshapen. ``fill_nan``: every code (and dynamic scale) starts as NaN, so a read of
+    multipliers (``S`` = ``Hkv_l`` or, per channel, ``Hkv_l * D_l``), with their quant multipliers
+    where the mapping has ``quant_multipliers(index)`` (``serving.kv_scales.StaticKVScales``):
+    ``ValueError`` naming the layer when absent or misshapen. ``fill_nan``: every code (and dynamic scale) starts as NaN, so a read of
     a never-written slot shows as a NaN logit; else codes 0 and scales 0 (reads as zeros).
     """
     import paddle
@@ -371,6 +372,7 @@ def allocate_quantized_kv_caches(
         shape = [num_blocks, layer.num_kv_heads, block_size]
         key = paddle.full(shape + [layer.qk_head_dim], code, dtype="uint8")
         val = paddle.full(shape + [layer.v_head_dim], code, dtype="uint8")
+        mult: tuple[Any, Any] = (None, None)
         if fmt.dynamic:
             fill = float("nan") if fill_nan else 0.0
             k_scale, v_scale = (paddle.full(shape, fill, dtype=dtype) for _ in range(2))
@@ -386,5 +388,9 @@ def allocate_quantized_kv_caches(
                         f"{fmt.name} needs {want}"
                     )
             k_scale, v_scale = pair
-        out.append(QuantizedKVCache(key, val, k_scale, v_scale, fmt))
+            # FastDeploy's own quant multipliers (cache_k_scale) where the scales carry them
+            # (serving.kv_scales.StaticKVScales): the write multiplies by them, not by 1 / dequant
+            mults = getattr(static_scales, "quant_multipliers", None)
+            mult = (mults(layer.index) if mults is not None else None) or mult
+        out.append(QuantizedKVCache(key, val, k_scale, v_scale, fmt, *mult))
     return out

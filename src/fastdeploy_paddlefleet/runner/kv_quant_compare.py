@@ -47,9 +47,11 @@ class KVCalibration:
     """Static scales from an unquantized run: per layer, ``max |x|`` over every K / V value written.
 
     :meth:`observe` after each step (values written are still in the cache then, whatever reuses
-    their block later); :meth:`scales` gives each layer's dequant multipliers ``amax / bound``
-    (``[Hkv]`` per kv head, ``[Hkv * D]`` per channel; a head or channel never above 0 gets ``1 /
-    bound``: its values quantize to 0 whatever the scale).
+    their block later); :meth:`scales` turns each ``amax`` into the checkpoint scale a calibration
+    tool would store (``s = amax``, ``[Hkv]`` per kv head, ``[Hkv * D]`` per channel; a head or channel
+    never above 0 gets ``s = 1``: its values quantize to 0 whatever the scale) and loads it as a
+    served checkpoint's is (:class:`~fastdeploy_paddlefleet.serving.kv_scales.StaticKVScales`), so the
+    quantized run writes with FastDeploy's quant multiplier ``T(max_bound / s)``, not ``1 / dequant``.
     """
 
     def __init__(self, plan: AttentionPlan | Iterable[LayerAttention]):
@@ -74,25 +76,28 @@ class KVCalibration:
                 now if old is None else [np.maximum(a, b) for a, b in zip(old, now, strict=True)]
             )
 
-    def scales(self, fmt: KVCacheQuant) -> dict[int, tuple[Any, Any]]:
-        """``{layer index: (key scale, value scale)}`` paddle float32 dequant multipliers for ``fmt``."""
+    def scales(self, fmt: KVCacheQuant) -> Any:
+        """A :class:`~fastdeploy_paddlefleet.serving.kv_scales.StaticKVScales` for ``fmt``: ``{layer index:
+        (key, value)}`` float32 dequant multipliers ``s / max_bound``, with the quant multipliers
+        ``max_bound / s`` in its ``quant_multipliers(index)``."""
         import numpy as np
-        import paddle
+
+        from ..serving.kv_scales import K_SUFFIX, V_SUFFIX, StaticKVScales
 
         if fmt.dynamic:
             raise ValueError(f"kv_cache_quant_type={fmt.name!r} is dynamic: it needs no static scales")
-        out = {}
+        prefixes = {layer.index: f"calibration.layers.{layer.index}" for layer in self.layers}
+        out = StaticKVScales(prefixes, fmt)
         for layer in self.layers:
             if layer.index not in self.amax:
                 raise ValueError(
                     f"layer {layer.index}: no values observed to calibrate {fmt.name} scales from"
                 )
-            pair = []
-            for amax in self.amax[layer.index]:
+            for suffix, amax in zip((K_SUFFIX, V_SUFFIX), self.amax[layer.index], strict=True):
                 a = amax.reshape(-1) if fmt.channel_wise else amax.max(axis=-1)
-                s = np.where(a > 0, a / fmt.max_bound, 1.0 / fmt.max_bound).astype("float32")
-                pair.append(paddle.to_tensor(s))
-            out[layer.index] = (pair[0], pair[1])
+                s = np.where(a > 0, a, 1.0).astype("float32")
+                out.take({f"{prefixes[layer.index]}.{suffix}": s})
+        out.finish(self.layers, "float32")
         return out
 
 
