@@ -350,8 +350,9 @@ def allocate_quantized_kv_caches(
     a static format's scales are ``static_scales[layer.index] = (key [S], value [S])`` dequant
     multipliers (``S`` = ``Hkv_l`` or, per channel, ``Hkv_l * D_l``), with their quant multipliers
     where the mapping has ``quant_multipliers(index)`` (``serving.kv_scales.StaticKVScales``):
-    ``ValueError`` naming the layer when absent or misshapen. ``fill_nan``: every code (and dynamic scale) starts as NaN, so a read of
-    a never-written slot shows as a NaN logit; else codes 0 and scales 0 (reads as zeros).
+    ``ValueError`` naming the layer when absent or misshapen. ``fill_nan``: every code (and dynamic
+    scale) starts as NaN, so a read of a never-written slot shows as a NaN logit; else codes 0 and
+    scales 0 (reads as zeros).
     """
     import paddle
 
