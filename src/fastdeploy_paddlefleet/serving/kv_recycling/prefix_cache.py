@@ -29,8 +29,9 @@ FastDeploy's LRU leaves are dropped through its own ``free_block_ids`` (:meth:`P
 The instance wrappers on ``PrefixCacheManager`` (never the class: other models keep FastDeploy's
 behaviour exactly): ``mm_match_block`` (cut the match to the largest servable length, LRU fix-up),
 ``update_cache_blocks`` / ``cache_output_blocks`` (node ids never run out; output blocks cached
-only up to the tokens whose KV is written; new nodes registered), ``recycle_gpu_blocks`` (entry
-ids, never pages, come back here).
+only up to the tokens whose KV is written; new nodes registered; a node that FastDeploy's
+``mm_build_path`` replaces hands its subtree to the new one: :meth:`PrefixCache._graft`),
+``recycle_gpu_blocks`` (entry ids, never pages, come back here).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ CACHE_MANAGER_MEMBERS = (
     "recycle_gpu_blocks",
     "release_block_ids",
     "free_block_ids",
+    "free_nodes_directly",
     "gpu_lru_leaf_heap",
     "gpu_lru_leaf_set",
     "req_leaf_map",
@@ -58,6 +60,10 @@ CACHE_MANAGER_MEMBERS = (
     "node_id_pool",
     "radix_tree_root",
 )
+
+
+#: the hash a replaced node is renamed to (``PrefixCache._graft``): no block hashes to it
+ORPHAN_PREFIX = "fdfleet-replaced-"
 
 
 def missing_members(cache_manager: Any) -> list[str]:
@@ -111,6 +117,7 @@ class PrefixCache:
         self.served_tokens = 0  # tokens served from cache (what FastDeploy's metrics count too)
         self.in_tree = 0  # entries that are nodes of FastDeploy's tree
         self._freeing: dict[str, list[Any]] = {}  # request -> its path, from before_free to after_free
+        self.grafts = 0  # tree nodes replaced by a recomputed block whose subtree was kept (_graft)
         #: nodes kept at most: every unit of the pool on its own node (beyond that many nodes hold
         #: nothing); FastDeploy's LRU leaves past it are dropped (:meth:`trim`)
         self.max_nodes = max(self.mgr.total_units, self._node_ids_min)
@@ -370,6 +377,61 @@ class PrefixCache:
             e.node = node
             node = node.parent
 
+    def _graft(self, rid: str, start: Any, before: dict[str, Any]) -> None:
+        """Keep the subtree of a node that FastDeploy's ``mm_build_path`` just replaced.
+
+        A match cut below FastDeploy's (a window unit was evicted) makes the request recompute
+        blocks that are already nodes of the tree; ``mm_build_path`` then writes its new node over
+        the old child of the same hash (``node.children[hash] = new``, c1b7c083d
+        ``prefix_cache_manager.py`` 2034) and everything cached below the old node is cut off from
+        the root. Here each replaced node ``old`` hands its other children to the new node ``new``
+        of the same hash (same tokens, so the same K/V above them), with the running requests that
+        pass through them (``shared_count``, ``req_id_set``, which FastDeploy's release walks by
+        ``parent``). The replaced chain is left with the requests that end on it; its top is
+        renamed so that FastDeploy's eviction of it (``del parent.children[hash]``) cannot delete
+        the new node, and what no request holds is evicted now through FastDeploy's own
+        ``free_nodes_directly`` (no match can reach it any more)."""
+        cm = self.cm
+        info = cm.req_to_radix_tree_info.get(rid)
+        node, chain = (info[0] if info else None), []
+        while node is not None and node is not start and node is not cm.radix_tree_root:
+            chain.append(node)
+            node = node.parent
+        if node is not start or not chain:
+            return
+        chain.reverse()
+        old = before.get(chain[0].hash_value)
+        replaced = []
+        for i, new in enumerate(chain):
+            if old is None or old is new:
+                break
+            nxt = chain[i + 1].hash_value if i + 1 < len(chain) else None
+            following = None
+            for h, child in list(old.children.items()):
+                if h == nxt:  # replaced too, one level down
+                    following = child
+                    continue
+                del old.children[h]
+                child.parent = new
+                new.children[h] = child
+                # its requests now pass through the new chain above it instead of the old one
+                for n in chain[: i + 1]:
+                    n.shared_count += child.shared_count
+                    n.req_id_set |= child.req_id_set
+                for n in (*replaced, old):
+                    n.shared_count -= child.shared_count
+                    n.req_id_set -= child.req_id_set
+            replaced.append(old)
+            old = following
+        if not replaced:
+            return
+        self.grafts += len(replaced)
+        top = replaced[0]
+        top.hash_value = f"{ORPHAN_PREFIX}{top.node_id}"
+        last = replaced[-1]
+        if last.shared_count == 0 and not last.children:
+            cm.free_nodes_directly(last)
+
     def _wrap(self) -> None:
         cm = self.cm
         cls = type(cm)  # FastDeploy's own methods, never an earlier wrapper (reset_cache_config rebuilds)
@@ -385,7 +447,12 @@ class PrefixCache:
             task: Any, block_size: int, num_computed_tokens: int, *a: Any, **kw: Any
         ) -> Any:
             self._ensure_node_ids()
+            info = cm.req_to_radix_tree_info.get(task.request_id)
+            start = info[0] if info else None
+            before = dict(start.children) if start is not None else {}
             out = update(task, block_size, num_computed_tokens, *a, **kw)
+            if start is not None:
+                self._graft(task.request_id, start, before)
             self._register(task.request_id)
             return out
 
@@ -420,4 +487,4 @@ class PrefixCache:
         cm.recycle_gpu_blocks = recycle_gpu_blocks
 
 
-__all__ = ["CACHE_MANAGER_MEMBERS", "PrefixCache", "missing_members"]
+__all__ = ["CACHE_MANAGER_MEMBERS", "ORPHAN_PREFIX", "PrefixCache", "missing_members"]
