@@ -263,6 +263,30 @@ def test_fp16_inputs():
     run_quant(MIXED, "int8", dtype=torch.float16, num_splits=2)
 
 
+def test_fp8_reads_take_queries_and_value_scales_past_fp16s_range():
+    """e4m3 codes are read as fp16 for bf16 queries (``_q_for_codes``); bf16 |q| ~ 1e5 (past fp16's
+    65504) and value scales ~ 3e4 (P times such a scale past fp16's range) still match the dense attention on
+    the dequantized cache, relative to the output's size."""
+    s = tk.make_step(MIXED + [(37, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8, dtype=torch.bfloat16)
+    q_up, v_up = 2.0**17, 2.0**22
+    s.q.mul_(q_up)
+    for t in (s.v, s.value_cache):
+        t.mul_(v_up)
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    assert float(qs.vs.float().nan_to_num().max()) > 16384.0  # the scaled-P branch runs
+    scale = 1.0 / math.sqrt(16) / q_up
+    out = qs.attend(scale=scale).cpu().double()
+    for b in range(len(s.reqs)):
+        lo, hi = int(s.cu[b]), int(s.cu[b + 1])
+        want = dense_attention(
+            s.q[lo:hi].cpu(), qs.history(b, "k"), qs.history(b, "v"), scale=scale,
+            compute_dtype=torch.float64,
+        )  # fmt: skip
+        assert torch.isfinite(out[lo:hi]).all(), f"request {b}: non-finite output"
+        err = float((out[lo:hi] - want).abs().max()) / v_up
+        assert err <= 2e-2, f"request {b}: max error {err:.2e} x {v_up:g}"
+
+
 def test_dynamic_scales_may_be_a_view_of_wider_heads():
     """A layer reading the leading kv heads of a wider cache (strided views): codes and per-token
     scales share the heads per block."""

@@ -40,6 +40,22 @@ def _codes(x, dtype, KV_CODE: tl.constexpr):
 
 
 @triton.jit
+def _q_for_codes(q, qk_scale, KV_CODE: tl.constexpr):
+    """``(q, qk_scale)`` for the score dots. With e4m3 codes (``KV_CODE`` 1) and a bf16 ``q [M, D]``,
+    the codes are read as fp16, one ``cvt.f16x2.e4m3x2`` per pair (to bf16 it is four instructions:
+    the decode loop was bound by them), so q goes to fp16 too, exactly: bf16 has fewer mantissa bits,
+    and a power of two ``2^-e`` brings ``max|q|`` under ``2^15`` first (``e`` is folded back into
+    ``qk_scale``). fp32 / fp16 q and other caches: as they are."""
+    if KV_CODE == 1 and q.dtype == tl.bfloat16:
+        amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        big = (amax > 32768.0) & (amax < float("inf"))
+        e = tl.where(big, tl.math.ceil(tl.log2(tl.where(big, amax, 1.0))) - 15.0, 0.0)
+        q = (q.to(tl.float32) * tl.exp2(-e)).to(tl.float16)
+        qk_scale = qk_scale * tl.exp2(e)
+    return q, qk_scale
+
+
+@triton.jit
 def _fold_k_scale(q, KS, kvh, offs_dk, DQK: tl.constexpr, SCALE_MODE: tl.constexpr):
     """``q [M, BLOCK_DQK]`` times a static K scale (``SCALE_MODE`` 2: ``KS [Hkv]``, 3: ``KS [Hkv * Dqk]``),
     rounded back to q's dtype: the scores then read the codes as they are. Other modes: ``q``."""
@@ -141,8 +157,9 @@ def _tile(
     wrong results): 1 drops the softmax (P = S), 2 drops the P @ V dot.
 
     Quantized caches (``KV_CODE`` 1: e4m3fn, 2: int8 + 128): the codes convert exactly to q's dtype for
-    the dots; per-token scales (``SCALE_MODE`` 1: ``KS`` / ``VS`` ``[pages, block_size]`` at strides
-    ``stride_ksp`` / ``stride_ksr``) multiply the scores' columns (K) and P's columns (V), in fp32. A
+    the dots (fp16 for e4m3 under bf16 q: ``_q_for_codes``); per-token scales (``SCALE_MODE`` 1:
+    ``KS`` / ``VS`` ``[pages, block_size]`` at strides ``stride_ksp`` / ``stride_ksr``) multiply the
+    scores' columns (K) and P's columns (V), in fp32 (P times a V scale is kept in fp16's range). A
     key's scale is loaded like its codes (zero where not loaded); in prefill's masked tiles a
     non-finite V scale counts as a non-finite V entry (zeroed for the dot, NaN where seen), a
     non-finite K scale scores NaN, which only reaches scores the mask replaces (or a row that sees it)."""
@@ -238,7 +255,16 @@ def _tile(
     l_i = l_i * alpha + p_sum
     acc = acc * alpha[:, None]
     if PROFILE != 2:
-        if SCALE_MODE == 1:  # V's per-token scales on P's columns (fp32), then P @ codes
+        if SCALE_MODE == 1 and v.dtype == tl.float16:  # P times V's per-token scales, as fp16
+            pv = p.to(tl.float32) * vs[None, :]
+            if tl.max(tl.abs(vs), 0) <= 16384.0:  # P <= 1: pv fits fp16 (any sane cache)
+                acc = _dot(pv.to(v.dtype), v, acc)
+            else:  # per row, a power of two f with max|pv| / f <= 2^14 (exact; finite pv only)
+                r = tl.max(tl.abs(pv), 1)
+                r = tl.where(r < float("inf"), r, 1.0)
+                f = tl.exp2(tl.maximum(tl.math.ceil(tl.log2(tl.maximum(r, 1.0))) - 14.0, 0.0))[:, None]
+                acc = _dot((pv / f).to(v.dtype), v, acc / f) * f
+        elif SCALE_MODE == 1:  # V's per-token scales on P's columns (fp32), then P @ codes
             acc = _dot((p.to(tl.float32) * vs[None, :]).to(v.dtype), v, acc)
         else:
             acc = _dot(p.to(v.dtype), v, acc)
@@ -401,6 +427,7 @@ def _prefill_kernel(
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
     q = tl.load(Q + q_rows[:, None] + offs_dk[None, :], mask=q_mask, other=0.0)
     q = _fold_k_scale(q, KS, kvh, offs_dk, DQK, SCALE_MODE)
+    q, qk_scale = _q_for_codes(q, qk_scale, KV_CODE)
 
     w = _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW)
     p_first = ctx + tok0
@@ -551,6 +578,7 @@ def _decode_kernel(
     q_rows = q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
     q = _fold_k_scale(tl.load(Q + q_rows, mask=q_mask, other=0.0), KS, kvh, offs_dk, DQK, SCALE_MODE)
+    q, qk_scale = _q_for_codes(q, qk_scale, KV_CODE)
     posv = tl.full([BLOCK_H], 0, tl.int32) + pos
     if NUM_SPLITS == 1:
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
