@@ -577,8 +577,9 @@ def _decode_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     q_rows = q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
+    # e4m3 codes stay bf16 here: the fp16 reading (_q_for_codes) measured 0.78x of bf16 decode on an
+    # H100 against 1.12x this way (benchmarks/NOTES.md); prefill gains from it
     q = _fold_k_scale(tl.load(Q + q_rows, mask=q_mask, other=0.0), KS, kvh, offs_dk, DQK, SCALE_MODE)
-    q, qk_scale = _q_for_codes(q, qk_scale, KV_CODE)
     posv = tl.full([BLOCK_H], 0, tl.int32) + pos
     if NUM_SPLITS == 1:
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
