@@ -244,6 +244,22 @@ def test_fused_decode_write():
     check_masked(reqs, plants, float("inf"), "kv", window_left=8, fused=True)
 
 
+@pytest.mark.parametrize("where", ["v", "kv"])
+def test_half_width_masked_tiles(where):
+    """64-key tiles, as on a GPU: the masked loops (causal diagonal, window edge) run 32-key tiles
+    (``masked_block_n``) beside the full-width unmasked ones; planted keys at both edges, pages of 64
+    and of 16 keys (one page per tile, several)."""
+    from fastdeploy_paddlefleet.kernels.paged_attention import masked_block_n
+
+    cfg = tk.TileConfig(block_m=32, block_n=64, num_warps=4, num_stages=1)
+    assert masked_block_n(cfg) == 32
+    reqs = [(70, 90), (0, 75)]
+    plants = [Plant(0, 70 + 40), Plant(0, 70 + 89), Plant(0, 12), Plant(1, 33), Plant(1, 64)]
+    for bs in (64, 16):
+        check_masked(reqs, plants, float("nan"), where, block_size=bs, prefill_config=cfg)
+        check_masked(reqs, plants, float("inf"), where, block_size=bs, window_left=50, prefill_config=cfg)
+
+
 def test_tma_code_path():
     """The portable kernels' TMA variant (interpreted on CPU)."""
     reqs = [(40, 24), (33, 1)]

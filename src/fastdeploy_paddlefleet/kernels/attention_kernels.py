@@ -386,11 +386,18 @@ def _prefill_kernel(
     HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
-    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 0,
 ):  # fmt: skip
     """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
-    quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output)."""
+    quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
+
+    ``BLOCK_NM``: keys per tile in the masked loops (the causal diagonal, the window's left edge; 0:
+    ``BLOCK_N``). Keeping masked keys out (``_tile``) holds K and V tiles in registers there; at full
+    width that pushed the whole kernel to 255 registers with spills (+15 % time on an H100), at half
+    width it compiles smaller than the kernel before the rule (benchmarks/NOTES.md)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
+    if BLOCK_NM == 0:
+        BLOCK_NM = BLOCK_N
     pid = tl.program_id(0)
     kvh = pid % HKV
     tpid = pid // HKV
@@ -445,7 +452,7 @@ def _prefill_kernel(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         a, ul, pos, lo_key, kv_len, w,
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
+        BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
         KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
     )  # fmt: skip
@@ -461,7 +468,7 @@ def _prefill_kernel(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
         uh, p_last + 1, pos, lo_key, kv_len,
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
+        BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
         KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
     )  # fmt: skip

@@ -119,6 +119,13 @@ def default_prefill_config(
     return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
+def masked_block_n(cfg: TileConfig) -> int:
+    """Keys per tile in the portable prefill's masked loops: half of ``cfg.block_n`` from 64 up (their
+    K / V tiles sit in registers, where masked keys are kept out; a full-width tile spilled the whole
+    kernel), else ``block_n`` (``tl.dot`` needs 16)."""
+    return cfg.block_n // 2 if cfg.block_n >= 64 else cfg.block_n
+
+
 def default_decode_config(
     dqk: int, dv: int, device: torch.device, elem_size: int = 2, sliding: bool = False
 ) -> TileConfig:
@@ -1019,7 +1026,8 @@ class AttentionPlan:
         if consts is None:
             cfg = self.prefill_cfg
             consts = self._consts[("prefill", has_err)] = dict(
-                G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
+                G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, BLOCK_NM=masked_block_n(cfg),
+                SINK_MODE=self.sink_mode,
                 USE_TMA=self.prefill_desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile,
                 HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_PREFILL, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **self.consts, **_reg_cap(cfg),
