@@ -386,18 +386,16 @@ def _prefill_kernel(
     HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
-    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 0,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 16,
 ):  # fmt: skip
     """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
     quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
 
-    ``BLOCK_NM``: keys per tile in the masked loops (the causal diagonal, the window's left edge; 0:
-    ``BLOCK_N``). Keeping masked keys out (``_tile``) holds K and V tiles in registers there; at full
+    ``BLOCK_NM``: keys per tile in the masked loops (the causal diagonal, the window's left edge; a
+    divisor of ``BLOCK_N``, >= 16: ``paged_attention.masked_block_n``). Keeping masked keys out (``_tile``) holds K and V tiles in registers there; at full
     width that pushed the whole kernel to 255 registers with spills (+15 % time on an H100), at half
     width it compiles smaller than the kernel before the rule (benchmarks/NOTES.md)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
-    if BLOCK_NM == 0:
-        BLOCK_NM = BLOCK_N
     pid = tl.program_id(0)
     kvh = pid % HKV
     tpid = pid // HKV
