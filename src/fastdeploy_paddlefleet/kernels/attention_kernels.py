@@ -392,9 +392,10 @@ def _prefill_kernel(
     quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
 
     ``BLOCK_NM``: keys per tile in the masked loops (the causal diagonal, the window's left edge; a
-    divisor of ``BLOCK_N``, >= 16: ``paged_attention.masked_block_n``). Keeping masked keys out (``_tile``) holds K and V tiles in registers there; at full
-    width that pushed the whole kernel to 255 registers with spills (+15 % time on an H100), at half
-    width it compiles smaller than the kernel before the rule (benchmarks/NOTES.md)."""
+    divisor of ``BLOCK_N``, >= 16: ``paged_attention.masked_block_n``). Keeping masked keys out
+    (``_tile``) holds K and V tiles in registers there; at full width that pushed the whole kernel to
+    255 registers with spills (+15 % time on an H100), at half width it compiles smaller than the
+    kernel before the rule (benchmarks/NOTES.md)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid = tl.program_id(0)
     kvh = pid % HKV
