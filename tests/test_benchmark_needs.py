@@ -80,6 +80,7 @@ def test_gpu_scripts_name_what_they_need(script, argv, named):
         ("headwise_sim.py", ["no GPU", "no FastDeploy"]),
         ("probes/decode_ceiling.py", ["CUDA GPU", "TRITON_INTERPRET=1"]),
         ("probes/launch_parts.py", ["CUDA GPU"]),
+        ("probes/portable_compile.py", ["no GPU"]),
     ],
 )
 def test_help_says_what_each_script_needs(script, named):

@@ -206,3 +206,19 @@ def test_hopper_probe_stamps_the_current_kernel():
     assert text.count("_stamp(Trace, tb, ") == 9  # 4 in the consumers' loop, 5 in the producer's
     with pytest.raises(ValueError, match="stamp point 'stamp helper'"):
         hopper_probe.patched_source("def nothing(): pass\n")
+
+
+def test_portable_compile_probe_builds_the_masked_tiles_half_width():
+    """benchmarks/probes/portable_compile.py compiles the portable prefill for sm_90 without a GPU (the
+    check behind NOTES.md's register table) and reports the masked loops' 32-key tiles."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "probes" / "portable_compile.py"), "--case", "causal",
+         "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(proc.stdout.splitlines()[-1])
+    assert rec["case"] == "causal" and rec["block_nm"] == 32 and rec["regs"] > 0, rec

@@ -1,0 +1,131 @@
+"""The portable prefill kernel compiled offline for sm_90: registers, spills and instruction count.
+
+Builds ``paged_attention``'s portable prefill launch on CPU tensors with the GPU's tile configs, catches
+the launch (nothing runs), compiles the kernel for sm_90 through a stubbed driver (as
+``hopper_compile.py`` does) and reads the cubin with ``cuobjdump``. ``--src DIR`` compiles another source
+tree's kernel (an A/B against an older commit, e.g. ``git archive`` into a directory). Cases:
+
+* ``causal``: 128 / 128, 32 q heads / 8 kv heads, 128 x 64 tiles over 8 warps (the H200 default);
+* ``window``: the same heads, window 1024, 64 x 64 tiles over 4 warps (the sliding default);
+* ``mla``: 192 / 128, 16 heads, no GQA, 128 x 64 tiles over 8 warps, 2 stages.
+
+Prints one line per case (``--json``: one JSON object). Needs torch and triton (Triton's bundled
+``ptxas`` / ``cuobjdump``); no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+#: name -> (q heads, kv heads, qk dim, v dim, window_left, (block_m, block_n, warps, stages))
+CASES = {
+    "causal": (32, 8, 128, 128, None, (128, 64, 8, 3)),
+    "window": (32, 8, 128, 128, 1023, (64, 64, 4, 3)),
+    "mla": (16, 16, 192, 128, None, (128, 64, 8, 2)),
+}
+
+
+def compile_case(name: str) -> dict:
+    """Compile case ``name`` of :data:`CASES` with the imported ``fastdeploy_paddlefleet`` and read its
+    resources: registers, stack, ``LDL`` / ``STL`` (spills), SASS instructions."""
+    import torch
+    import triton
+
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    try:
+        from fastdeploy_paddlefleet.kernels.launch import direct
+    except ImportError:  # an older tree: the launch machinery as one module
+        from fastdeploy_paddlefleet.kernels import _launch as direct
+    hq, hkv, dqk, dv, window, (bm, bn, warps, stages) = CASES[name]
+    caught = []
+    real = direct.KernelCache.launch
+    direct.KernelCache.launch = lambda self, kernel, key, grid, args, consts, stream: caught.append(
+        (kernel, grid, args, consts)
+    )
+    try:
+        t, bs = 256, 64
+        nb = t // bs + 2
+        q = torch.zeros(t, hq, dqk, dtype=torch.bfloat16)
+        kc = torch.zeros(nb, hkv, bs, dqk, dtype=torch.bfloat16)
+        vc = torch.zeros(nb, hkv, bs, dv, dtype=torch.bfloat16)
+        cfg = pa.TileConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        pa.paged_attention(
+            q, kc, vc, torch.tensor([0, t], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+            torch.arange(nb, dtype=torch.int32)[None], scale=0.1, prefill_config=cfg, window_left=window,
+            max_q_len=t, max_context_len=t,
+        )  # fmt: skip
+    finally:
+        direct.KernelCache.launch = real
+    kernel, grid, args, consts = caught[0]
+    compiled = kernel.warmup(*args, grid=grid, **consts)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res, sass = (
+            subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name], capture_output=True, text=True,
+                           check=True).stdout
+            for flag in ("-res-usage", "-sass")
+        )  # fmt: skip
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    if m is None:
+        raise ValueError(f"no resource line in cuobjdump's report: {res[-300:]!r}")
+    return dict(
+        case=name, regs=int(m[1]), stack=int(m[2]), ldl=sass.count(" LDL"), stl=sass.count(" STL"),
+        instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass)),
+        block_nm=consts.get("BLOCK_NM", bn),
+    )  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Needs torch and triton (Triton's bundled ptxas and cuobjdump); no GPU.",
+    )
+    ap.add_argument("--case", action="append", choices=sorted(CASES), help="repeatable (default: all)")
+    ap.add_argument("--src", default=os.path.join(ROOT, "src"), help="the source tree to compile")
+    ap.add_argument("--json", action="store_true", help="one JSON object per case")
+    args = ap.parse_args(argv)
+    for module in ("torch", "triton"):
+        try:
+            __import__(module)
+        except ImportError:
+            print(f"error: {module} is not installed (pip install -e '.[bench]')", file=sys.stderr)
+            return 2
+    if not os.path.isdir(os.path.join(args.src, "fastdeploy_paddlefleet")):
+        print(f"error: --src {args.src!r} holds no fastdeploy_paddlefleet package", file=sys.stderr)
+        return 2
+    sys.path.insert(0, args.src)
+    from hopper_compile import stub_driver
+
+    stub_driver()
+    rc = 0
+    for name in args.case or list(CASES):
+        try:
+            rec = compile_case(name)
+        except Exception as e:  # noqa: BLE001 - report every case
+            rec, rc = {"case": name, "error": repr(e)[:500]}, 1
+        if args.json or "error" in rec:
+            print(json.dumps(rec), flush=True)
+        else:
+            print(
+                f"{name}: {rec['regs']} registers, stack {rec['stack']} B, LDL {rec['ldl']} / STL "
+                f"{rec['stl']}, {rec['instructions']} instructions, masked tiles of {rec['block_nm']} keys",
+                flush=True,
+            )
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
