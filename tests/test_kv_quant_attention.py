@@ -24,7 +24,10 @@ pytest.importorskip("triton")
 
 import test_masked_keys as mk  # noqa: E402
 import test_triton_kernels as tk  # noqa: E402  (sets TRITON_INTERPRET before the kernels exist)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
+from fastdeploy_paddlefleet.kernels.attention_kernels import _q_for_codes  # noqa: E402
 from fastdeploy_paddlefleet.kernels.cache_write import write_kv_cache  # noqa: E402
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention, gather_request_kv  # noqa: E402
 from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
@@ -263,30 +266,60 @@ def test_fp16_inputs():
     run_quant(MIXED, "int8", dtype=torch.float16, num_splits=2)
 
 
-def test_fp8_reads_take_queries_and_value_scales_past_fp16s_range():
-    """e4m3 codes are read as fp16 for bf16 queries in prefill (``_q_for_codes``); bf16 |q| ~ 1e5 (past fp16's
-    65504) and value scales ~ 3e4 (P times such a scale past fp16's range) still match the dense attention on
-    the dequantized cache, relative to the output's size."""
-    s = tk.make_step(MIXED + [(37, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8, dtype=torch.bfloat16)
+@triton.jit
+def _q_probe(Q, Out, Scale, M: tl.constexpr, D: tl.constexpr):
+    """``_q_for_codes`` on a bf16 ``Q [M, D]``: the fp16 q into ``Out``, the score scale into ``Scale``."""
+    offs = tl.arange(0, M)[:, None] * D + tl.arange(0, D)[None, :]
+    q, s = _q_for_codes(tl.load(Q + offs), 0.5, True)
+    tl.store(Out + offs, q)
+    tl.store(Scale, s)
+
+
+@pytest.mark.parametrize("amax", [3.0, 40000.0, 3.0e30])
+def test_queries_go_to_fp16_exactly(amax):
+    """``_q_for_codes`` (e4m3 keys under a bf16 model read as fp16): q times ``2^-e`` in fp16 equals
+    the bf16 q exactly, ``max|q| * 2^-e < 2^15``, and ``qk_scale`` carries ``2^e`` (numpy check)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(16, 32, generator=gen)
+    q = (q / q.abs().max() * amax).to(torch.bfloat16).to(DEVICE)
+    q[0, :3] = torch.tensor([1e-30, -(2.0**-20), 0.0])  # tiny values: fp16 denormals or zero after 2^-e
+    out = torch.empty(16, 32, dtype=torch.float16, device=DEVICE)
+    scale = torch.empty(1, dtype=torch.float32, device=DEVICE)
+    _q_probe[(1,)](q, out, scale, 16, 32)
+    e = math.log2(float(scale.cpu()) / 0.5)
+    assert e == int(e) and e >= 0
+    want = q.double().cpu() * 2.0**-e
+    assert float(want.abs().max()) < 2.0**15
+    big = want.abs() >= 2.0**-14  # fp16's normal range: exact there; below it, fp16's own rounding
+    got = out.double().cpu()
+    assert torch.equal(got[big], want[big])
+    assert float((got - want).abs().max()) <= 2.0**-25
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fp8_reads_take_queries_and_value_scales_past_fp16s_range():
+    """e4m3 keys are read as fp16 under a bf16 model (``_q_for_codes``); bf16 |q| ~ 1e5 (past fp16's
+    65504) and V scales ~ 3e4 still match the dense attention on the dequantized cache, relative to
+    the output's size (decode, split and not, and prefill)."""
+    s = tk.make_step(MIXED + [(37, 1)], hkv=2, group=2, dqk=64, dv=64, block_size=16, dtype=torch.bfloat16)
     q_up, v_up = 2.0**17, 2.0**22
     s.q.mul_(q_up)
     for t in (s.v, s.value_cache):
         t.mul_(v_up)
     qs = QStep(s, fmt_of("block_wise_fp8"))
-    assert float(qs.vs.float().nan_to_num().max()) > 16384.0  # the scaled-P branch runs
-    scale = 1.0 / math.sqrt(16) / q_up
-    out = qs.attend(scale=scale).cpu().double()
-    for b, (_, n) in enumerate(s.reqs):
-        if n == 1 and not CUDA:  # decode reads e4m3 as bf16: the interpreter's bf16 dot is not exact
-            continue
-        lo, hi = int(s.cu[b]), int(s.cu[b + 1])
-        want = dense_attention(
-            s.q[lo:hi].cpu(), qs.history(b, "k"), qs.history(b, "v"), scale=scale,
-            compute_dtype=torch.float64,
-        )  # fmt: skip
-        assert torch.isfinite(out[lo:hi]).all(), f"request {b}: non-finite output"
-        err = float((out[lo:hi] - want).abs().max()) / v_up
-        assert err <= 2e-2, f"request {b}: max error {err:.2e} x {v_up:g}"
+    scale = 1.0 / math.sqrt(64) / q_up
+    for splits in (None, 2):
+        out = qs.attend(scale=scale, num_splits=splits).cpu().double()
+        for b in range(len(s.reqs)):
+            lo, hi = int(s.cu[b]), int(s.cu[b + 1])
+            want = dense_attention(
+                s.q[lo:hi].cpu(), qs.history(b, "k"), qs.history(b, "v"), scale=scale,
+                compute_dtype=torch.float64,
+            )  # fmt: skip
+            assert torch.isfinite(out[lo:hi]).all(), f"request {b}: non-finite output"
+            err = float((out[lo:hi] - want).abs().max()) / v_up
+            assert err <= 2e-2, f"request {b}: max error {err:.2e} x {v_up:g}"
 
 
 def test_dynamic_scales_may_be_a_view_of_wider_heads():

@@ -40,13 +40,13 @@ def _codes(x, dtype, KV_CODE: tl.constexpr):
 
 
 @triton.jit
-def _q_for_codes(q, qk_scale, KV_CODE: tl.constexpr):
-    """``(q, qk_scale)`` for the score dots. With e4m3 codes (``KV_CODE`` 1) and a bf16 ``q [M, D]``,
-    the codes are read as fp16, one ``cvt.f16x2.e4m3x2`` per pair (to bf16 it is four instructions:
-    the decode loop was bound by them), so q goes to fp16 too, exactly: bf16 has fewer mantissa bits,
-    and a power of two ``2^-e`` brings ``max|q|`` under ``2^15`` first (``e`` is folded back into
-    ``qk_scale``). fp32 / fp16 q and other caches: as they are."""
-    if KV_CODE == 1 and q.dtype == tl.bfloat16:
+def _q_for_codes(q, qk_scale, K_F16: tl.constexpr):
+    """``(q, qk_scale)`` for the score dots. ``K_F16`` (e4m3 codes under a bf16 model): K's codes are
+    read as fp16, one ``cvt.f16x2.e4m3x2`` per pair (to bf16 it takes four, and they bound the key
+    loops), so ``q [M, D]`` goes to fp16 too, exactly: bf16 has fewer mantissa bits, and a power of
+    two ``2^-e`` brings ``max|q|`` under ``2^15`` first (``e`` is folded back into ``qk_scale``).
+    Otherwise: as they are."""
+    if K_F16:
         amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
         big = (amax > 32768.0) & (amax < float("inf"))
         e = tl.where(big, tl.math.ceil(tl.log2(tl.where(big, amax, 1.0))) - 15.0, 0.0)
@@ -139,7 +139,7 @@ def _tile(
     USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0, ROWS_ALIKE: tl.constexpr = False,
     KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
-    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, K_F16: tl.constexpr = False,
 ):  # fmt: skip
     """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
     in one page) or one page per key; ``ok`` marks keys whose page exists.
@@ -157,9 +157,9 @@ def _tile(
     wrong results): 1 drops the softmax (P = S), 2 drops the P @ V dot.
 
     Quantized caches (``KV_CODE`` 1: e4m3fn, 2: int8 + 128): the codes convert exactly to q's dtype for
-    the dots (fp16 for e4m3 under bf16 q: ``_q_for_codes``); per-token scales (``SCALE_MODE`` 1:
-    ``KS`` / ``VS`` ``[pages, block_size]`` at strides ``stride_ksp`` / ``stride_ksr``) multiply the
-    scores' columns (K) and P's columns (V), in fp32 (P times a V scale is kept in fp16's range). A
+    the dots (``K_F16``: K's e4m3 codes as fp16, with q, V's as bf16: ``_q_for_codes``); per-token
+    scales (``SCALE_MODE`` 1: ``KS`` / ``VS`` ``[pages, block_size]`` at strides ``stride_ksp`` /
+    ``stride_ksr``) multiply the scores' columns (K) and P's columns (V), in fp32. A
     key's scale is loaded like its codes (zero where not loaded); in prefill's masked tiles a
     non-finite V scale counts as a non-finite V entry (zeroed for the dot, NaN where seen), a
     non-finite K scale scores NaN, which only reaches scores the mask replaces (or a row that sees it)."""
@@ -193,7 +193,11 @@ def _tile(
         else:  # codes: what is not loaded reads as the code of 0
             zero_code = 128 if KV_CODE == 2 else 0
             k = _codes(tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=zero_code), q.dtype, KV_CODE)
-            v = _codes(tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=zero_code), q.dtype, KV_CODE)
+            v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=zero_code)
+            if K_F16:  # V's codes in the model's bf16: P @ V stays as it was (no fp16 range to keep)
+                v = _codes(v, tl.bfloat16, KV_CODE)
+            else:
+                v = _codes(v, q.dtype, KV_CODE)
     if SCALE_MODE == 1:  # per-token scales, loaded like the keys' codes (page: a scalar or per key)
         ks = tl.load(KS + page * stride_ksp + slot * stride_ksr, mask=ok, other=0.0).to(tl.float32)
         vs = tl.load(VS + page * stride_vsp + slot * stride_vsr, mask=ok, other=0.0).to(tl.float32)
@@ -255,16 +259,7 @@ def _tile(
     l_i = l_i * alpha + p_sum
     acc = acc * alpha[:, None]
     if PROFILE != 2:
-        if SCALE_MODE == 1 and v.dtype == tl.float16:  # P times V's per-token scales, as fp16
-            pv = p.to(tl.float32) * vs[None, :]
-            if tl.max(tl.abs(vs), 0) <= 16384.0:  # P <= 1: pv fits fp16 (any sane cache)
-                acc = _dot(pv.to(v.dtype), v, acc)
-            else:  # per row, a power of two f with max|pv| / f <= 2^14 (exact; finite pv only)
-                r = tl.max(tl.abs(pv), 1)
-                r = tl.where(r < float("inf"), r, 1.0)
-                f = tl.exp2(tl.maximum(tl.math.ceil(tl.log2(tl.maximum(r, 1.0))) - 14.0, 0.0))[:, None]
-                acc = _dot((pv / f).to(v.dtype), v, acc / f) * f
-        elif SCALE_MODE == 1:  # V's per-token scales on P's columns (fp32), then P @ codes
+        if SCALE_MODE == 1:  # V's per-token scales on P's columns (fp32), then P @ codes
             acc = _dot((p.to(tl.float32) * vs[None, :]).to(v.dtype), v, acc)
         else:
             acc = _dot(p.to(v.dtype), v, acc)
@@ -283,7 +278,7 @@ def _attend(
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, KERNEL: tl.constexpr = 0,
     ROWS_ALIKE: tl.constexpr = False,
     KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
-    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, K_F16: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions (all the
     same with ``ROWS_ALIKE``: a decode query's group heads, see ``_tile``).
@@ -318,7 +313,7 @@ def _attend(
                     kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                     BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
                     SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                    KV_CODE, SCALE_MODE,
+                    KV_CODE, SCALE_MODE, K_F16,
                 )  # fmt: skip
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
@@ -335,7 +330,7 @@ def _attend(
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                 BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
                 SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                KV_CODE, SCALE_MODE,
+                KV_CODE, SCALE_MODE, K_F16,
             )  # fmt: skip
     return acc, l_i, m_i, bad
 
@@ -387,6 +382,7 @@ def _prefill_kernel(
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
     KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 16,
+    K_F16: tl.constexpr = False,
 ):  # fmt: skip
     """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
     quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
@@ -433,7 +429,7 @@ def _prefill_kernel(
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
     q = tl.load(Q + q_rows[:, None] + offs_dk[None, :], mask=q_mask, other=0.0)
     q = _fold_k_scale(q, KS, kvh, offs_dk, DQK, SCALE_MODE)
-    q, qk_scale = _q_for_codes(q, qk_scale, KV_CODE)
+    q, qk_scale = _q_for_codes(q, qk_scale, K_F16)
 
     w = _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW)
     p_first = ctx + tok0
@@ -453,7 +449,7 @@ def _prefill_kernel(
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -461,7 +457,7 @@ def _prefill_kernel(
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -469,7 +465,7 @@ def _prefill_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
     )  # fmt: skip
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:
@@ -547,6 +543,7 @@ def _decode_kernel(
     SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
     FUSE_WRITE: tl.constexpr = False, KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
+    K_F16: tl.constexpr = False,
 ):  # fmt: skip
     """One (request, kv head, split) of a decode step. ``FUSE_WRITE``: the step's own K/V (row ``q0``
     of ``Kn [T, Hkv, Dqk]`` / ``Vn [T, Hkv, Dv]``) are not in the cache yet: the split holding the
@@ -583,9 +580,8 @@ def _decode_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     q_rows = q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
-    # e4m3 codes stay bf16 here: the fp16 reading (_q_for_codes) measured 0.78x of bf16 decode on an
-    # H100 against 1.12x this way (benchmarks/NOTES.md); prefill gains from it
     q = _fold_k_scale(tl.load(Q + q_rows, mask=q_mask, other=0.0), KS, kvh, offs_dk, DQK, SCALE_MODE)
+    q, qk_scale = _q_for_codes(q, qk_scale, K_F16)
     posv = tl.full([BLOCK_H], 0, tl.int32) + pos
     if NUM_SPLITS == 1:
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
@@ -607,7 +603,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -615,7 +611,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -623,7 +619,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
     )  # fmt: skip
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:

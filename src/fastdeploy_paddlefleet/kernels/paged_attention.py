@@ -522,6 +522,8 @@ class AttentionPlan:
             HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
             BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h, SOFTCAP=softcap,
             KV_CODE=KV_CODES[quant.code] if quant is not None else 0, SCALE_MODE=scales[0],
+            # e4m3 codes under a bf16 model: K's read as fp16 (attention_kernels._q_for_codes)
+            K_F16=quant is not None and quant.code == "fp8" and str(q.dtype).endswith("bfloat16"),
         )  # fmt: skip
         self.kv_quant = quant
         #: the scales as the kernels take them (the key cache where unused: any pointer), their strides
