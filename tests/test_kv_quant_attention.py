@@ -278,7 +278,7 @@ def _q_probe(Q, Out, Scale, M: tl.constexpr, D: tl.constexpr):
 @pytest.mark.parametrize("amax", [3.0, 40000.0, 3.0e30])
 def test_queries_go_to_fp16_exactly(amax):
     """``_q_for_codes`` (e4m3 keys under a bf16 model read as fp16): q times ``2^-e`` in fp16 equals
-    the bf16 q exactly, ``max|q| * 2^-e < 2^15``, and ``qk_scale`` carries ``2^e`` (numpy check)."""
+    the bf16 q exactly, ``max|q| * 2^-e < 2^15``, and ``qk_scale`` carries ``2^e`` (checked in float64)."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(16, 32, generator=gen)
     q = (q / q.abs().max() * amax).to(torch.bfloat16).to(DEVICE)

@@ -127,30 +127,37 @@ def sass_path(sass_dir: str, case: dict) -> str:
     return os.path.join(sass_dir, f"hopper_prefill_{name}.sass")
 
 
-def compile_case(case: dict, sass_file: Claim | None = None) -> dict:
-    """Compile one case (see the module docstring) and read its resources off the cubin: the build
-    ``FDFLEET_PREFILL_KERNEL=hopper`` checks on an untested Triton (``kernels/hopper_support.py``)."""
+def read_cubin(cubin: bytes) -> tuple[dict, str]:
+    """A compiled kernel's cubin read with Triton's bundled ``cuobjdump``: its resources
+    ``{regs, stack, local}`` and its SASS."""
     import triton
 
-    from fastdeploy_paddlefleet.kernels.hopper_support import compile_case as build
-
-    kernel, consts = build(case)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(cubin)
         f.flush()
         res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
                              text=True, check=True).stdout  # fmt: skip
         sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True,
                               text=True, check=True).stdout  # fmt: skip
-    ptxas = _ptxas_info(kernel.asm["ptx"], _ptxas_path())
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
     if m is None:
         raise ValueError(f"no resource line in cuobjdump's report: {res[-300:]!r}")
+    return dict(regs=int(m[1]), stack=int(m[2]), local=int(m[3])), sass
+
+
+def compile_case(case: dict, sass_file: Claim | None = None) -> dict:
+    """Compile one case (see the module docstring) and read its resources off the cubin: the build
+    ``FDFLEET_PREFILL_KERNEL=hopper`` checks on an untested Triton (``kernels/hopper_support.py``)."""
+    from fastdeploy_paddlefleet.kernels.hopper_support import compile_case as build
+
+    kernel, consts = build(case)
+    res, sass = read_cubin(kernel.asm["cubin"])
+    ptxas = _ptxas_info(kernel.asm["ptx"], _ptxas_path())
     tiles = {
         k: consts[k] for k in ("BLOCK_N", "Q_BUFS", "NUM_STAGES", "QKC", "CONSUMER_REGS", "PRODUCER_REGS")
     }
-    rec = dict(case=case, regs_at_entry=int(m[1]), stack=int(m[2]), local=int(m[3]),
+    rec = dict(case=case, regs_at_entry=res["regs"], stack=res["stack"], local=res["local"],
                smem=kernel.metadata.shared, ldl=sass.count(" LDL"), stl=sass.count(" STL"),
                hgmma=sass.count("HGMMA"), spills_in_inner_loops=_inner_loop_spills(sass),
                wgmma_serialized=ptxas["serialized"],

@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -39,7 +37,7 @@ def compile_case(name: str) -> dict:
     """Compile case ``name`` of :data:`CASES` with the imported ``fastdeploy_paddlefleet`` and read its
     resources: registers, stack, ``LDL`` / ``STL`` (spills), SASS instructions."""
     import torch
-    import triton
+    from hopper_compile import read_cubin
 
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
@@ -68,21 +66,9 @@ def compile_case(name: str) -> dict:
     finally:
         direct.KernelCache.launch = real
     kernel, grid, args, consts = caught[0]
-    compiled = kernel.warmup(*args, grid=grid, **consts)
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        res, sass = (
-            subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name], capture_output=True, text=True,
-                           check=True).stdout
-            for flag in ("-res-usage", "-sass")
-        )  # fmt: skip
-    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    if m is None:
-        raise ValueError(f"no resource line in cuobjdump's report: {res[-300:]!r}")
+    res, sass = read_cubin(kernel.warmup(*args, grid=grid, **consts).asm["cubin"])
     return dict(
-        case=name, regs=int(m[1]), stack=int(m[2]), ldl=sass.count(" LDL"), stl=sass.count(" STL"),
+        case=name, regs=res["regs"], stack=res["stack"], ldl=sass.count(" LDL"), stl=sass.count(" STL"),
         instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass)),
         block_nm=consts.get("BLOCK_NM", bn),
     )  # fmt: skip

@@ -122,7 +122,7 @@ def default_prefill_config(
 def masked_block_n(cfg: TileConfig) -> int:
     """Keys per tile in the portable prefill's masked loops: half of ``cfg.block_n`` from 64 up (their
     K / V tiles sit in registers, where masked keys are kept out; a full-width tile spilled the whole
-    kernel), else ``block_n`` (``tl.dot`` needs 16)."""
+    kernel), else ``block_n`` (smaller tiles were never seen to spill; ``tl.dot`` needs 16 keys)."""
     return cfg.block_n // 2 if cfg.block_n >= 64 else cfg.block_n
 
 
