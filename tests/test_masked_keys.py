@@ -295,3 +295,28 @@ def test_gpu_prefill_bf16(impl, dims):
     for where in ("k", "v"):
         check_masked(reqs, plants, float("nan"), where, prefill_impl=impl, **kw)
     check_masked(reqs, plants, float("inf"), "kv", prefill_impl=impl, sink_kind="learnable", **kw)
+
+
+@tk.gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "window_left, req, key, rows",
+    [(None, (16, 160), 120, (112, 128)), (200, (212, 128), 130, (96, 112))],
+    ids=["causal", "window"],
+)
+def test_gpu_hopper_tile_cleaned_for_the_other_half(window_left, req, key, rows):
+    """The Hopper prefill cleans a V tile when any row of a work item may not see one of its keys; one
+    consumer's rows may still see that tile whole, and a NaN there must reach each of them. Group 4
+    gives 16 tokens per consumer and 32 per item. Causal: at context 16 the item of positions 112-143
+    meets key tile 0-127, which its second consumer (128-143) sees whole. Window 200: at context 212
+    the item of positions 308-339 meets key tile 128-255 at the window's trailing edge, which its first
+    consumer (308-323) sees whole. ``rows``: those consumer rows, which see the planted ``key``."""
+    from fastdeploy_paddlefleet.kernels.hopper_prefill import supported
+
+    kw = dict(hkv=2, group=4, dqk=128, dv=128, block_size=64, dtype=torch.bfloat16, window_left=window_left)
+    s = tk.make_step([req], hkv=2, group=4, dqk=128, dv=128, block_size=64, dtype=torch.bfloat16)
+    why = supported(s.q, s.key_cache, s.value_cache)
+    if why is not None:
+        pytest.skip(f"the hopper prefill cannot run here: {why}")
+    sees = check_masked([req], [Plant(0, key)], float("nan"), "v", prefill_impl="hopper", **kw)
+    assert sees[rows[0] : rows[1]].all(), "the construction: those rows see the planted key"

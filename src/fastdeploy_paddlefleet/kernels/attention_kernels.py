@@ -140,6 +140,7 @@ def _tile(
     SOFTCAP: tl.constexpr = 0.0, ROWS_ALIKE: tl.constexpr = False,
     KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
     KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, K_F16: tl.constexpr = False,
+    CLEAN: tl.constexpr = True,
 ):  # fmt: skip
     """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
     in one page) or one page per key; ``ok`` marks keys whose page exists.
@@ -151,6 +152,8 @@ def _tile(
     by all rows or none, so nothing more is needed; otherwise (prefill's masked tiles: the causal
     diagonal, the window's edge) non-finite V entries are zeroed for the dot and the rows that do see
     such a key get a NaN score for it, so their output is NaN as the dense computation's would be.
+    ``CLEAN=False`` leaves that out (the prefill's fast pass: a non-finite V at a masked key then turns
+    the rows' output non-finite, which the kernel checks before it stores them).
 
     ``EXP_BF16``: exponentials as packed bf16 (``ex2.approx.ftz.bf16x2``, half the special-function
     issue of fp32 ``ex2``; P feeds the bf16 P @ V dot anyway). ``PROFILE`` (timing ablations only,
@@ -205,7 +208,7 @@ def _tile(
     # and reach the scores instead, so the mask keeps them only in the rows that see them. With K and V
     # tiles alike the move is elementwise (a NaN in K where V is non-finite: q . k is NaN in every row);
     # otherwise per key (a reduction over V's channels, below).
-    POISON_K: tl.constexpr = MASK and not ROWS_ALIKE and BLOCK_DQK == BLOCK_DV
+    POISON_K: tl.constexpr = MASK and CLEAN and not ROWS_ALIKE and BLOCK_DQK == BLOCK_DV
     if POISON_K:
         finite = tl.abs(v) < float("inf")  # False for NaN too
         k = tl.where(finite, k, float("nan"))
@@ -225,7 +228,7 @@ def _tile(
         vis = ok[None, :] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             vis = vis & (pos[:, None] - keys[None, :] <= window)
-        if ROWS_ALIKE or POISON_K:
+        if ROWS_ALIKE or POISON_K or not CLEAN:
             qk = tl.where(vis, qk * qk_scale, float("-inf"))
         else:  # K and V tiles differ in shape: non-finite V entries out of the dot, their keys NaN
             finite = tl.abs(v) < float("inf")  # False for NaN too
@@ -279,9 +282,10 @@ def _attend(
     ROWS_ALIKE: tl.constexpr = False,
     KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
     KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, K_F16: tl.constexpr = False,
+    CLEAN: tl.constexpr = True,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions (all the
-    same with ``ROWS_ALIKE``: a decode query's group heads, see ``_tile``).
+    same with ``ROWS_ALIKE``: a decode query's group heads, see ``_tile``; ``CLEAN``: see ``_tile``).
 
     Table entries of keys in ``[lo_key, kv_len)`` must exist; entries outside the cache are never
     dereferenced (``_pages`` masks them). ``HAS_ERR``: ``bad`` carries the smallest logical block whose
@@ -313,7 +317,7 @@ def _attend(
                     kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                     BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
                     SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                    KV_CODE, SCALE_MODE, K_F16,
+                    KV_CODE, SCALE_MODE, K_F16, CLEAN,
                 )  # fmt: skip
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
@@ -330,7 +334,7 @@ def _attend(
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                 BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
                 SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                KV_CODE, SCALE_MODE, K_F16,
+                KV_CODE, SCALE_MODE, K_F16, CLEAN,
             )  # fmt: skip
     return acc, l_i, m_i, bad
 
@@ -366,6 +370,51 @@ def _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW: tl.constexpr):
     else:
         w = 1 << 30
     return w
+
+
+@triton.jit
+def _prefill_keys(
+    q, K, V, k_desc, v_desc, Sinks, head, tbl_row, n_blk, kvh, Err, n_pages, b, a, ul, uh, p_last, pos,
+    lo_key, kv_len, w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr,
+    KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NM: tl.constexpr, BS: tl.constexpr,
+    HKV: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr,
+    USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr, PAGE_H: tl.constexpr,
+    SOFTCAP: tl.constexpr, ERR: tl.constexpr, KV_CODE: tl.constexpr, SCALE_MODE: tl.constexpr,
+    K_F16: tl.constexpr, CLEAN: tl.constexpr,
+):  # fmt: skip
+    """One prefill program's keys from the sink state: the masked tiles ``[a, ul)`` (the window's left
+    edge), the tiles every row sees ``[ul, uh)``, the masked tiles ``[uh, p_last]`` (the causal
+    diagonal); ``(acc [BLOCK_M, BLOCK_DV], l_i, m_i, bad)``. ``CLEAN``: ``_tile``'s."""
+    m_i, l_i = _init_state(Sinks, head, BLOCK_M, SINK_MODE)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    bad = tl.full([], BAD_NONE, tl.int32)  # ERR: smallest logical block with an unusable entry
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        a, ul, pos, lo_key, kv_len, w,
+        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
+        SOFTCAP, ERR, KERNEL_PREFILL, False,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16, CLEAN,
+    )  # fmt: skip
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        ul, uh, pos, lo_key, kv_len, w,
+        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
+        SOFTCAP, ERR, KERNEL_PREFILL, False,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16, CLEAN,
+    )  # fmt: skip
+    acc, l_i, m_i, bad = _attend(
+        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
+        uh, p_last + 1, pos, lo_key, kv_len, w,
+        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+        BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
+        SOFTCAP, ERR, KERNEL_PREFILL, False,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16, CLEAN,
+    )  # fmt: skip
+    return acc, l_i, m_i, bad
 
 
 @triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs"])
@@ -439,34 +488,30 @@ def _prefill_kernel(
     ul = tl.maximum(tl.cdiv(tl.maximum(p_last - w, 0), BLOCK_N) * BLOCK_N, a)  # every row sees [ul, uh)
     uh = tl.maximum((p_first + 1) // BLOCK_N * BLOCK_N, ul)
 
-    m_i, l_i = _init_state(Sinks, head, BLOCK_M, SINK_MODE)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    bad = tl.full([], BAD_NONE, tl.int32)  # HAS_ERR: smallest logical block with an unusable entry
     tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
-    acc, l_i, m_i, bad = _attend(
-        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
-        a, ul, pos, lo_key, kv_len, w,
-        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
+    # the fast pass: masked tiles keep non-finite V entries (no cleaning work in the key loops)
+    acc, l_i, m_i, bad = _prefill_keys(
+        q, K, V, k_desc, v_desc, Sinks, head, tbl_row, n_blk, kvh, Err, n_pages, b, a, ul, uh, p_last, pos,
+        lo_key, kv_len, w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+        DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NM, BS, HKV, HEADWISE, HAS_WINDOW, SINK_MODE,
+        USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR & ERR_LOOP, KV_CODE, SCALE_MODE, K_F16, False,
     )  # fmt: skip
-    acc, l_i, m_i, bad = _attend(
-        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
-        ul, uh, pos, lo_key, kv_len, w,
-        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
-    )  # fmt: skip
-    acc, l_i, m_i, bad = _attend(
-        acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
-        uh, p_last + 1, pos, lo_key, kv_len,
-        w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
-        BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
-        SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
-    )  # fmt: skip
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # a row whose output came out NaN or Inf (its sum then is too, and x - x is NaN) may have met a
+    # non-finite V at a key it may not see: the keys again with the masked tiles cleaned, on the same
+    # tiles in the same order, so every other row comes out with the same bits (masked keys contribute
+    # exactly nothing; docs/semantics.md)
+    rs = tl.sum(o, 1)
+    if tl.max(tl.where(row_ok & (rs - rs != 0), 1, 0), 0) != 0:
+        acc, l_i, m_i, _ = _prefill_keys(
+            q, K, V, k_desc, v_desc, Sinks, head, tbl_row, n_blk, kvh, Err, n_pages, b, a, ul, uh, p_last,
+            pos, lo_key, kv_len, w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr,
+            KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NM, BS, HKV, HEADWISE, HAS_WINDOW,
+            SINK_MODE, USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, False, KV_CODE, SCALE_MODE, K_F16, True,
+        )  # fmt: skip
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:
             _scan_table(
@@ -474,7 +519,7 @@ def _prefill_kernel(
             )
     elif HAS_ERR:  # one scan of the table entries of the keys these rows see
         _scan_table(Err, tbl_row, n_blk, n_pages, b, kvh, lo_key, p_last + 1, BS, HEADWISE, KERNEL_PREFILL)
-    out = _apply_v_scale(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], VS, kvh, offs_dv, DV, SCALE_MODE)
+    out = _apply_v_scale(o, VS, kvh, offs_dv, DV, SCALE_MODE)
     o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
         O + o_rows[:, None] + offs_dv[None, :],

@@ -24,9 +24,11 @@ Three warpgroups per CTA:
   past the sequence end or into an absent page (``-1``) gets its V rows by plain loads instead, the
   invalid rows zero-filled (stale slots may hold NaN and ``0 * NaN`` would poison ``P @ V``). A tile
   that some rows of the item see and others do not (causal diagonal, window edge) gets its
-  non-finite V entries zeroed and their keys flagged (by TMA onto the producer's own barrier, then
-  checked in shared memory: ``_clean_v``); the consumers score a flagged key NaN in the rows that see
-  it, so masked keys contribute exactly nothing and a seen NaN is not hidden;
+  non-finite V entries zeroed and their keys flagged (``_clean_tile``: by TMA onto the producer's own
+  barrier, cleaned in shared memory once the next tile's K copies are issued, since the consumers
+  need this V only for the next tile's ``P @ V``); the consumers make a row NaN when it sees a
+  flagged key (``_poison``, when they issue that ``P @ V``), so masked keys contribute exactly nothing,
+  a seen NaN is not hidden, and no softmax waits for V;
 * two **consumers** own 64-row halves of the query rows (tokens x padded group heads) and run
   the online softmax against their own wgmma's: ``S(j) = Q K(j)^T`` (for 192-wide heads three
   chained wgmma's over 64-column parts: shared-memory shapes are powers of two) is issued before
@@ -101,7 +103,7 @@ def _next_pow2(x: int) -> int:
 
 BLOCK_M = 64  # query rows (tokens x padded group heads) per consumer warpgroup
 # sm_90's shared memory per block (227 KB) less room for the mbarriers, the V tiles' key flags
-# (num_stages * block_n bytes, _clean_v) and layout-conversion scratch
+# (num_stages * block_n bytes, _clean_tile) and layout-conversion scratch
 SMEM_LIMIT = 232448 - 2048
 # head dims (qk, v) this kernel is built and tested for (tile_for fits each in shared memory; others
 # run on the portable kernel)
@@ -204,6 +206,11 @@ if GLUON_IMPORT_ERROR is None:
     # later releases, which keep the old name only to raise
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    # a shared-memory view under another dtype: Triton 3.6's _reinterpret(dtype, shape, layout) became
+    # reinterpret(dtype=, shape=, layout=) later
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+    # a barrier of the calling partition's warps: Triton 3.6's thread_barrier became barrier later
+    _warps_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.jit
     def _page_entry(
@@ -293,16 +300,56 @@ if GLUON_IMPORT_ERROR is None:
         return valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row, b
 
     @gluon.jit
+    def _redo_wanted(redo_bar, bad_rows, BLOCK_M: gl.constexpr):
+        """Whether this CTA runs its items again in the safe pass: waits until both consumers have
+        finished the fast pass (``redo_bar``) and reads the rows they found non-finite (``bad_rows [2 *
+        BLOCK_M]``, each consumer's half). Every partition asks, so all three agree."""
+        mbarrier.wait(redo_bar.index(0), 0)
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.max(bad_rows.load(lay), 0) != 0
+
+    @gluon.jit
     def _producer(
         Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-        flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
-        stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
+        flags, v_own, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window,
+        win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
         G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
         DV: gl.constexpr, QKC: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, SNAKE: gl.constexpr,
         Q_ASYNC: gl.constexpr,
     ):  # fmt: skip
+        """The fast pass over this CTA's items, then the safe pass over them again if a consumer found a
+        non-finite output row (:func:`_redo_wanted`); ring and Q-buffer counters run on across passes."""
+        it, qi = _produce_pass(
+            Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+            v_empty, flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0,
+            win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok, gl.to_tensor(0), gl.to_tensor(0),
+            G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS, HAS_WINDOW,
+            HAS_ERR, Q_LATE, SNAKE, Q_ASYNC, False,
+        )  # fmt: skip
+        if _redo_wanted(redo_bar, bad_rows, BLOCK_M):
+            _produce_pass(
+                Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                v_empty, flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0,
+                win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok, it, qi,
+                G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
+                HAS_WINDOW, False, Q_LATE, SNAKE, Q_ASYNC, True,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _produce_pass(
+        Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+        stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok, it, qi,
+        G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
+        DV: gl.constexpr, QKC: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+        HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, SNAKE: gl.constexpr,
+        Q_ASYNC: gl.constexpr, SAFE: gl.constexpr,
+    ):  # fmt: skip
+        """One pass of the producer over this CTA's items from ring step ``it`` and Q buffer ``qi``;
+        returns both, advanced. ``SAFE``: mixed tiles' V cleaned (:func:`_clean_tile`)."""
         NQC: gl.constexpr = DQK // QKC
         TILE_Q: gl.constexpr = 2 * (BLOCK_M // GP)
         NBOX: gl.constexpr = BLOCK_N // BOX
@@ -316,9 +363,8 @@ if GLUON_IMPORT_ERROR is None:
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
         offs_q = gl.arange(0, QKC, layout=gl.SliceLayout(0, ld))
         offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
-        it = 0
-        qi = 0
-        own = 0  # V tiles copied on v_own (its phase)
+        own = 0  # V tiles copied on v_own (its phase; the safe pass is the only one that uses it)
+        pend = -1  # the stage of a V tile on v_own not yet cleaned (-1: none)
         for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
             item = _scheduled(step, n_items, SNAKE)
             valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row, b = _work_item(
@@ -362,11 +408,16 @@ if GLUON_IMPORT_ERROR is None:
                             _load_q(Q, q_bufs, q_ready, q_empty, qi, q0, q_len, tok0, kvh, stride_qt,
                                     stride_qh, offs_r, offs_q, G, GP, BLOCK_M, DQK, QKC, Q_BUFS,
                                     Q_ASYNC)  # fmt: skip
+                    if SAFE:
+                        if pend >= 0:  # the previous tile's V: cleaned now that this tile's K is on its way
+                            own = _clean_own(v_bufs, flags, v_ready, v_own, pend, own, key0 - BLOCK_N,
+                                             p_first, p_last - w, BLOCK_N, DV)  # fmt: skip
+                            pend = -1
                     mbarrier.wait(v_empty.index(s), phase)
                     vb = v_bufs.index(s)
                     # a tile whose keys some rows of the item see and others do not (the causal
                     # diagonal, the window's edge: a superset of what either consumer masks) has its
-                    # non-finite V entries zeroed and flagged per key (_clean_v): in P @ V they would
+                    # non-finite V entries zeroed and flagged per key (_clean_tile): in P @ V they would
                     # meet the zero P of the rows that may not see them (0 * NaN = NaN)
                     mixed = key0 + BLOCK_N - 1 > p_first
                     if HAS_WINDOW:
@@ -384,53 +435,105 @@ if GLUON_IMPORT_ERROR is None:
                             v_rows = (gl.maximum(pg, 0) * BS + keys % BS) * stride_vr
                             v_ptrs = V + gl.expand_dims(v_rows, 1) + gl.expand_dims(offs_v, 0)
                             vals = gl.load(v_ptrs, mask=gl.expand_dims(v_ok, 1), other=0.0)
-                            _clean_v(vals, vb, flags.index(s), r0, ROWS)
-                        gh.fence_async_shared()
-                        mbarrier.arrive(v_ready.index(s), count=1)
-                    elif mixed:  # by TMA onto the producer's own barrier, cleaned in shared memory
-                        mbarrier.expect(v_own.index(0), V_BYTES)
-                        for i in gl.static_range(NBOX):
-                            blk = (key0 + i * BOX) // BS
-                            page = gl.load(tbl_row + blk, mask=blk < n_blk, other=0).to(gl.int64)
-                            if not HEADWISE:
-                                page = page * HKV + kvh
-                            row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
-                            for c in gl.static_range(DV // CHUNK_C):
-                                _tma_load(
-                                    v_desc, [row, c * CHUNK_C], v_own.index(0),
-                                    vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
-                                )  # fmt: skip
-                        mbarrier.wait(v_own.index(0), own & 1)
-                        own += 1
-                        for r0 in gl.static_range(0, BLOCK_N, ROWS):
-                            _clean_v(vb.slice(r0, ROWS, dim=0).load(ld), vb, flags.index(s), r0, ROWS)
+                            vb.slice(r0, ROWS, dim=0).store(vals)
+                        if SAFE:
+                            _clean_tile(vb, flags.index(s), key0, p_first, p_last - w, BLOCK_N, DV)
                         gh.fence_async_shared()
                         mbarrier.arrive(v_ready.index(s), count=1)
                     else:
-                        mbarrier.expect(v_ready.index(s), V_BYTES)
-                        for i in gl.static_range(NBOX):
-                            blk = (key0 + i * BOX) // BS
-                            page = gl.load(tbl_row + blk, mask=blk < n_blk, other=0).to(gl.int64)
-                            if not HEADWISE:
-                                page = page * HKV + kvh
-                            row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
-                            for c in gl.static_range(DV // CHUNK_C):
-                                _tma_load(
-                                    v_desc, [row, c * CHUNK_C], v_ready.index(s),
-                                    vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
-                                )  # fmt: skip
+                        # by TMA: onto v_ready, or for a mixed tile onto the producer's own barrier,
+                        # cleaned in shared memory after the next tile's K copies are issued (the
+                        # consumers need this V only for the next tile's P @ V)
+                        if SAFE:
+                            if mixed:
+                                _copy_v(v_desc, v_own.index(0), vb, tbl_row, key0, n_blk, kvh, V_BYTES, HKV,
+                                        HEADWISE, BS, BOX, NBOX, DV)  # fmt: skip
+                                pend = s
+                            else:
+                                _copy_v(v_desc, v_ready.index(s), vb, tbl_row, key0, n_blk, kvh, V_BYTES,
+                                        HKV, HEADWISE, BS, BOX, NBOX, DV)  # fmt: skip
+                        else:
+                            _copy_v(v_desc, v_ready.index(s), vb, tbl_row, key0, n_blk, kvh, V_BYTES, HKV,
+                                    HEADWISE, BS, BOX, NBOX, DV)  # fmt: skip
                     it += 1
+                if SAFE:
+                    if pend >= 0:  # the item's last V: its consumers wait for it before its last P @ V
+                        own = _clean_own(v_bufs, flags, v_ready, v_own, pend, own,
+                                         a + (n_tiles - 1) * BLOCK_N, p_first, p_last - w, BLOCK_N,
+                                         DV)  # fmt: skip
+                        pend = -1
                 qi += 1
+        return it, qi
 
     @gluon.jit
-    def _clean_v(vals, vb, flags_st, r0, ROWS: gl.constexpr):
-        """Rows ``[r0, r0 + ROWS)`` of a V tile (``vals``, registers) into ``vb`` with their non-finite
-        entries zeroed, and ``flags_st[r0:r0 + ROWS]`` set to 1 for the keys that had one: the
-        consumers give those keys a NaN score in the rows that see them (:func:`_softmax_tile`)."""
-        finite = gl.abs(vals.to(gl.float32)) < float("inf")  # False for NaN too
-        vb.slice(r0, ROWS, dim=0).store(gl.where(finite, vals, 0.0))
-        bad = gl.max(gl.where(finite, 0, 1), 1).to(gl.int8)
-        flags_st.slice(r0, ROWS, dim=0).store(bad)
+    def _copy_v(
+        v_desc, bar, vb, tbl_row, key0, n_blk, kvh, V_BYTES: gl.constexpr, HKV: gl.constexpr,
+        HEADWISE: gl.constexpr, BS: gl.constexpr, BOX: gl.constexpr, NBOX: gl.constexpr, DV: gl.constexpr,
+    ):  # fmt: skip
+        """The V tile of keys ``[key0, key0 + NBOX * BOX)`` into ``vb`` by TMA, one copy per page box and
+        64-column chunk, completing on ``bar`` (its expected bytes set here)."""
+        mbarrier.expect(bar, V_BYTES)
+        for i in gl.static_range(NBOX):
+            blk = (key0 + i * BOX) // BS
+            page = gl.load(tbl_row + blk, mask=blk < n_blk, other=0).to(gl.int64)
+            if not HEADWISE:
+                page = page * HKV + kvh
+            row = (page * BS + (key0 + i * BOX) % BS).to(gl.int32)
+            for c in gl.static_range(DV // CHUNK_C):
+                _tma_load(
+                    v_desc, [row, c * CHUNK_C], bar,
+                    vb.slice(i * BOX, BOX, dim=0).slice(c * CHUNK_C, CHUNK_C, dim=1),
+                )  # fmt: skip
+
+    @gluon.jit
+    def _clean_own(v_bufs, flags, v_ready, v_own, st, own, key0, lo, hi, BLOCK_N: gl.constexpr,
+                   DV: gl.constexpr):  # fmt: skip
+        """Wait for the V tile of stage ``st`` (keys from ``key0``) copied onto ``v_own`` (its ``own``-th
+        copy), clean it in shared memory (:func:`_clean_tile`) and publish it on ``v_ready``; returns
+        ``own + 1``."""
+        vb = v_bufs.index(st)
+        mbarrier.wait(v_own.index(0), own & 1)
+        _clean_tile(vb, flags.index(st), key0, lo, hi, BLOCK_N, DV)
+        gh.fence_async_shared()
+        mbarrier.arrive(v_ready.index(st), count=1)
+        return own + 1
+
+    @gluon.jit
+    def _clean_tile(vb, flags_st, key0, lo, hi, BLOCK_N: gl.constexpr, DV: gl.constexpr):
+        """Zero the non-finite entries of the V tile ``vb [BLOCK_N, DV]`` (keys from ``key0``) in shared
+        memory and set ``flags_st[n]`` to 1 for each key that had one (else 0): the consumers make the
+        rows that see a flagged key NaN (:func:`_poison`), and in ``P @ V`` the zeros meet the rows that
+        may not see it exactly. Only 16-key chunks holding a key that some row may not see (above
+        ``lo``, the item's first position, or below ``hi``, its last position less the window) are
+        read; a NaN in a key every row sees reaches every row through ``P @ V`` as dense attention's
+        would. Read as 32-bit words of two elements (the producer's 40 registers and issue slots are
+        shared with the consumers' softmax): an element is Inf or NaN when all its exponent bits are
+        set, i.e. when adding one exponent step carries into its sign bit."""
+        ROWS: gl.constexpr = 16
+        W: gl.constexpr = DV // 2
+        LANES: gl.constexpr = W // 4 if W // 4 < 32 else 32
+        wl: gl.constexpr = gl.BlockedLayout([1, 4], [32 // LANES, LANES], [4, 1], [1, 0])
+        if vb.dtype == gl.bfloat16:
+            EXP: gl.constexpr = 0x7F807F80
+            STEP: gl.constexpr = 0x00800080
+        else:
+            EXP: gl.constexpr = 0x7C007C00
+            STEP: gl.constexpr = 0x04000400
+        w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, W], gl.uint32)
+        if _NEW_REINTERPRET:
+            words = vb.reinterpret(gl.uint32, [BLOCK_N, W], w_layout)
+        else:
+            words = vb._reinterpret(gl.uint32, [BLOCK_N, W], w_layout)
+        for r0 in gl.static_range(0, BLOCK_N, ROWS):
+            fl = flags_st.slice(r0, ROWS, dim=0)
+            if (key0 + r0 + ROWS - 1 > lo) | (key0 + r0 < hi):
+                chunk = words.slice(r0, ROWS, dim=0)
+                x = chunk.load(wl)
+                sign = ((x & EXP) + STEP) & 0x80008000  # bit 15 / 31: that half is Inf or NaN
+                chunk.store(x & ~((sign >> 15) * 0xFFFF))
+                fl.store((gl.max(sign, 1) != 0).to(gl.int8))
+            else:
+                fl.store(gl.zeros([ROWS], gl.int8, gl.SliceLayout(1, wl)))
 
     @gluon.jit
     def _load_q(
@@ -484,34 +587,40 @@ if GLUON_IMPORT_ERROR is None:
         return s_tok
 
     @gluon.jit
+    def _visible(key0, w, pos, offs_n, HAS_WINDOW: gl.constexpr):
+        """``[BLOCK_M, BLOCK_N]``: whether the row at position ``pos`` may see key ``key0 + n`` (causal,
+        and within the window ``w`` where there is one)."""
+        keys = key0 + offs_n
+        vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
+        if HAS_WINDOW:
+            vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
+        return vis
+
+    @gluon.jit
+    def _masked(key0, p_lo, p_hi, w, BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr):
+        """Whether the key tile from ``key0`` touches the causal diagonal or the window's leading edge of
+        the rows at positions ``[p_lo, p_hi]`` (the only tiles that need the mask)."""
+        need = key0 + BLOCK_N - 1 > p_lo
+        if HAS_WINDOW:
+            need = need | (key0 < p_hi - w)
+        return need
+
+    @gluon.jit
     def _softmax_tile(
-        s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, flags_st, v_bar, v_phase,
+        s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
         BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr,
     ):  # fmt: skip
         """Online softmax of one tile's scores ``s [BLOCK_M, BLOCK_N]`` (keys from ``key0``): ``(p, m_i,
         l_i, alpha)``, ``alpha`` the factor for the accumulator. The mask only on tiles touching the
-        causal diagonal or the window's edge of these rows; there the producer has zeroed the tile's
-        non-finite V entries and flagged their keys (``flags_st``, published with ``v_bar``'s phase
-        ``v_phase``): a flagged key a row sees scores NaN, so that row is NaN as dense attention's would
-        be, and a row that may not see it is untouched (masked keys contribute exactly nothing)."""
+        causal diagonal or the window's edge of these rows (:func:`_masked`)."""
         if PROFILE == 1:  # timing ablation (benchmarks only): no softmax, P = S
             p = s
             alpha = m_i
         else:
             if SOFTCAP != 0.0:  # cap * log2(e) * tanh(scale * q.k / cap): qk_scale is scale / cap
                 s = _tanh(s * qk_scale) * SOFTCAP
-            need_mask = key0 + BLOCK_N - 1 > p_lo
-            if HAS_WINDOW:
-                need_mask = need_mask | (key0 < p_hi - w)
-            if need_mask:
-                keys = key0 + offs_n
-                vis = gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
-                if HAS_WINDOW:
-                    vis = vis & (gl.expand_dims(pos, 1) - gl.expand_dims(keys, 0) <= w)
-                mbarrier.wait(v_bar, v_phase)  # the flags come with the cleaned V tile
-                bad = flags_st.load(offs_n.type.layout)
-                s = gl.where(gl.expand_dims(bad, 0) == 0, s * sc, float("nan"))
-                s = gl.where(vis, s, float("-inf"))
+            if _masked(key0, p_lo, p_hi, w, BLOCK_N, HAS_WINDOW):
+                s = gl.where(_visible(key0, w, pos, offs_n, HAS_WINDOW), s * sc, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, 1))
                 p = gl.exp2(s - gl.expand_dims(m_new, 1))
             else:
@@ -521,6 +630,23 @@ if GLUON_IMPORT_ERROR is None:
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
         return p, m_i, l_i, alpha
+
+    @gluon.jit
+    def _poison(l_i, key0, i_lo, i_hi, w, pos, offs_n, flags_st,
+                BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr, SAFE: gl.constexpr):  # fmt: skip
+        """``l_i`` made NaN in the rows that see a key of a masked tile whose V the producer cleaned
+        (``flags_st``, valid once that tile's ``v_ready`` has been waited for): the zeroed entries would
+        otherwise hide a NaN that dense attention returns, while the rows that may not see the key stay
+        exact (masked keys contribute nothing). Asked when the tile's ``P @ V`` is issued, a tile after
+        its softmax, so the consumers never wait for V before a softmax. ``i_lo`` / ``i_hi``: the first
+        and last positions of the whole item (both consumers' rows), as the producer decides which
+        tiles it cleans: a tile it cleaned for the other consumer's rows may hide a NaN from these."""
+        if SAFE:  # the fast pass cleans nothing
+            if _masked(key0, i_lo, i_hi, w, BLOCK_N, HAS_WINDOW):
+                bad = flags_st.load(offs_n.type.layout)
+                seen = _visible(key0, w, pos, offs_n, HAS_WINDOW) & (gl.expand_dims(bad, 0) != 0)
+                l_i = gl.where(gl.max(seen.to(gl.int32), 1) > 0, float("nan"), l_i)
+        return l_i
 
     @gluon.jit
     def _turn(tok, HALF: gl.constexpr, MODE: gl.constexpr):
@@ -548,10 +674,10 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _item_peeled(
         q_bufs, k_bufs, v_bufs, flags, k_ready, v_ready, k_empty, v_empty, q_empty, qs, it, n_tiles, a,
-        acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, tok,
+        acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, i_lo, i_hi, w, pos, offs_n, sc, qk_scale, tok,
         HALF: gl.constexpr, NQC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr,
-        PINGPONG: gl.constexpr,
+        PINGPONG: gl.constexpr, SAFE: gl.constexpr,
     ):  # fmt: skip
         """One item's key tiles with the first tile peeled off the loop, so every wgmma wait in the loop
         is unconditional: with ``if j > 0`` around the ``P @ V`` issue and again around its wait, ptxas
@@ -583,8 +709,8 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.arrive(k_empty.index(st), count=1)
             # acc is still zero: nothing to rescale
             p, m_i, l_i, alpha = _softmax_tile(
-                s, m_i, l_i, a, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, flags.index(st),
-                v_ready.index(st), (it // NUM_STAGES) & 1, BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
+                s, m_i, l_i, a, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+                BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
             )  # fmt: skip
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             for j in range(1, n_tiles):
@@ -599,11 +725,13 @@ if GLUON_IMPORT_ERROR is None:
                 acc = gh.warpgroup_mma(p_prev, v_bufs.index(pst), acc, is_async=True)
                 if PINGPONG:
                     tok = _turn(tok, HALF, 1)
+                l_i = _poison(l_i, a + (j - 1) * BLOCK_N, i_lo, i_hi, w, pos, offs_n, flags.index(pst),
+                              BLOCK_N, HAS_WINDOW, SAFE)  # fmt: skip
                 s, acc = gh.warpgroup_mma_wait(1, deps=[s_tok, acc])
                 mbarrier.arrive(k_empty.index(st), count=1)
                 p, m_i, l_i, alpha = _softmax_tile(
-                    s, m_i, l_i, a + j * BLOCK_N, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, flags.index(st),
-                    v_ready.index(st), ((it + j) // NUM_STAGES) & 1, BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
+                    s, m_i, l_i, a + j * BLOCK_N, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+                    BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
                 )  # fmt: skip
                 acc = gh.warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(v_empty.index(pst), count=1)
@@ -618,6 +746,8 @@ if GLUON_IMPORT_ERROR is None:
             acc = gh.warpgroup_mma(p_prev, v_bufs.index(lst), acc, is_async=True)
             if PINGPONG:
                 tok = _turn(tok, HALF, 1)
+            l_i = _poison(l_i, a + (n_tiles - 1) * BLOCK_N, i_lo, i_hi, w, pos, offs_n, flags.index(lst),
+                          BLOCK_N, HAS_WINDOW, SAFE)  # fmt: skip
             acc = gh.warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(v_empty.index(lst), count=1)
         else:
@@ -639,15 +769,55 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _consumer(
         O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-        CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
-        stride_ot, stride_oh, n_tok,
+        redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+        qk_scale, stride_ot, stride_oh, n_tok,
         HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
         DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr, PEEL: gl.constexpr,
         PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, O_VEC: gl.constexpr,
     ):  # fmt: skip
-        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA."""
+        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA: the fast pass,
+        whose output rows that came out non-finite (a NaN or Inf, maybe from a key they may not see) go
+        to ``bad_rows[HALF]``, then, if either consumer has one, the safe pass over every item again."""
+        tok = gl.zeros([128], gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+        if PINGPONG:
+            if HALF == 0:  # warpgroup 0 takes the first turn (see _turn)
+                tok = _turn(tok, 0, 2)
+        it, qi, tok, bad = _consume_pass(
+            O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+            CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
+            stride_ot, stride_oh, n_tok, gl.to_tensor(0), gl.to_tensor(0), tok,
+            HALF, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
+            SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC, False,
+        )  # fmt: skip
+        bad_rows.slice(HALF * BLOCK_M, BLOCK_M).store(bad)
+        _warps_barrier()  # every thread's row flags written before the one arrival below
+        mbarrier.arrive(redo_bar.index(0), count=1)
+        if _redo_wanted(redo_bar, bad_rows, BLOCK_M):
+            _consume_pass(
+                O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
+                v_empty, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+                qk_scale, stride_ot, stride_oh, n_tok, it, qi, tok,
+                HALF, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
+                SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC, True,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _consume_pass(
+        O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
+        stride_ot, stride_oh, n_tok, it, qi, tok,
+        HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
+        DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
+        SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr, PEEL: gl.constexpr,
+        PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, O_VEC: gl.constexpr,
+        SAFE: gl.constexpr,
+    ):  # fmt: skip
+        """One pass over this CTA's items from ring step ``it`` and Q buffer ``qi``: ``(it, qi, tok,
+        bad)``, ``bad [BLOCK_M]`` int32 1 where a row of some item came out non-finite (fast pass only).
+        ``SAFE``: rows that see a key whose V the producer cleaned are made NaN (:func:`_poison`)."""
         BLOCK_Q: gl.constexpr = BLOCK_M // GP
         TILE_Q: gl.constexpr = 2 * BLOCK_Q
         NQC: gl.constexpr = DQK // QKC
@@ -675,13 +845,7 @@ if GLUON_IMPORT_ERROR is None:
             sc = 1.0
         else:
             sc = qk_scale
-        # ping-pong token: one int32 per thread, so each inline-asm named barrier runs once per thread
-        tok = gl.zeros([128], gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-        if PINGPONG:
-            if HALF == 0:  # warpgroup 0 takes the first turn (see _turn)
-                tok = _turn(tok, 0, 2)
-        it = 0
-        qi = 0
+        bad = gl.zeros([BLOCK_M], gl.int32, gl.SliceLayout(1, o_layout))
         for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
             item = _scheduled(step, n_items, SNAKE)
             valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = _work_item(
@@ -697,6 +861,8 @@ if GLUON_IMPORT_ERROR is None:
                 pos = ctx + tok0 + offs_m // GP
                 p_lo = ctx + tok0  # first row's position
                 p_hi = ctx + gl.minimum(tok0 + BLOCK_Q, q_len) - 1  # last valid row's position
+                i_lo = ctx + tile_tok0  # the item's first and last positions (both consumers' rows)
+                i_hi = ctx + gl.minimum(tile_tok0 + TILE_Q, q_len) - 1
                 if SINK_MODE == 1:
                     head = kvh * G + offs_m % GP
                     m_i = gl.load(Sinks + head, mask=(offs_m % GP) < G, other=0.0).to(gl.float32)
@@ -713,8 +879,10 @@ if GLUON_IMPORT_ERROR is None:
                 if PEEL:
                     acc, l_i, tok = _item_peeled(
                         q_bufs, k_bufs, v_bufs, flags, k_ready, v_ready, k_empty, v_empty, q_empty, qs, it,
-                        n_tiles, a, acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
+                        n_tiles, a, acc, p_prev, s_zero, m_i, l_i, p_lo, p_hi, i_lo, i_hi, w, pos, offs_n, sc,
+                        qk_scale,
                         tok, HALF, NQC, BLOCK_M, BLOCK_N, NUM_STAGES, HAS_WINDOW, SOFTCAP, PROFILE, PINGPONG,
+                        SAFE,
                     )  # fmt: skip
                 else:
                     for j in range(n_tiles):
@@ -726,13 +894,14 @@ if GLUON_IMPORT_ERROR is None:
                             pst = (it + j - 1) % NUM_STAGES
                             mbarrier.wait(v_ready.index(pst), ((it + j - 1) // NUM_STAGES) & 1)
                             acc = gh.warpgroup_mma(p_prev, v_bufs.index(pst), acc, is_async=True)
+                            l_i = _poison(l_i, key0 - BLOCK_N, i_lo, i_hi, w, pos, offs_n, flags.index(pst),
+                                          BLOCK_N, HAS_WINDOW, SAFE)  # fmt: skip
                             s, acc = gh.warpgroup_mma_wait(1, deps=[s_tok, acc])
                         else:
                             s = gh.warpgroup_mma_wait(0, deps=[s_tok])
                         mbarrier.arrive(k_empty.index(st), count=1)
                         p, m_i, l_i, alpha = _softmax_tile(
-                            s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale, flags.index(st),
-                            v_ready.index(st), ((it + j) // NUM_STAGES) & 1,
+                            s, m_i, l_i, key0, p_lo, p_hi, w, pos, offs_n, sc, qk_scale,
                             BLOCK_N, HAS_WINDOW, SOFTCAP, PROFILE,
                         )  # fmt: skip
                         if j > 0:
@@ -747,17 +916,26 @@ if GLUON_IMPORT_ERROR is None:
                         lst = (it + n_tiles - 1) % NUM_STAGES
                         mbarrier.wait(v_ready.index(lst), ((it + n_tiles - 1) // NUM_STAGES) & 1)
                         acc = gh.warpgroup_mma(p_prev, v_bufs.index(lst), acc, is_async=True)
+                        l_i = _poison(l_i, a + (n_tiles - 1) * BLOCK_N, i_lo, i_hi, w, pos, offs_n,
+                                      flags.index(lst), BLOCK_N, HAS_WINDOW, SAFE)  # fmt: skip
                         acc = gh.warpgroup_mma_wait(0, deps=[acc])
                         mbarrier.arrive(v_empty.index(lst), count=1)
                 it += n_tiles
                 qi += 1
                 l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-                out = (acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)).to(dtype)
+                # l_i NaN where _poison found a seen non-finite V: the row is NaN, as dense attention's
+                o32 = acc / gl.expand_dims(gl.where(l_o == 0, 1.0, l_o), 1)
+                if not SAFE:  # a row's sum is NaN or Inf when one of its entries is (x - x is then NaN)
+                    rs = gl.sum(o32, 1)
+                    ok = (tok0 + offs_om // GP < q_len) & (offs_om % GP < G)
+                    bad = gl.where(ok & (rs - rs != 0), 1, bad)
+                out = o32.to(dtype)
                 if O_VEC:  # 16-byte stores of whole row segments (the wgmma layout stores 4 bytes each)
                     out = gl.convert_layout(out, st_layout)
                     _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_sm, offs_sd, G, GP)
                 else:
                     _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_om, offs_od, G, GP)
+        return it, qi, tok, bad
 
     @gluon.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs", "n_items"])
     def _hopper_prefill_kernel(
@@ -787,7 +965,12 @@ if GLUON_IMPORT_ERROR is None:
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         v_own = gl.allocate_shared_memory(gl.int64, [1, 1], bl)  # the producer's V copies it cleans
-        # per key of each stage's V tile: 1 if the producer zeroed a non-finite entry (_clean_v); in
+        # both consumers done with the fast pass; their non-finite rows (_redo_wanted)
+        redo_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bl)
+        bad_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        bad_rows = gl.allocate_shared_memory(gl.int32, [2 * BLOCK_M], bad_layout)
+        mbarrier.init(redo_bar.index(0), count=2)
+        # per key of each stage's V tile: 1 if the producer zeroed a non-finite entry (_clean_tile); in
         # the 2 KB that SMEM_LIMIT keeps free
         flags_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         flags = gl.allocate_shared_memory(gl.int8, [NUM_STAGES, BLOCK_N], flags_layout)
@@ -807,21 +990,21 @@ if GLUON_IMPORT_ERROR is None:
             [
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+                    v_empty, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
                     qk_scale, stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
                     SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+                    v_empty, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
                     qk_scale, stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
                     SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                    k_empty, v_empty, flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len,
+                    k_empty, v_empty, flags, v_own, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len,
                     window, win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
                     G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
                     HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE, Q_ASYNC,
