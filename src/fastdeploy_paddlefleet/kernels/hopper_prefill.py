@@ -324,7 +324,8 @@ if GLUON_IMPORT_ERROR is None:
         it, qi = _produce_pass(
             Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
             v_empty, flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0,
-            win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok, gl.to_tensor(0), gl.to_tensor(0),
+            win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
+            gl.to_tensor(0), gl.to_tensor(0),
             G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS, HAS_WINDOW,
             HAS_ERR, Q_LATE, SNAKE, Q_ASYNC, False,
         )  # fmt: skip
@@ -990,22 +991,23 @@ if GLUON_IMPORT_ERROR is None:
             [
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
-                    qk_scale, stride_ot, stride_oh, n_tok,
+                    v_empty, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window,
+                    win_h0, win_h1, n_items, qk_scale, stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
                     SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
-                    qk_scale, stride_ot, stride_oh, n_tok,
+                    v_empty, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window,
+                    win_h0, win_h1, n_items, qk_scale, stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
                     SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                    k_empty, v_empty, flags, v_own, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len,
-                    window, win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
+                    k_empty, v_empty, flags, v_own, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, n_blk,
+                    num_reqs, min_q_len, window, win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err,
+                    n_pages, n_tok,
                     G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
                     HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE, Q_ASYNC,
                 )),
