@@ -1006,8 +1006,8 @@ if GLUON_IMPORT_ERROR is None:
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
                     k_empty, v_empty, flags, v_own, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, n_blk,
-                    num_reqs, min_q_len, window, win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err,
-                    n_pages, n_tok,
+                    num_reqs, min_q_len, window, win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr,
+                    Err, n_pages, n_tok,
                     G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
                     HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE, Q_ASYNC,
                 )),
