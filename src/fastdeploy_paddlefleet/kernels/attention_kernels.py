@@ -436,11 +436,15 @@ def _prefill_kernel(
     """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
     quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
 
+    Masked keys contribute exactly nothing (docs/semantics.md): the keys are walked once without
+    cleaning masked tiles (``_prefill_keys(CLEAN=False)``), and only a program with an output row that
+    came out NaN or Inf walks them again with the cleaning, on the same tiles.
+
     ``BLOCK_NM``: keys per tile in the masked loops (the causal diagonal, the window's left edge; a
-    divisor of ``BLOCK_N``, >= 16: ``paged_attention.masked_block_n``). Keeping masked keys out
-    (``_tile``) holds K and V tiles in registers there; at full width that pushed the whole kernel to
-    255 registers with spills (+15 % time on an H100), at half width it compiles smaller than the
-    kernel before the rule (benchmarks/NOTES.md)."""
+    divisor of ``BLOCK_N``, >= 16: ``paged_attention.masked_block_n``), in both walks. Keeping masked
+    keys out (``_tile``) holds K and V tiles in registers there; at full width that pushed the whole
+    kernel to 255 registers with spills (+15 % time on an H100), at half width it compiles without
+    (benchmarks/NOTES.md)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid = tl.program_id(0)
     kvh = pid % HKV

@@ -22,13 +22,7 @@ Three warpgroups per CTA:
   pipeline refill between items, and no producer stall on Q's round trips: the plain loads it used
   before cost 2-6 % on the H200, ``q_async=False``). A tile whose keys run
   past the sequence end or into an absent page (``-1``) gets its V rows by plain loads instead, the
-  invalid rows zero-filled (stale slots may hold NaN and ``0 * NaN`` would poison ``P @ V``). A tile
-  that some rows of the item see and others do not (causal diagonal, window edge) gets its
-  non-finite V entries zeroed and their keys flagged (``_clean_tile``: by TMA onto the producer's own
-  barrier, cleaned in shared memory once the next tile's K copies are issued, since the consumers
-  need this V only for the next tile's ``P @ V``); the consumers make a row NaN when it sees a
-  flagged key (``_poison``, when they issue that ``P @ V``), so masked keys contribute exactly nothing,
-  a seen NaN is not hidden, and no softmax waits for V;
+  invalid rows zero-filled (stale slots may hold NaN and ``0 * NaN`` would poison ``P @ V``);
 * two **consumers** own 64-row halves of the query rows (tokens x padded group heads) and run
   the online softmax against their own wgmma's: ``S(j) = Q K(j)^T`` (for 192-wide heads three
   chained wgmma's over 64-column parts: shared-memory shapes are powers of two) is issued before
@@ -46,7 +40,19 @@ Three warpgroups per CTA:
 
 Masks: a tile gets the mask only when it touches the causal diagonal or the window's leading edge
 of that consumer's rows (a runtime branch); tiles wholly outside every row's window are never
-loaded. Scores run in base 2 (``qk_scale`` folds ``log2(e)``); sinks enter as the initial softmax
+loaded.
+
+Masked keys contribute exactly nothing (docs/semantics.md) at the cost of one check per output row:
+every CTA first runs its items as fast as without the rule, where a non-finite V at a key a row may
+not see meets that row's ``P = 0`` in ``P @ V`` (``0 * NaN = NaN``) and so can only make the row
+non-finite; each consumer notes its rows that came out NaN or Inf (``bad_rows``), and once both are
+done (``redo_bar``) a CTA that has one runs all its items again in the safe pass (``SAFE``). There
+a tile that some rows of the item see and others do not (causal diagonal, window edge) gets its
+non-finite V entries zeroed and their keys flagged (``_clean_tile``: by TMA onto the producer's own
+barrier, cleaned in shared memory once the next tile's K copies are issued, since the consumers
+need this V only for the next tile's ``P @ V``), and the consumers make a row NaN when it sees a
+flagged key (``_poison``, when they issue that ``P @ V``): a seen NaN is not hidden, and the rows
+that never met a bad value come out with the fast pass's bits (same tiles, same order). Scores run in base 2 (``qk_scale`` folds ``log2(e)``); sinks enter as the initial softmax
 state, as in the portable kernel.
 """
 
