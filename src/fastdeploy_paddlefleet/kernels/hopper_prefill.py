@@ -52,8 +52,10 @@ non-finite V entries zeroed and their keys flagged (``_clean_tile``: by TMA onto
 barrier, cleaned in shared memory once the next tile's K copies are issued, since the consumers
 need this V only for the next tile's ``P @ V``), and the consumers make a row NaN when it sees a
 flagged key (``_poison``, when they issue that ``P @ V``): a seen NaN is not hidden, and the rows
-that never met a bad value come out with the fast pass's bits (same tiles, same order). Scores run in base 2 (``qk_scale`` folds ``log2(e)``); sinks enter as the initial softmax
-state, as in the portable kernel.
+that never met a bad value come out with the fast pass's bits (same tiles, same order).
+
+Scores run in base 2 (``qk_scale`` folds ``log2(e)``); sinks enter as the initial softmax state, as
+in the portable kernel.
 """
 
 from __future__ import annotations
