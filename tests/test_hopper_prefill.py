@@ -403,7 +403,9 @@ def test_plan_loads_unaligned_queries_without_cp_async():
     rec = Recorder()
     for q in (aligned, shifted, wide):
         plan.run(q, out, cu, dec, tbl.int(), None, rec, None, None, None)
-    assert [c["Q_ASYNC"] for c in rec.consts] == [True, False, True]
+    # two launches each (the fast one, then the safe one), both with the same Q loads
+    assert [c["Q_ASYNC"] for c in rec.consts] == [True, True, False, False, True, True]
+    assert [c.get("SAFE", False) for c in rec.consts] == [False, True] * 3
     wide2 = torch.zeros(8, 8, 136, dtype=torch.bfloat16)[:, :, :128]  # strides 1088 / 136: not
     plan.run(wide2, out, cu, dec, tbl.int(), None, rec, None, None, None)
     assert rec.consts[-1]["Q_ASYNC"] is False

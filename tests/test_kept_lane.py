@@ -99,9 +99,12 @@ SINK_LAYER = LayerAttention(
     index=1, kind="sliding", num_q_heads=HQ, num_kv_heads=HKV, qk_head_dim=D, v_head_dim=DV,
     softmax_scale=0.25, window_left=50, sliding_kv_heads=(0, 1), sink="learnable",
 )  # fmt: skip
-# kernel kind -> argument positions that are fresh allocations: the output, the split partials (and
-# the reduce's sink pointer without sinks: any pointer, the partials' here)
-FRESH = {"write": (), "prefill": (3,), "decode": (3, 6, 7), "decode-fused": (3, 6, 7), "reduce": (0, 1, 2)}
+# kernel kind -> argument positions that are fresh allocations: the output, the prefill's flags for its
+# safe launch, the split partials (and the reduce's sink pointer without sinks: any pointer, the partials')
+FRESH = {
+    "write": (), "prefill": (3, 11), "prefill-safe": (3, 11), "decode": (3, 6, 7), "decode-fused": (3, 6, 7),
+    "reduce": (0, 1, 2),
+}  # fmt: skip
 FRESH_NO_SINKS = {**FRESH, "reduce": (0, 1, 2, 3)}
 STEPS = {
     "decode-split": ([400, 70, 1000], [1, 1, 1]),  # few programs: the decode splits, the reduce merges
@@ -204,7 +207,7 @@ def test_lane_serves_a_new_steps_first_layer(monkeypatch, gpu_like):
     _forward(monkeypatch, backend, False, meta, q, k, v, caches)
     meta2, q2, k2, v2, _ = _step(*STEPS["mixed"], seed=1)
     out, lane = _forward(monkeypatch, backend, True, meta2, q2, k2, v2, caches)
-    assert [c[0] for c in lane] == ["write", "prefill", "decode"]
+    assert [c[0] for c in lane] == ["write", "prefill", "prefill-safe", "decode"]
     assert all(c[3] == PADDLE_STREAM for c in lane)
     (flag,) = backend.error_flags()
     want = (meta2.cu_seqlens_q.data_ptr(), meta2.seq_lens_decoder.data_ptr(), meta2.block_tables.data_ptr())

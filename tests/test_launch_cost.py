@@ -326,20 +326,19 @@ def test_direct_launches_pass_the_addresses_of_tritons_arguments(monkeypatch, ki
         else:
             out = torch.empty(s.q.shape[0], s.q.shape[1], 16).as_subclass(_CudaLike)
             plan.run_step(cuda["q"], step, out=out)
-    assert len(fake.triton_calls) == 1 and len(fake.direct_calls) == 2  # compiled once, then direct
+    # compiled once, then direct; the prefill launches twice a step (its fast and safe launches)
+    launches = 2 if kind == "prefill" else 1
+    assert len(fake.triton_calls) == launches and len(fake.direct_calls) == 2 * launches
 
     def address(a):
         return a.data_ptr() if isinstance(a, torch.Tensor) else a
 
-    want = [address(a) for a in fake.triton_calls[0]]
-    if kind != "write":  # each call's own output tensor
-        want[3] = None
+    # each call's own output tensor (and the prefill's flags for its safe launch)
+    fresh = {"write": (), "prefill": (3, 11)}.get(kind, (3,))
+    want = [None if i in fresh else address(a) for i, a in enumerate(fake.triton_calls[0])]
     for got in fake.direct_calls:
-        got = list(got)
         assert all(not isinstance(a, torch.Tensor) for a in got)  # no tensor reaches the launcher
-        if kind != "write":
-            got[3] = None
-        assert got == want
+        assert [None if i in fresh else a for i, a in enumerate(got)] == want
 
 
 def test_served_checks_run_in_full_once_per_step_and_layer_setup(monkeypatch):

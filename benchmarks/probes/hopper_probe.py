@@ -276,6 +276,7 @@ def run(cases: list[str]) -> dict:
             b["dec"],
             table,
             table,
+            plan.redo,  # the fast launch's flags (the probe times the fast launch alone)
         )
         args += sizes
 

@@ -36,8 +36,8 @@ except ImportError:  # torch-free deployment (FastDeploy's): kernels run on padd
 
 
 def is_torch(x: Any) -> bool:
-    """Whether ``x`` is a torch tensor."""
-    return type(x).__module__.startswith("torch")
+    """Whether ``x`` is a torch tensor (a subclass too)."""
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def dtype_name(x: Any) -> str:

@@ -419,7 +419,7 @@ def _prefill_keys(
 
 @triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs"])
 def _prefill_kernel(
-    Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err,
+    Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err, Redo,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
     num_reqs, min_q_len, qk_scale, window, win_h0, win_h1,
@@ -431,14 +431,17 @@ def _prefill_kernel(
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
     KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 16,
-    K_F16: tl.constexpr = False,
+    K_F16: tl.constexpr = False, SAFE: tl.constexpr = False,
 ):  # fmt: skip
     """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
     quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
 
-    Masked keys contribute exactly nothing (docs/semantics.md): the keys are walked once without
-    cleaning masked tiles (``_prefill_keys(CLEAN=False)``), and only a program with an output row that
-    came out NaN or Inf walks them again with the cleaning, on the same tiles.
+    Masked keys contribute exactly nothing (docs/semantics.md) in two launches. The fast one walks
+    the keys without cleaning the masked tiles (``_prefill_keys(CLEAN=False)``) and writes ``Redo[pid]``:
+    1 if one of its output rows came out NaN or Inf (a non-finite V at a key a row may not see does
+    that), else 0. In the safe one (``SAFE``) only those programs walk the keys again, cleaning the
+    masked tiles, on the same tiles in the same order (the other rows keep their bits). The safe walk
+    is a kernel of its own: compiled into the fast one, it cost the portable prefill 15-18 % (H100).
 
     ``BLOCK_NM``: keys per tile in the masked loops (the causal diagonal, the window's left edge; a
     divisor of ``BLOCK_N``, >= 16: ``paged_attention.masked_block_n``), in both walks. Keeping masked
@@ -447,6 +450,9 @@ def _prefill_kernel(
     (benchmarks/NOTES.md)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
     pid = tl.program_id(0)
+    if SAFE:
+        if tl.load(Redo + pid) == 0:  # the fast launch's rows were all finite
+            return
     kvh = pid % HKV
     tpid = pid // HKV
     # request b owns tile ids [CuQ[b] // BLOCK_Q + b, ...): the largest b whose first id <= tpid
@@ -464,6 +470,8 @@ def _prefill_kernel(
     n_tiles = tl.cdiv(q_len, BLOCK_Q)
     local = tpid - (q0 // BLOCK_Q + b)
     if (local >= n_tiles) | (q_len < min_q_len):
+        if not SAFE:
+            tl.store(Redo + pid, 0)  # nothing for the safe launch to do here
         return
     tile = n_tiles - 1 - local  # longest tiles first: less tail
     ctx = tl.load(Ctx + b)
@@ -493,29 +501,17 @@ def _prefill_kernel(
     uh = tl.maximum((p_first + 1) // BLOCK_N * BLOCK_N, ul)
 
     tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
-    # the fast pass: masked tiles keep non-finite V entries (no cleaning work in the key loops)
     acc, l_i, m_i, bad = _prefill_keys(
         q, K, V, k_desc, v_desc, Sinks, head, tbl_row, n_blk, kvh, Err, n_pages, b, a, ul, uh, p_last, pos,
         lo_key, kv_len, w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr,
         KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
         DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NM, BS, HKV, HEADWISE, HAS_WINDOW, SINK_MODE,
-        USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR & ERR_LOOP, KV_CODE, SCALE_MODE, K_F16, False,
+        USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR & ERR_LOOP, KV_CODE, SCALE_MODE, K_F16, SAFE,
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    # a row whose output came out NaN or Inf (its sum then is too, and x - x is NaN) may have met a
-    # non-finite V at a key it may not see: the keys again with the masked tiles cleaned, on the same
-    # tiles in the same order, so every other row comes out with the same bits (masked keys contribute
-    # exactly nothing; docs/semantics.md)
-    rs = tl.sum(o, 1)
-    if tl.max(tl.where(row_ok & (rs - rs != 0), 1, 0), 0) != 0:
-        acc, l_i, m_i, _ = _prefill_keys(
-            q, K, V, k_desc, v_desc, Sinks, head, tbl_row, n_blk, kvh, Err, n_pages, b, a, ul, uh, p_last,
-            pos, lo_key, kv_len, w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr,
-            KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NM, BS, HKV, HEADWISE, HAS_WINDOW,
-            SINK_MODE, USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, False, KV_CODE, SCALE_MODE, K_F16, True,
-        )  # fmt: skip
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if not SAFE:  # a row's sum is NaN or Inf when one of its entries is (and x - x is then NaN)
+        rs = tl.sum(o, 1)
+        tl.store(Redo + pid, tl.max(tl.where(row_ok & (rs - rs != 0), 1, 0), 0))
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:
             _scan_table(

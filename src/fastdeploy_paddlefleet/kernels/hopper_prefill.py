@@ -42,17 +42,20 @@ Masks: a tile gets the mask only when it touches the causal diagonal or the wind
 of that consumer's rows (a runtime branch); tiles wholly outside every row's window are never
 loaded.
 
-Masked keys contribute exactly nothing (docs/semantics.md) at the cost of one check per output row:
-every CTA first runs its items as fast as without the rule, where a non-finite V at a key a row may
-not see meets that row's ``P = 0`` in ``P @ V`` (``0 * NaN = NaN``) and so can only make the row
-non-finite; each consumer notes its rows that came out NaN or Inf (``bad_rows``), and once both are
-done (``redo_bar``) a CTA that has one runs all its items again in the safe pass (``SAFE``). There
-a tile that some rows of the item see and others do not (causal diagonal, window edge) gets its
-non-finite V entries zeroed and their keys flagged (``_clean_tile``: by TMA onto the producer's own
-barrier, cleaned in shared memory once the next tile's K copies are issued, since the consumers
-need this V only for the next tile's ``P @ V``), and the consumers make a row NaN when it sees a
-flagged key (``_poison``, when they issue that ``P @ V``): a seen NaN is not hidden, and the rows
-that never met a bad value come out with the fast pass's bits (same tiles, same order).
+Masked keys contribute exactly nothing (docs/semantics.md) at the cost of one check per output row
+and a second launch that exits at once: the kernel runs twice per step. The fast launch walks the
+items as if there were no such rule; a non-finite V at a key a row may not see meets that row's
+``P = 0`` in ``P @ V`` (``0 * NaN = NaN``), so it can only make the row non-finite, and each consumer
+writes whether one of its rows came out NaN or Inf (``Redo``). In the safe launch (``SAFE``) only the
+CTAs with such a row walk their items again (a persistent CTA takes the same items in both
+launches): a tile that some rows of the item see and others do not (causal diagonal, window edge)
+gets its non-finite V entries zeroed and their keys flagged (``_clean_tile``: by TMA onto the
+producer's own barrier, cleaned in shared memory once the next tile's K copies are issued, since the
+consumers need this V only for the next tile's ``P @ V``), and the consumers make a row NaN when it
+sees a flagged key (``_poison``, when they issue that ``P @ V``): a seen NaN is not hidden, and the
+rows that never met a bad value come out with the fast launch's bits (same tiles, same order). The
+safe walk is a kernel of its own: compiled into the fast one, it cost that one's key loop 9 % more
+instructions (sm_90, offline) and its window prefill 10 % (H100).
 
 Scores run in base 2 (``qk_scale`` folds ``log2(e)``); sinks enter as the initial softmax state, as
 in the portable kernel.
@@ -217,8 +220,6 @@ if GLUON_IMPORT_ERROR is None:
     # a shared-memory view under another dtype: Triton 3.6's _reinterpret(dtype, shape, layout) became
     # reinterpret(dtype=, shape=, layout=) later
     _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-    # a barrier of the calling partition's warps: Triton 3.6's thread_barrier became barrier later
-    _warps_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.jit
     def _page_entry(
@@ -308,57 +309,50 @@ if GLUON_IMPORT_ERROR is None:
         return valid, kvh, q0, q_len, ctx, tok0, w, a, n_tiles, tbl_row, b
 
     @gluon.jit
-    def _redo_wanted(redo_bar, bad_rows, BLOCK_M: gl.constexpr):
-        """Whether this CTA runs its items again in the safe pass: waits until both consumers have
-        finished the fast pass (``redo_bar``) and reads the rows they found non-finite (``bad_rows [2 *
-        BLOCK_M]``, each consumer's half). Every partition asks, so all three agree."""
-        mbarrier.wait(redo_bar.index(0), 0)
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        return gl.max(bad_rows.load(lay), 0) != 0
+    def _redo_wanted(Redo):
+        """In the safe launch: whether this CTA's consumers found a non-finite output row in the fast
+        launch (``Redo [2 * grid]``, one flag per consumer, written at the fast launch's end). Every
+        partition asks, so all three agree; the CTA walks the same items in both launches."""
+        pid = gl.program_id(0)
+        return (gl.load(Redo + 2 * pid) | gl.load(Redo + 2 * pid + 1)) != 0
 
     @gluon.jit
     def _producer(
         Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-        flags, v_own, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window,
+        flags, v_own, Redo, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window,
         win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
-        G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
-        DV: gl.constexpr, QKC: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-        HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, SNAKE: gl.constexpr,
-        Q_ASYNC: gl.constexpr,
-    ):  # fmt: skip
-        """The fast pass over this CTA's items, then the safe pass over them again if a consumer found a
-        non-finite output row (:func:`_redo_wanted`); ring and Q-buffer counters run on across passes."""
-        it, qi = _produce_pass(
-            Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-            v_empty, flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0,
-            win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
-            gl.to_tensor(0), gl.to_tensor(0),
-            G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS, HAS_WINDOW,
-            HAS_ERR, Q_LATE, SNAKE, Q_ASYNC, False,
-        )  # fmt: skip
-        if _redo_wanted(redo_bar, bad_rows, BLOCK_M):
-            _produce_pass(
-                Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                v_empty, flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0,
-                win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok, it, qi,
-                G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
-                HAS_WINDOW, False, Q_LATE, SNAKE, Q_ASYNC, True,
-            )  # fmt: skip
-
-    @gluon.jit
-    def _produce_pass(
-        Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-        flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
-        stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok, it, qi,
         G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
         DV: gl.constexpr, QKC: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
         HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, SNAKE: gl.constexpr,
         Q_ASYNC: gl.constexpr, SAFE: gl.constexpr,
     ):  # fmt: skip
-        """One pass of the producer over this CTA's items from ring step ``it`` and Q buffer ``qi``;
-        returns both, advanced. ``SAFE``: mixed tiles' V cleaned (:func:`_clean_tile`)."""
+        """This CTA's items: in the fast launch always, in the safe launch (``SAFE``) only where a consumer
+        asked for it (:func:`_redo_wanted`)."""
+        go = True
+        if SAFE:
+            go = _redo_wanted(Redo)
+        if go:
+            _produce_pass(
+                Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                v_empty, flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0,
+                win_h1, n_items, stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
+                G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
+                HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE, Q_ASYNC, SAFE,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _produce_pass(
+        Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        flags, v_own, CuQ, Ctx, Tbl, stride_tbl, n_blk, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+        stride_qt, stride_qh, stride_vr, Err, n_pages, n_tok,
+        G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, HEADWISE: gl.constexpr, BS: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, DQK: gl.constexpr,
+        DV: gl.constexpr, QKC: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+        HAS_WINDOW: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, SNAKE: gl.constexpr,
+        Q_ASYNC: gl.constexpr, SAFE: gl.constexpr,
+    ):  # fmt: skip
+        """The producer's walk over the items; ``SAFE``: mixed tiles' V cleaned (:func:`_clean_tile`)."""
         NQC: gl.constexpr = DQK // QKC
         TILE_Q: gl.constexpr = 2 * (BLOCK_M // GP)
         NBOX: gl.constexpr = BLOCK_N // BOX
@@ -372,7 +366,9 @@ if GLUON_IMPORT_ERROR is None:
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
         offs_q = gl.arange(0, QKC, layout=gl.SliceLayout(0, ld))
         offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
-        own = 0  # V tiles copied on v_own (its phase; the safe pass is the only one that uses it)
+        it = 0
+        qi = 0
+        own = 0  # V tiles copied on v_own (its phase; only the safe launch uses it)
         pend = -1  # the stage of a V tile on v_own not yet cleaned (-1: none)
         for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
             item = _scheduled(step, n_items, SNAKE)
@@ -472,7 +468,6 @@ if GLUON_IMPORT_ERROR is None:
                                          DV)  # fmt: skip
                         pend = -1
                 qi += 1
-        return it, qi
 
     @gluon.jit
     def _copy_v(
@@ -778,45 +773,8 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _consumer(
         O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-        redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+        Redo, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
         qk_scale, stride_ot, stride_oh, n_tok,
-        HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
-        DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
-        SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr, PEEL: gl.constexpr,
-        PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, O_VEC: gl.constexpr,
-    ):  # fmt: skip
-        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA: the fast pass,
-        whose output rows that came out non-finite (a NaN or Inf, maybe from a key they may not see) go
-        to ``bad_rows[HALF]``, then, if either consumer has one, the safe pass over every item again."""
-        tok = gl.zeros([128], gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-        if PINGPONG:
-            if HALF == 0:  # warpgroup 0 takes the first turn (see _turn)
-                tok = _turn(tok, 0, 2)
-        it, qi, tok, bad = _consume_pass(
-            O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-            CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
-            stride_ot, stride_oh, n_tok, gl.to_tensor(0), gl.to_tensor(0), tok,
-            HALF, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-            SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC, False,
-        )  # fmt: skip
-        bad_rows.slice(HALF * BLOCK_M, BLOCK_M).store(bad)
-        _warps_barrier()  # every thread's row flags written before the one arrival below
-        mbarrier.arrive(redo_bar.index(0), count=1)
-        if _redo_wanted(redo_bar, bad_rows, BLOCK_M):
-            _consume_pass(
-                O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
-                v_empty, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
-                qk_scale, stride_ot, stride_oh, n_tok, it, qi, tok,
-                HALF, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC, True,
-            )  # fmt: skip
-
-    @gluon.jit
-    def _consume_pass(
-        O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-        CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
-        stride_ot, stride_oh, n_tok, it, qi, tok,
         HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
         DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
@@ -824,9 +782,39 @@ if GLUON_IMPORT_ERROR is None:
         PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, O_VEC: gl.constexpr,
         SAFE: gl.constexpr,
     ):  # fmt: skip
-        """One pass over this CTA's items from ring step ``it`` and Q buffer ``qi``: ``(it, qi, tok,
-        bad)``, ``bad [BLOCK_M]`` int32 1 where a row of some item came out non-finite (fast pass only).
-        ``SAFE``: rows that see a key whose V the producer cleaned are made NaN (:func:`_poison`)."""
+        """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA. The fast launch
+        ends with ``Redo[2 * pid + HALF]``: 1 if one of these rows came out non-finite (a NaN or Inf,
+        maybe from a key it may not see), else 0; the safe launch (``SAFE``) walks the items again only
+        where either consumer wrote 1 (:func:`_redo_wanted`)."""
+        go = True
+        if SAFE:
+            go = _redo_wanted(Redo)
+        if go:
+            bad = _consume_pass(
+                O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
+                v_empty, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
+                qk_scale, stride_ot, stride_oh, n_tok,
+                HALF, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
+                SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC, SAFE,
+            )  # fmt: skip
+            if not SAFE:
+                gl.store(Redo + 2 * gl.program_id(0) + HALF, gl.max(bad, 0))
+
+    @gluon.jit
+    def _consume_pass(
+        O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
+        stride_ot, stride_oh, n_tok,
+        HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
+        DV: gl.constexpr, QKC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, HEADWISE: gl.constexpr, HAS_WINDOW: gl.constexpr,
+        SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PROFILE: gl.constexpr, PEEL: gl.constexpr,
+        PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, O_VEC: gl.constexpr,
+        SAFE: gl.constexpr,
+    ):  # fmt: skip
+        """The consumer's walk over this CTA's items; returns ``bad [BLOCK_M]`` int32, 1 where the row of
+        some item came out non-finite (not asked with ``SAFE``, where rows that see a key whose V the
+        producer cleaned are made NaN: :func:`_poison`)."""
         BLOCK_Q: gl.constexpr = BLOCK_M // GP
         TILE_Q: gl.constexpr = 2 * BLOCK_Q
         NQC: gl.constexpr = DQK // QKC
@@ -854,6 +842,13 @@ if GLUON_IMPORT_ERROR is None:
             sc = 1.0
         else:
             sc = qk_scale
+        # ping-pong token: one int32 per thread, so each inline-asm named barrier runs once per thread
+        tok = gl.zeros([128], gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+        if PINGPONG:
+            if HALF == 0:  # warpgroup 0 takes the first turn (see _turn)
+                tok = _turn(tok, 0, 2)
+        it = 0
+        qi = 0
         bad = gl.zeros([BLOCK_M], gl.int32, gl.SliceLayout(1, o_layout))
         for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
             item = _scheduled(step, n_items, SNAKE)
@@ -944,11 +939,11 @@ if GLUON_IMPORT_ERROR is None:
                     _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_sm, offs_sd, G, GP)
                 else:
                     _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_om, offs_od, G, GP)
-        return it, qi, tok, bad
+        return bad
 
     @gluon.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs", "n_items"])
     def _hopper_prefill_kernel(
-        Q, O, V, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err,
+        Q, O, V, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err, Redo,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
         num_reqs, min_q_len, qk_scale, window, win_h0, win_h1, n_items,
         G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr, DV: gl.constexpr,
@@ -957,7 +952,7 @@ if GLUON_IMPORT_ERROR is None:
         SINK_MODE: gl.constexpr, SOFTCAP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_ERR: gl.constexpr, Q_LATE: gl.constexpr, PROFILE: gl.constexpr = 0,
         PEEL: gl.constexpr = False, PINGPONG: gl.constexpr = False, SNAKE: gl.constexpr = False,
-        Q_ASYNC: gl.constexpr = False, O_VEC: gl.constexpr = False,
+        Q_ASYNC: gl.constexpr = False, O_VEC: gl.constexpr = False, SAFE: gl.constexpr = False,
     ):  # fmt: skip
         # persistent: CTA p takes work items p, p + grid, ... (items are ordered longest first)
         # Q and K rows held in DQK // QKC parts of QKC columns (192 = 3 x 64: smem shapes are powers of 2)
@@ -974,11 +969,6 @@ if GLUON_IMPORT_ERROR is None:
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bl)
         v_own = gl.allocate_shared_memory(gl.int64, [1, 1], bl)  # the producer's V copies it cleans
-        # both consumers done with the fast pass; their non-finite rows (_redo_wanted)
-        redo_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bl)
-        bad_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        bad_rows = gl.allocate_shared_memory(gl.int32, [2 * BLOCK_M], bad_layout)
-        mbarrier.init(redo_bar.index(0), count=2)
         # per key of each stage's V tile: 1 if the producer zeroed a non-finite entry (_clean_tile); in
         # the 2 KB that SMEM_LIMIT keeps free
         flags_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -999,25 +989,25 @@ if GLUON_IMPORT_ERROR is None:
             [
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window,
+                    v_empty, Redo, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window,
                     win_h0, win_h1, n_items, qk_scale, stride_ot, stride_oh, n_tok,
                     0, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC, SAFE,
                 )),
                 (_consumer, (
                     O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
-                    v_empty, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window,
+                    v_empty, Redo, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window,
                     win_h0, win_h1, n_items, qk_scale, stride_ot, stride_oh, n_tok,
                     1, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
-                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC,
+                    SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC, SAFE,
                 )),
                 (_producer, (
                     Q, V, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
-                    k_empty, v_empty, flags, v_own, redo_bar, bad_rows, CuQ, Ctx, Tbl, stride_tbl, n_blk,
+                    k_empty, v_empty, flags, v_own, Redo, CuQ, Ctx, Tbl, stride_tbl, n_blk,
                     num_reqs, min_q_len, window, win_h0, win_h1, n_items, stride_qt, stride_qh, stride_vr,
                     Err, n_pages, n_tok,
                     G, GP, HKV, HEADWISE, BS, BLOCK_M, BLOCK_N, BOX, DQK, DV, QKC, NUM_STAGES, Q_BUFS,
-                    HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE, Q_ASYNC,
+                    HAS_WINDOW, HAS_ERR, Q_LATE, SNAKE, Q_ASYNC, SAFE,
                 )),
             ],
             [4, 4],
@@ -1134,11 +1124,16 @@ class HopperPlan:
             O_VEC=bool(o_vec),
             PRODUCER_REGS=int(producer_regs), CONSUMER_REGS=int(consumer_regs), num_warps=4,
         )  # fmt: skip
+        # per launch kind: the fast launch with or without the error flag, the safe launch (no errors:
+        # the fast one recorded them)
         self._consts = {e: dict(HAS_ERR=e, **self.consts) for e in (False, True)}
+        self._consts["safe"] = dict(HAS_ERR=False, SAFE=True, **self.consts)
         # Q by cp.async takes 16-byte copies: Triton proves their alignment from the pointer and the
         # strides it specialises on (divisible by 16); a query that is not gets the plain loads
-        plain_q = dict(self.consts, Q_ASYNC=False)
-        self._consts_plain_q = {e: dict(HAS_ERR=e, **plain_q) for e in (False, True)}
+        self._consts_plain_q = {e: dict(c, Q_ASYNC=False) for e, c in self._consts.items()}
+        #: ``int32 [2 * ctas]``: per CTA and consumer, whether the fast launch left a non-finite row
+        #: (written by every fast launch before the safe one reads it: never cleared)
+        self.redo = torch.empty(2 * self.ctas, dtype=torch.int32, device=key_cache.device)
 
     def run(
         self,
@@ -1156,17 +1151,20 @@ class HopperPlan:
         """Prefill rows of ``q [T, Hq, Dqk]`` into ``out [T, Hq, Dv]`` (rows of one-token requests
         untouched). ``errors``: the ``int32 [8]`` device error flag (``kernels/errors.py``) or ``None``;
         table entries outside the cache are never dereferenced either way. ``kernels`` / ``key`` /
-        ``stream``: a :class:`.launch.direct.KernelCache` and this call's key for direct launches; ``ptrs``:
-        the addresses of ``(q, key_cache, value_cache, out, sinks, cu_seqlens_q, seq_lens_decoder,
-        block_tables, errors)`` a direct launch passes (sinks / errors: any pointer when unused)."""
+        ``stream``: a :class:`.launch.direct.KernelCache` and this call's key for direct launches (the safe
+        launch's: :func:`safe_key`); ``ptrs``: the addresses of ``(q, key_cache, value_cache, out, sinks,
+        cu_seqlens_q, seq_lens_decoder, block_tables, errors)`` a direct launch passes (sinks / errors:
+        any pointer when unused). Two launches: the fast one, then the safe one (module docstring)."""
         t = q.shape[0]
         num_reqs = cu_seqlens_q.shape[0] - 1
         qs = q.stride()
-        hit = kernels.kernel(key) if kernels is not None and ptrs is not None and kernels.addresses else None
-        if hit is not None:  # a kept kernel: addresses, no tensors (KernelCache.kernel)
+        hits = None
+        if kernels is not None and ptrs is not None and kernels.addresses:
+            hits = (kernels.kernel(key), kernels.kernel(safe_key(key)))
+        if hits is not None and None not in hits:  # kept kernels: addresses, no tensors (KernelCache.kernel)
             qp, _, vp, op, sp, cp, dp, tp, ep = ptrs
             self.run_kept(
-                hit, qp, vp, op, sp, cp, dp, tp, ep, qs, out.stride(), t, num_reqs, block_tables.stride(0),
+                hits, qp, vp, op, sp, cp, dp, tp, ep, qs, out.stride(), t, num_reqs, block_tables.stride(0),
                 block_tables.shape[1], stream,
             )  # fmt: skip
             return
@@ -1179,15 +1177,17 @@ class HopperPlan:
         has_err = errors is not None
         args = (
             q, out, self.value_cache, self.k_desc, self.v_desc, self.sinks if self.sinks is not None else q,
-            cu_seqlens_q, seq_lens_decoder, block_tables, errors if has_err else block_tables, *tail,
+            cu_seqlens_q, seq_lens_decoder, block_tables, errors if has_err else block_tables, self.redo,
+            *tail,
         )  # fmt: skip
-        consts = self._consts[has_err]
-        if consts["Q_ASYNC"] and (q.data_ptr() % 16 or qs[0] % 16 or qs[1] % 16):
-            consts = self._consts_plain_q[has_err]
-        if kernels is None:
-            _hopper_prefill_kernel[grid](*args, **consts)
-        else:
-            kernels.launch(_hopper_prefill_kernel, key, grid, args, consts, stream)
+        table = self._consts
+        if self._consts[False]["Q_ASYNC"] and (q.data_ptr() % 16 or qs[0] % 16 or qs[1] % 16):
+            table = self._consts_plain_q
+        for consts, k in ((table[has_err], key), (table["safe"], safe_key(key))):
+            if kernels is None:
+                _hopper_prefill_kernel[grid](*args, **consts)
+            else:
+                kernels.launch(_hopper_prefill_kernel, k, grid, args, consts, stream)
 
     def _items(self, t: int, num_reqs: int) -> tuple[int, tuple[int]]:
         """The work items of ``t`` query rows over ``num_reqs`` requests ((query tile, kv head) ids, some
@@ -1196,11 +1196,12 @@ class HopperPlan:
         return n_items, (max(1, min(n_items, self.ctas)),)
 
     def run_kept(
-        self, hit: Any, qp: int, vp: int, op: int, sp: int, cp: int, dp: int, tp: int, ep: int,
+        self, hits: tuple[Any, Any], qp: int, vp: int, op: int, sp: int, cp: int, dp: int, tp: int, ep: int,
         qs: Sequence[int], ost: Sequence[int], t: int, num_reqs: int, stride_tbl: int, n_blk: int,
         stream: int | None,
     ) -> None:  # fmt: skip
-        """Launch the kept kernel ``hit`` (:meth:`.launch.direct.KernelCache.kernel`) by addresses only: q,
+        """Launch the kept kernels ``hits`` (the fast and the safe launch's,
+        :meth:`.launch.direct.KernelCache.kernel`) by addresses only: q,
         the value cache, out, sinks (any pointer when unused), cu_seqlens_q, seq_lens_decoder, the table, the
         error flag (the table when none); ``qs`` / ``ost``: q's ``[T, Hq, Dqk]`` and out's ``[T, Hq, Dv]``
         strides (the first two read), ``t`` q's rows, the table's row stride and width. No tensor is
@@ -1208,14 +1209,19 @@ class HopperPlan:
         lane)."""
         n_items, grid = self._items(t, num_reqs)
         s0, s1, s2, s3 = self.scalars
-        hit(
-            grid,
-            (
-                qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, qs[0], qs[1], ost[0], ost[1],
-                self.stride_vr, stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3, n_items,
-            ),
-            stream,
+        args = (
+            qp, op, vp, self.k_desc, self.v_desc, sp, cp, dp, tp, ep, self.redo.data_ptr(), qs[0], qs[1],
+            ost[0], ost[1], self.stride_vr, stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3,
+            n_items,
         )  # fmt: skip
+        hits[0](grid, args, stream)
+        hits[1](grid, args, stream)
+
+
+def safe_key(key: tuple | None) -> tuple | None:
+    """The kernel-cache key of the safe launch that goes with the fast launch's ``key`` (``("hopper", ...)``
+    or ``("prefill", ...)``; ``None``: none): its kind with ``-safe``, the rest alike."""
+    return None if key is None else (f"{key[0]}-safe", *key[1:])
 
 
 def hopper_prefill(
@@ -1260,5 +1266,6 @@ __all__ = [
     "gluon_available",
     "hopper_prefill",
     "is_hopper",
+    "safe_key",
     "supported",
 ]

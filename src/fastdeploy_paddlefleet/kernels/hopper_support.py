@@ -86,7 +86,7 @@ def compile_case(case: dict[str, Any], device: Any = None) -> tuple[Any, dict[st
     cu = torch.tensor([0, 64], dtype=torch.int32, device=device)
     tbl = torch.zeros(1, 4, dtype=torch.int32, device=device)
     err = torch.zeros(8, dtype=torch.int32, device=device)
-    args = (q, out, vc, plan.k_desc, plan.v_desc, sinks, cu, cu[:1], tbl, err,
+    args = (q, out, vc, plan.k_desc, plan.v_desc, sinks, cu, cu[:1], tbl, err, plan.redo,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), vc.stride(2), tbl.stride(0), tbl.shape[1],
             plan.n_pages, q.shape[0], 1, 2, *plan.scalars, 16)  # fmt: skip
     return hp._hopper_prefill_kernel.warmup(*args, grid=(1,), **plan._consts[True]), plan.consts

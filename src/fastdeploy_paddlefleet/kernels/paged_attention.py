@@ -44,7 +44,7 @@ from .. import envs
 from ..kvcache.quant import KVCacheQuant, kv_cache_quant
 from ._framework import empty, is_torch, num_sms, to_float32, torch
 from .attention_kernels import _decode_kernel, _prefill_kernel
-from .hopper_prefill import HopperPlan, choose_prefill_impl
+from .hopper_prefill import HopperPlan, choose_prefill_impl, safe_key
 from .launch.direct import (
     KernelCache,
     LaunchStep,
@@ -830,14 +830,13 @@ class AttentionPlan:
             return False  # a fused write is for decode-only steps (run_step refuses others)
         hopper = pre = dec = red = None
         if run_prefill:
+            pkey = ("hopper", key) if self._hopper_args is not None else ("prefill", key)
             if self._hopper_args is not None:
                 hopper = self.hopper
                 if hopper is None:
                     return False
-                pre = cache.kernel(("hopper", key))
-            else:
-                pre = cache.kernel(("prefill", key))
-            if pre is None:
+            pre, pre_safe = cache.kernel(pkey), cache.kernel(safe_key(pkey))  # the fast and safe launches
+            if pre is None or pre_safe is None:
                 return False
         splits = 1
         if run_decode:
@@ -857,21 +856,22 @@ class AttentionPlan:
         p0, p1, p2, p3 = ptrs
         if hopper is not None:
             hopper.run_kept(
-                pre, qp, vp, op, sp, p0, p1, p2, p3, qs, ost, t, num_reqs, stride_tbl, n_blk, stream
+                (pre, pre_safe), qp, vp, op, sp, p0, p1, p2, p3, qs, ost, t, num_reqs, stride_tbl, n_blk,
+                stream,
             )  # fmt: skip
         elif pre is not None:  # one flat tuple (a starred one costs ~0.3 us per star here)
             c0, c1, c2, c3 = self.common
             s0, s1, s2, s3 = self.scalars
             d0, d1 = self.descs
-            pre(
-                ((t // self.block_q + num_reqs) * self.hkv,),
-                (
-                    qp, kp, vp, op, d0, d1, sp, p0, p1, p2, p3, qs[0], qs[1], ost[0], ost[1], c0, c1, c2, c3,
-                    stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3, ksp, vsp, g0, g1, g2,
-                    g3,
-                ),
-                stream,
+            grid = ((t // self.block_q + num_reqs) * self.hkv,)
+            redo = empty(grid, "int32", like)  # stays queued on this stream's allocator after return
+            pargs = (
+                qp, kp, vp, op, d0, d1, sp, p0, p1, p2, p3, redo.data_ptr(), qs[0], qs[1], ost[0], ost[1],
+                c0, c1, c2, c3, stride_tbl, n_blk, self.n_pages, t, num_reqs, 2, s0, s1, s2, s3, ksp, vsp,
+                g0, g1, g2, g3,
             )  # fmt: skip
+            pre(grid, pargs, stream)
+            pre_safe(grid, pargs, stream)
         if dec is None:
             return True
         c0, c1, c2, c3 = self.common
@@ -957,7 +957,8 @@ class AttentionPlan:
             self.hopper.run(q, out3, step.cu, step.dec, step.table, step.errors, cache, hkey, stream, direct)
         elif run_prefill:
             pkey = None if key is None else ("prefill", key)
-            hit = cache.kernel(pkey)
+            grid = ((t // self.block_q + num_reqs) * self.hkv,)
+            redo = empty(grid, "int32", q)  # per program: a row of the fast launch came out non-finite
             args = (
                 pq,
                 pk,
@@ -969,6 +970,7 @@ class AttentionPlan:
                 pdec,
                 ptbl,
                 perr,
+                redo,
                 *sizes,
                 num_reqs,
                 2,
@@ -977,13 +979,15 @@ class AttentionPlan:
                 self.value_scale,
                 *self.scale_strides,
             )
-            grid = ((t // self.block_q + num_reqs) * self.hkv,)
-            if hit is not None and not cache.addresses:
-                hit(grid, args, stream)
-            else:
-                cache.launch(
-                    _prefill_kernel, pkey, grid, args, self._prefill_consts(step.errors is not None), stream
-                )
+            # the fast launch, then the safe one (attention_kernels._prefill_kernel)
+            for k, consts in ((pkey, self._prefill_consts(step.errors is not None)), (safe_key(pkey), None)):
+                hit = cache.kernel(k)
+                if hit is not None and not cache.addresses:
+                    hit(grid, args, stream)
+                else:
+                    cache.launch(
+                        _prefill_kernel, k, grid, args, consts or self._prefill_consts("safe"), stream
+                    )
         if not run_decode:
             return
         splits = self._num_splits(num_reqs, step.max_context_len, step.n_blk, num_splits)
@@ -1022,16 +1026,17 @@ class AttentionPlan:
         caches' strides, the table's stride and width, the pages, the tokens."""
         return (qs[0], qs[1], ost[0], ost[1], *self.common, step.stride_tbl, step.n_blk, self.n_pages, t)
 
-    def _prefill_consts(self, has_err: bool) -> dict:
-        """The portable prefill launch's constexprs and options (Triton's path)."""
+    def _prefill_consts(self, has_err: bool | str) -> dict:
+        """The portable prefill launch's constexprs and options (Triton's path): the fast launch with or
+        without the error flag, or ``"safe"``: the safe launch (no errors: the fast one recorded them)."""
         consts = self._consts.get(("prefill", has_err))
         if consts is None:
             cfg = self.prefill_cfg
             consts = self._consts[("prefill", has_err)] = dict(
                 G=self.g, GP=self.gp, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, BLOCK_NM=masked_block_n(cfg),
-                SINK_MODE=self.sink_mode,
+                SINK_MODE=self.sink_mode, SAFE=has_err == "safe",
                 USE_TMA=self.prefill_desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile,
-                HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_PREFILL, num_warps=cfg.num_warps,
+                HAS_ERR=has_err is True, ERR_LOOP=ERR_LOOP_PREFILL, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **self.consts, **_reg_cap(cfg),
             )  # fmt: skip
         return consts
