@@ -260,6 +260,21 @@ def test_half_width_masked_tiles(where):
         check_masked(reqs, plants, float("inf"), where, block_size=bs, window_left=50, prefill_config=cfg)
 
 
+@pytest.mark.parametrize("safe_grid", [1, 3])
+def test_safe_launch_strides_over_the_fast_programs(monkeypatch, safe_grid):
+    """The portable prefill's safe launch runs on at most ``SAFE_GRID`` programs that stride over the
+    fast launch's flags: with one or three of them (and 28 fast programs, chunks of 32 flags), the
+    flagged programs of the first and the last request are found and redone, the others keep their
+    bits."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "SAFE_GRID", safe_grid)
+    cfg = tk.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)  # 8 tokens per program
+    reqs = [(0, 30), (12, 40), (50, 22)]
+    plants = [Plant(0, 3), Plant(2, 50 + 20), Plant(2, 50 + 6)]
+    check_masked(reqs, plants, float("nan"), "v", prefill_config=cfg)
+
+
 def test_tma_code_path():
     """The portable kernels' TMA variant (interpreted on CPU)."""
     reqs = [(40, 24), (33, 1)]

@@ -12,6 +12,9 @@ from .errors import KERNEL_CACHE_WRITE, KERNEL_DECODE, KERNEL_PREFILL, check_ent
 
 PAGE_CHUNK: tl.constexpr = tl.constexpr(16)  # key tiles whose pages are loaded at once
 BAD_NONE: tl.constexpr = tl.constexpr(1 << 30)  # "no bad table entry met"
+#: the prefill's safe launch: programs (a grid-stride over the fast launch's) and flags each loads at once
+SAFE_GRID = 128
+SAFE_CHUNK: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
@@ -417,9 +420,9 @@ def _prefill_keys(
     return acc, l_i, m_i, bad
 
 
-@triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs"])
-def _prefill_kernel(
-    Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err, Redo,
+@triton.jit
+def _prefill_program(
+    pid, Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err, Redo,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
     num_reqs, min_q_len, qk_scale, window, win_h0, win_h1,
@@ -433,26 +436,9 @@ def _prefill_kernel(
     KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 16,
     K_F16: tl.constexpr = False, SAFE: tl.constexpr = False,
 ):  # fmt: skip
-    """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
-    quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
-
-    Masked keys contribute exactly nothing (docs/semantics.md) in two launches. The fast one walks
-    the keys without cleaning the masked tiles (``_prefill_keys(CLEAN=False)``) and writes ``Redo[pid]``:
-    1 if one of its output rows came out NaN or Inf (a non-finite V at a key a row may not see does
-    that), else 0. In the safe one (``SAFE``) only those programs walk the keys again, cleaning the
-    masked tiles, on the same tiles in the same order (the other rows keep their bits). The safe walk
-    is a kernel of its own: compiled into the fast one, it cost the portable prefill 15-18 % (H100).
-
-    ``BLOCK_NM``: keys per tile in the masked loops (the causal diagonal, the window's left edge; a
-    divisor of ``BLOCK_N``, >= 16: ``paged_attention.masked_block_n``), in both walks. Keeping masked
-    keys out (``_tile``) holds K and V tiles in registers there; at full width that pushed the whole
-    kernel to 255 registers with spills (+15 % time on an H100), at half width it compiles without
-    (benchmarks/NOTES.md)."""
+    """Program ``pid`` of the prefill launch (a tile of ``BLOCK_Q`` query tokens of one request, kv head;
+    ``_prefill_kernel``); ``SAFE``: the masked tiles cleaned, else ``Redo[pid]`` written."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
-    pid = tl.program_id(0)
-    if SAFE:
-        if tl.load(Redo + pid) == 0:  # the fast launch's rows were all finite
-            return
     kvh = pid % HKV
     tpid = pid // HKV
     # request b owns tile ids [CuQ[b] // BLOCK_Q + b, ...): the largest b whose first id <= tpid
@@ -526,6 +512,68 @@ def _prefill_kernel(
         out.to(O.dtype.element_ty),
         mask=row_ok[:, None] & (offs_dv[None, :] < DV),
     )
+
+
+@triton.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs"])
+def _prefill_kernel(
+    Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err, Redo,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk, n_pages, n_tok,
+    num_reqs, min_q_len, qk_scale, window, win_h0, win_h1,
+    KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+    G: tl.constexpr, GP: tl.constexpr, HKV: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+    HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 16,
+    K_F16: tl.constexpr = False, SAFE: tl.constexpr = False,
+):  # fmt: skip
+    """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
+    quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
+
+    Masked keys contribute exactly nothing (docs/semantics.md) in two launches. The fast one walks
+    the keys without cleaning the masked tiles (``_prefill_keys(CLEAN=False)``) and writes ``Redo[pid]``:
+    1 if one of its output rows came out NaN or Inf (a non-finite V at a key a row may not see does
+    that), else 0. In the safe one (``SAFE``) only those programs walk the keys again, cleaning the
+    masked tiles, on the same tiles in the same order (the other rows keep their bits). The safe walk
+    is a kernel of its own (compiled into the fast one, it cost the portable prefill 15-18 %, H100) on
+    a grid of at most ``SAFE_GRID`` programs, each striding over the fast launch's ``Redo`` (one program
+    per fast one, the grid of the fast launch, cost 2-3 % in wave start-ups alone).
+
+    ``BLOCK_NM``: keys per tile in the masked loops (the causal diagonal, the window's left edge; a
+    divisor of ``BLOCK_N``, >= 16: ``paged_attention.masked_block_n``), in both walks. Keeping masked
+    keys out (``_tile``) holds K and V tiles in registers there; at full width that pushed the whole
+    kernel to 255 registers with spills (+15 % time on an H100), at half width it compiles without
+    (benchmarks/NOTES.md)."""
+    if SAFE:  # a few programs walk the fast launch's flags (one vector load each when none is set)
+        n_prog = (n_tok // BLOCK_Q + num_reqs) * HKV  # the fast launch's grid
+        step = tl.num_programs(0)
+        for c0 in range(tl.program_id(0), n_prog, step * SAFE_CHUNK):
+            pids = c0 + step * tl.arange(0, SAFE_CHUNK)
+            if tl.max(tl.load(Redo + pids, mask=pids < n_prog, other=0), 0) != 0:
+                for k in range(SAFE_CHUNK):
+                    pid = c0 + step * k
+                    if tl.load(Redo + pid, mask=pid < n_prog, other=0) != 0:
+                        _prefill_program(
+                            pid, Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err, Redo, stride_qt,
+                            stride_qh, stride_ot, stride_oh, stride_kp, stride_kr, stride_vp, stride_vr,
+                            stride_tbl, n_blk, n_pages, n_tok, num_reqs, min_q_len, qk_scale, window, win_h0,
+                            win_h1, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, G, GP, HKV, DQK,
+                            DV, BLOCK_DQK, BLOCK_DV, BLOCK_Q, BLOCK_N, BS, HEADWISE, HAS_WINDOW, SINK_MODE,
+                            USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR, ERR_LOOP, KV_CODE,
+                            SCALE_MODE, BLOCK_NM, K_F16, SAFE,
+                        )  # fmt: skip
+    else:
+        _prefill_program(
+            tl.program_id(0), Q, K, V, O, k_desc, v_desc, Sinks, CuQ, Ctx, Tbl, Err, Redo, stride_qt,
+            stride_qh, stride_ot, stride_oh, stride_kp, stride_kr, stride_vp, stride_vr, stride_tbl, n_blk,
+            n_pages, n_tok, num_reqs, min_q_len, qk_scale, window, win_h0, win_h1, KS, VS, stride_ksp,
+            stride_ksr, stride_vsp, stride_vsr, G, GP, HKV, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_Q, BLOCK_N,
+            BS, HEADWISE, HAS_WINDOW, SINK_MODE, USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR,
+            ERR_LOOP, KV_CODE, SCALE_MODE, BLOCK_NM, K_F16, SAFE,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -43,7 +43,7 @@ from typing import Any
 from .. import envs
 from ..kvcache.quant import KVCacheQuant, kv_cache_quant
 from ._framework import empty, is_torch, num_sms, to_float32, torch
-from .attention_kernels import _decode_kernel, _prefill_kernel
+from .attention_kernels import SAFE_GRID, _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl, safe_key
 from .launch.direct import (
     KernelCache,
@@ -871,7 +871,7 @@ class AttentionPlan:
                 g0, g1, g2, g3,
             )  # fmt: skip
             pre(grid, pargs, stream)
-            pre_safe(grid, pargs, stream)
+            pre_safe((min(grid[0], SAFE_GRID),), pargs, stream)
         if dec is None:
             return True
         c0, c1, c2, c3 = self.common
@@ -979,15 +979,15 @@ class AttentionPlan:
                 self.value_scale,
                 *self.scale_strides,
             )
-            # the fast launch, then the safe one (attention_kernels._prefill_kernel)
-            for k, consts in ((pkey, self._prefill_consts(step.errors is not None)), (safe_key(pkey), None)):
+            # the fast launch, then the safe one on a few programs (attention_kernels._prefill_kernel)
+            fast = (pkey, grid, self._prefill_consts(step.errors is not None))
+            safe = (safe_key(pkey), (min(grid[0], SAFE_GRID),), self._prefill_consts("safe"))
+            for k, g, consts in (fast, safe):
                 hit = cache.kernel(k)
                 if hit is not None and not cache.addresses:
-                    hit(grid, args, stream)
+                    hit(g, args, stream)
                 else:
-                    cache.launch(
-                        _prefill_kernel, k, grid, args, consts or self._prefill_consts("safe"), stream
-                    )
+                    cache.launch(_prefill_kernel, k, g, args, consts, stream)
         if not run_decode:
             return
         splits = self._num_splits(num_reqs, step.max_context_len, step.n_blk, num_splits)
