@@ -63,6 +63,7 @@ def _one_named_line(proc: subprocess.CompletedProcess, *named: str) -> None:
         ("probes/decode_ceiling.py", ["--smoke"], ["TRITON_INTERPRET=1", "--smoke"]),
         ("probes/decode_ceiling.py", [], ["CUDA GPU"]),
         ("probes/launch_parts.py", [], ["CUDA GPU"]),
+        ("probes/safe_launch.py", [], ["CUDA GPU"]),
         ("attention.py", [], ["CUDA GPU", "--smoke"]),
     ],
 )
@@ -80,6 +81,7 @@ def test_gpu_scripts_name_what_they_need(script, argv, named):
         ("headwise_sim.py", ["no GPU", "no FastDeploy"]),
         ("probes/decode_ceiling.py", ["CUDA GPU", "TRITON_INTERPRET=1"]),
         ("probes/launch_parts.py", ["CUDA GPU"]),
+        ("probes/safe_launch.py", ["Hopper GPU"]),
         ("probes/portable_compile.py", ["no GPU"]),
     ],
 )

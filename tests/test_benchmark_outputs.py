@@ -153,6 +153,7 @@ WRITERS = [
     ("probes/hopper_variants.py", ["--out", "{f}.jsonl"]),
     ("probes/host_python.py", ["--device", "cpu", "--out", "{f}.jsonl"]),
     ("probes/launch_parts.py", ["--out", "{f}.jsonl"]),
+    ("probes/safe_launch.py", ["--out", "{f}.jsonl"]),
     ("probes/hopper_compile.py", ["--case", '{{"dqk": 128}}', "--sass-dir", "{d}"]),
 ]
 
