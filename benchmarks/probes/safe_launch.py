@@ -3,9 +3,10 @@
 The prefill runs twice a step (``kernels/hopper_prefill.py``, "Masked keys"): the fast launch, then the
 safe launch, whose CTAs exit at once unless the fast launch found a non-finite output row. For each
 case (8192 tokens of one request, 32 q heads / 8 kv heads, 128 / 128, bf16, sinks; causal, window 1023,
-window 127), this probe times ten launches per CUDA-graph replay of the fast launch alone, the safe
-launch alone and the two in turn. It prints one JSON line per case: the microseconds per launch (or per
-pair) and how many flags the fast launch set (0 on these finite inputs).
+window 127), this probe times the fast launch alone, the safe launch alone and the two in turn, ten
+turns per CUDA-graph replay (``decode_probe``'s graph timing). It prints one JSON line per case: the
+microseconds per launch (or per pair) and how many flags the fast launch set (0 on these finite
+inputs).
 
 Needs a Hopper GPU (sm_90) with torch and triton's Gluon; without one it exits 2 saying so.
 
@@ -24,37 +25,19 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, HERE)
 from _outputs import device_problem, fail, force_help, give_up, open_records  # noqa: E402
 
 HQ, HKV, D, BS, T = 32, 8, 128, 64, 8192
 WINDOWS = (None, 1023, 127)
 
 
-def _per_launch_us(fns, reps: int = 10) -> float:
-    """Microseconds per turn of ``fns`` (called in order), ``reps`` turns captured in one CUDA graph and
-    replayed twice."""
-    import torch
+def _per_turn_us(fns) -> float:
+    """Microseconds per turn of ``fns`` (called in order), ten turns per CUDA-graph replay (the median
+    of decode_probe's graph timing, which counts per launch)."""
+    from decode_probe import _graph_us
 
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):  # warm up (compile) outside the capture
-        for _ in range(2):
-            for f in fns:
-                f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    graph.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    graph.replay()
-    graph.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return round(e0.elapsed_time(e1) * 1000 / (2 * reps), 1)
+    return round(_graph_us(fns, 10) * len(fns), 1)
 
 
 def run_case(window: int | None) -> dict:
@@ -104,8 +87,8 @@ def run_case(window: int | None) -> dict:
     torch.cuda.synchronize()
     flags = int((plan.redo != 0).sum())
     return dict(
-        window=window, grid=grid[0], flags_set=flags, fast_us=_per_launch_us([fast]),
-        safe_us=_per_launch_us([safe]), fast_then_safe_us=_per_launch_us([fast, safe]),
+        window=window, grid=grid[0], flags_set=flags, fast_us=_per_turn_us([fast]),
+        safe_us=_per_turn_us([safe]), fast_then_safe_us=_per_turn_us([fast, safe]),
     )  # fmt: skip
 
 
