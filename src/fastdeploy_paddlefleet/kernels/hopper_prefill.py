@@ -1025,8 +1025,9 @@ def _descriptor(cache: torch.Tensor, box: int):
 
 
 class HopperPlan:
-    """The Hopper prefill kernel's launch for one layer: TMA descriptors over the caches, tile shapes and
-    compile-time constants derived once (``run`` per step). Arguments checked and prepared by
+    """The Hopper prefill kernel's launches for one layer (the fast one and the safe one, module
+    docstring): TMA descriptors over the caches, tile shapes and compile-time constants derived once
+    (``run`` per step). Arguments checked and prepared by
     :class:`.paged_attention.AttentionPlan` (``qk_scale`` includes ``log2(e)``; with ``softcap`` = cap *
     log2(e) > 0 it is ``scale / cap`` and scores become ``softcap * tanh(qk_scale * q.k)``).
     ``block_n`` / ``q_bufs`` / ``num_stages``: key tile, Q buffers, K/V ring depth (default
@@ -1246,7 +1247,8 @@ def hopper_prefill(
     num_ctas: int | None = None,
     errors: torch.Tensor | None = None,
 ) -> None:
-    """One launch of the Hopper prefill kernel (:class:`HopperPlan` built and run once): ``q [T, Hq,
+    """One step of the Hopper prefill kernel (:class:`HopperPlan` built and run once: its fast and safe
+    launches): ``q [T, Hq,
     Dqk]``, caches ``[NB, Hkv, BS, D]``, ``out [T, Hq, Dv]`` (rows of one-token requests untouched)."""
     plan = HopperPlan(
         key_cache, value_cache, q.shape[1], sinks, qk_scale=qk_scale, sink_mode=sink_mode, headwise=headwise,
