@@ -16,10 +16,10 @@ SCRIPT = ROOT / "benchmarks" / "probes" / "host_python.py"
 LAUNCHES = {  # kept kernels per call: a one-shot wrapper one launch, a served layer write + attention
     "write_kv_cache": 1,
     "paged_attention-decode": 1,
-    "paged_attention-prefill-portable": 1,
+    "paged_attention-prefill-portable": 2,  # the prefill's fast and safe launches
     "backend-layer-served": 2,
     "backend-layer-served-checked": 2,
-    "backend-layer-served-prefill": 2,
+    "backend-layer-served-prefill": 3,
     "backend-step-served": 16,  # a call: a step of 8 layers
     "backend-step-served-checked": 16,
     "backend-layer-paddle-views": 2,  # paddle tensors (needs paddle): DLPack views, then the lane
@@ -27,6 +27,8 @@ LAUNCHES = {  # kept kernels per call: a one-shot wrapper one launch, a served l
     "backend-step-paddle-views": 16,
     "backend-step-paddle-lane": 16,
 }
+# kept-lane calls per call: as many as launches, but a prefill's two launches are one call
+LANES = {**LAUNCHES, "paged_attention-prefill-portable": 1, "backend-layer-served-prefill": 2}
 
 
 def _run(*args, tmp_path):
@@ -61,8 +63,8 @@ def test_host_python_benchmark_runs_every_case_on_the_direct_path(tmp_path):
         assert row["kind"] == "host-python" and row["device"] == "cpu" and row["call"] == 3
         assert row["calls"] == (2 if case.startswith("backend-step") else 20)
         assert row.get("direct_launches") == LAUNCHES.get(case), row
-        if case in LAUNCHES:  # every launch from a kept lane; DLPack views first build the step
-            n = LAUNCHES[case]
+        if case in LANES:  # every launch from a kept lane; DLPack views first build the step
+            n = LANES[case]
             assert row["lanes"] == {"kept": n, "kept-refused": 0, "step": n if "views" in case else 0}, row
 
 

@@ -107,11 +107,14 @@ def _recorded(fn):
 
 
 def _fresh_positions(key, grid, out_given: bool, sinks: bool) -> set:
-    """Argument positions that hold fresh allocations: a new output, the split decode's partials."""
+    """Argument positions that hold fresh allocations: a new output, the prefill's flags for its safe
+    launch, the split decode's partials."""
     kind = key[0]
     if kind == "reduce":
         return {0, 1} | (set() if out_given else {2}) | (set() if sinks else {3})
     fresh = set() if out_given else {3}
+    if kind in ("prefill", "prefill-safe"):
+        fresh |= {11}
     if kind == "decode" and grid[2] > 1:
         fresh |= {6, 7}
     return fresh
@@ -125,7 +128,7 @@ def _assert_same_launches(got, want, res_got, out_given: bool, sinks: bool) -> N
         assert [a for i, a in enumerate(args) if i not in fresh] == [
             a for i, a in enumerate(w_args) if i not in fresh
         ], key
-        if key[0] in ("prefill", "decode"):
+        if key[0] in ("prefill", "prefill-safe", "decode"):
             assert args[3] == res_got.data_ptr(), key
 
 
@@ -177,8 +180,9 @@ def test_attention_lane_launches_what_a_fresh_plan_launches(kept, name, out_give
         _assert_same_launches(got, want, res, out_given, sinks)
         assert res.shape == (s.q.shape[0], s.q.shape[1], 16) and (out is None or res is out)
     kinds = {c[0][0] for c in got}
-    assert kinds == {"decode-split": {"decode", "reduce"}, "decode": {"decode"}, "prefill": {"prefill"}}.get(
-        name, {"prefill", "decode"}
+    prefill = {"prefill", "prefill-safe"}  # its fast and safe launches
+    assert kinds == {"decode-split": {"decode", "reduce"}, "decode": {"decode"}, "prefill": prefill}.get(
+        name, prefill | {"decode"}
     )
     assert name != "decode-split" or got[0][1][2] > 1  # it did split
     assert kept["attend"] == 0  # every call served by the lane: no LaunchStep built
@@ -427,7 +431,8 @@ def test_hopper_lane_launches_tritons_arguments_by_address(kept, monkeypatch):
                 s.q, kc, vc, s.cu, s.dec, s.table, scale=0.25, max_q_len=8, out=out, errors=flag
             )
         )
-    assert res is out and [c[0][0] for c in got] == ["hopper"] and got[0][3] == STREAM
+    # the fast launch and the safe one (hopper_prefill.py, "Masked keys")
+    assert res is out and [c[0][0] for c in got] == ["hopper", "hopper-safe"] and got[0][3] == STREAM
 
     class TritonPath:  # a kernel cache with nothing kept: records Triton's launch
         addresses = True
@@ -445,7 +450,12 @@ def test_hopper_lane_launches_tritons_arguments_by_address(kept, monkeypatch):
     )  # fmt: skip
     ref = TritonPath()
     plan.run(s.q, out, s.cu, s.dec, s.table, flag, ref, None, STREAM, None)
-    ((grid, args, stream),) = ref.calls
-    want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-    assert got[0][1:] == (grid, want, stream)
-    assert want[14] == vc.stride(2) == 128 and want[3][1] == kc.data_ptr() and want[4][1] == vc.data_ptr()
+    assert len(ref.calls) == 2 and ref.calls[0] == ref.calls[1]  # both launches take the same arguments
+    grid, args, stream = ref.calls[0]
+    redo = 10  # each plan's own flags (the one-shot memo's plan is another plan)
+    want = tuple(
+        None if i == redo else a.data_ptr() if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)
+    )
+    for _, g, a, st in got:
+        assert (g, tuple(None if i == redo else x for i, x in enumerate(a)), st) == (grid, want, stream)
+    assert want[15] == vc.stride(2) == 128 and want[3][1] == kc.data_ptr() and want[4][1] == vc.data_ptr()

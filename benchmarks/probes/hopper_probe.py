@@ -81,11 +81,18 @@ _PRODUCER_LOOP = _lines(
     "offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))",
     "it = 0",
     "qi = 0",
-    "own = 0  # V tiles copied on v_own (its phase)",
+    "own = 0  # V tiles copied on v_own (its phase; only the safe launch uses it)",
+    "pend = -1  # the stage of a V tile on v_own not yet cleaned (-1: none)",
     _LOOP,
 )
-_CONSUMER_LOOP = _lines(16, "tok = _turn(tok, 0, 2)") + _lines(8, "it = 0", "qi = 0", _LOOP)
-_PEELED_END = "PROFILE, PINGPONG,\n                    )  # fmt: skip\n"
+_CONSUMER_BAD = "bad = gl.zeros([BLOCK_M], gl.int32, gl.SliceLayout(1, o_layout))"
+_CONSUMER_LOOP = _lines(16, "tok = _turn(tok, 0, 2)") + _lines(8, "it = 0", "qi = 0", _CONSUMER_BAD, _LOOP)
+_PEELED_END = "PROFILE, PINGPONG,\n                        SAFE,\n                    )  # fmt: skip\n"
+# the passes' signatures end alike in the wrapper and the pass: told apart by the docstring after them
+_PRODUCE_PASS_SIG = (
+    'Q_ASYNC: gl.constexpr, SAFE: gl.constexpr,\n    ):  # fmt: skip\n        """The producer\'s walk'
+)
+_CONSUMER_SIG = "O_VEC: gl.constexpr,\n        SAFE: gl.constexpr,\n    ):"
 _STORE_END = "offs_om, offs_od, G, GP)\n"
 _ITEM_STAMP = "_stamp(Trace, tb, {slot}, {tok} + valid.to(gl.int32) + ctx)"
 # (name, source text, replacement, occurrences): each anchor must match exactly that often
@@ -93,9 +100,23 @@ EDITS = [
     _before("stamp helper", "    @gluon.jit\n    def _tanh(x):", _STAMP),
     (
         "producer signature",
-        "SNAKE: gl.constexpr,\n        Q_ASYNC: gl.constexpr,\n    ):  # fmt: skip\n",
-        "SNAKE: gl.constexpr,\n        Q_ASYNC: gl.constexpr, Trace,\n    ):  # fmt: skip\n"
-        + _lines(8, f"ptok = {_TOK}", "li = 0"),
+        'Q_ASYNC: gl.constexpr, SAFE: gl.constexpr,\n    ):  # fmt: skip\n        """This CTA\'s items',
+        "Q_ASYNC: gl.constexpr, SAFE: gl.constexpr, Trace,\n    ):  # fmt: skip\n"
+        '        """This CTA\'s items',
+        1,
+    ),
+    (
+        "producer pass signature",
+        _PRODUCE_PASS_SIG,
+        _PRODUCE_PASS_SIG.replace("SAFE: gl.constexpr,", "SAFE: gl.constexpr, Trace,").replace(
+            "    ):  # fmt: skip\n", "    ):  # fmt: skip\n" + _lines(8, f"ptok = {_TOK}", "li = 0")
+        ),
+        1,
+    ),
+    (
+        "producer pass call",
+        "Q_ASYNC, SAFE,\n            )  # fmt: skip",
+        "Q_ASYNC, SAFE, Trace,\n            )  # fmt: skip",
         1,
     ),
     (
@@ -115,15 +136,31 @@ EDITS = [
         1,
     ),
     _after("producer Q issued", "Q_BUFS, Q_ASYNC)  # fmt: skip\n", _lines(16, "_stamp(Trace, tb, 10, ptok)")),
+    _after(
+        "producer first tile issued",
+        _lines(20, "it += 1"),
+        _lines(20, "if j == 0:", "    _stamp(Trace, tb, 11, ptok)"),
+    ),
     (
         "producer tiles issued",
-        _lines(20, "it += 1") + _lines(16, "qi += 1"),
-        _lines(20, "it += 1", "if j == 0:", "    _stamp(Trace, tb, 11, ptok)")
-        + _lines(16, "qi += 1", "_stamp(Trace, tb, 12, ptok)")
-        + _lines(12, "li += 1"),
+        _lines(16, "qi += 1") + "\n    @gluon.jit\n    def _copy_v(",
+        _lines(16, "qi += 1", "_stamp(Trace, tb, 12, ptok)")
+        + _lines(12, "li += 1")
+        + "\n    @gluon.jit\n    def _copy_v(",
         1,
     ),
-    ("consumer signature", "O_VEC: gl.constexpr,\n    ):", "O_VEC: gl.constexpr, Trace,\n    ):", 1),
+    (
+        "consumer signatures",
+        _CONSUMER_SIG,
+        _CONSUMER_SIG.replace("SAFE: gl.constexpr,", "SAFE: gl.constexpr, Trace,"),
+        2,
+    ),
+    (
+        "consumer pass call",
+        "Q_ASYNC, O_VEC, SAFE,\n            )  # fmt: skip",
+        "Q_ASYNC, O_VEC, SAFE, Trace,\n            )  # fmt: skip",
+        1,
+    ),
     (
         "consumer loop",
         _CONSUMER_LOOP + _lines(12, "item = _scheduled(step, n_items, SNAKE)"),
@@ -156,15 +193,31 @@ EDITS = [
         _lines(20, "_stamp(Trace, tb, 3, tok + gl.sum(l_i, 0).to(gl.int32) * 0)"),
     ),
     _after("consumer loop end", _STORE_END, _lines(12, "li += 1")),
-    ("kernel signature", "O_VEC: gl.constexpr = False,\n", "O_VEC: gl.constexpr = False, Trace=None,\n", 1),
-    ("consumer arguments", "Q_ASYNC, O_VEC,\n", "Q_ASYNC, O_VEC, Trace,\n", 2),
+    (
+        "kernel signature",
+        "SAFE: gl.constexpr = False,\n    ):",
+        "SAFE: gl.constexpr = False, Trace=None,\n    ):",
+        1,
+    ),
+    (
+        "consumer arguments",
+        "Q_ASYNC, O_VEC, SAFE,\n                )),",
+        "Q_ASYNC, O_VEC, SAFE, Trace,\n                )),",
+        2,
+    ),
     (
         "producer arguments",
-        "SNAKE, Q_ASYNC,\n                )),",
-        "SNAKE, Q_ASYNC, Trace,\n                )),",
+        "SNAKE, Q_ASYNC, SAFE,\n                )),",
+        "SNAKE, Q_ASYNC, SAFE, Trace,\n                )),",
         1,
     ),
     ("package import", "from .. import envs", "from fastdeploy_paddlefleet import envs", 1),
+    (
+        "support import",
+        "from .hopper_support import",
+        "from fastdeploy_paddlefleet.kernels.hopper_support import",
+        1,
+    ),
 ]
 
 
