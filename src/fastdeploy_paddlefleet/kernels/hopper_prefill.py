@@ -420,13 +420,13 @@ if GLUON_IMPORT_ERROR is None:
                             pend = -1
                     mbarrier.wait(v_empty.index(s), phase)
                     vb = v_bufs.index(s)
-                    # a tile whose keys some rows of the item see and others do not (the causal
-                    # diagonal, the window's edge: a superset of what either consumer masks) has its
-                    # non-finite V entries zeroed and flagged per key (_clean_tile): in P @ V they would
-                    # meet the zero P of the rows that may not see them (0 * NaN = NaN)
-                    mixed = key0 + BLOCK_N - 1 > p_first
-                    if HAS_WINDOW:
-                        mixed = mixed | (key0 < p_last - w)
+                    # in the safe launch, a tile whose keys some rows of the item see and others do not
+                    # (the causal diagonal, the window's edge: a superset of what either consumer masks)
+                    # has its non-finite V entries zeroed and flagged per key (_clean_tile): in P @ V
+                    # they would meet the zero P of the rows that may not see them (0 * NaN = NaN)
+                    mixed = False
+                    if SAFE:
+                        mixed = _masked(key0, p_first, p_last, w, BLOCK_N, HAS_WINDOW)
                     if absent | (key0 + BLOCK_N > kv_len):
                         # plain loads with the invalid rows zeroed (stale slots may hold NaN and
                         # 0 * NaN = NaN in P @ V), then published to the async proxy
@@ -449,14 +449,10 @@ if GLUON_IMPORT_ERROR is None:
                         # by TMA: onto v_ready, or for a mixed tile onto the producer's own barrier,
                         # cleaned in shared memory after the next tile's K copies are issued (the
                         # consumers need this V only for the next tile's P @ V)
-                        if SAFE:
-                            if mixed:
-                                _copy_v(v_desc, v_own.index(0), vb, tbl_row, key0, n_blk, kvh, V_BYTES, HKV,
-                                        HEADWISE, BS, BOX, NBOX, DV)  # fmt: skip
-                                pend = s
-                            else:
-                                _copy_v(v_desc, v_ready.index(s), vb, tbl_row, key0, n_blk, kvh, V_BYTES,
-                                        HKV, HEADWISE, BS, BOX, NBOX, DV)  # fmt: skip
+                        if mixed:
+                            _copy_v(v_desc, v_own.index(0), vb, tbl_row, key0, n_blk, kvh, V_BYTES, HKV,
+                                    HEADWISE, BS, BOX, NBOX, DV)  # fmt: skip
+                            pend = s
                         else:
                             _copy_v(v_desc, v_ready.index(s), vb, tbl_row, key0, n_blk, kvh, V_BYTES, HKV,
                                     HEADWISE, BS, BOX, NBOX, DV)  # fmt: skip
