@@ -335,3 +335,43 @@ def test_gpu_hopper_tile_cleaned_for_the_other_half(window_left, req, key, rows)
         pytest.skip(f"the hopper prefill cannot run here: {why}")
     sees = check_masked([req], [Plant(0, key)], float("nan"), "v", prefill_impl="hopper", **kw)
     assert sees[rows[0] : rows[1]].all(), "the construction: those rows see the planted key"
+
+
+@tk.gpu
+@pytest.mark.gpu
+def test_gpu_hopper_flags_cleared_and_kept_per_plan():
+    """The Hopper plan's flags (``HopperPlan.redo``): the fast launch sets a consumer's flag only where
+    a row came out non-finite, the safe launch redoes those CTAs and clears every flag it read. After a
+    step whose NaN (at a key the earlier rows may not see) was redone, the flags are all clear, the
+    earlier rows equal the zero-planted run's bits, and the next step on the same plan, with the NaN
+    gone, equals it whole."""
+    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
+
+    t, hq, hkv, d, bs, key = 512, 8, 2, 128, 64, 300
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(t // bs, hkv, bs, d, generator=gen, **kw)
+    vc = torch.randn(t // bs, hkv, bs, d, generator=gen, **kw)
+    q = torch.randn(t, hq, d, generator=gen, **kw)
+    why = hp.supported(q, kc, vc)
+    if why is not None:
+        pytest.skip(f"the hopper prefill cannot run here: {why}")
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    dec = torch.zeros(1, dtype=torch.int32, device="cuda")
+    table = torch.arange(t // bs, dtype=torch.int32, device="cuda")[None].contiguous()
+    plan = hp.HopperPlan(kc, vc, hq, None, qk_scale=1.4426950408889634 / d**0.5, sink_mode=0,
+                         headwise=False, has_window=False, window=0, win_h0=0, win_h1=hkv)  # fmt: skip
+    vc[key // bs, :, key % bs] = 0.0
+    zero = torch.empty_like(q)
+    plan.run(q, zero, cu, dec, table)
+    assert torch.isfinite(zero).all()
+    vc[key // bs, :, key % bs] = float("nan")
+    out = torch.empty_like(q)
+    plan.run(q, out, cu, dec, table)
+    assert int(plan.redo.abs().sum()) == 0, "the safe launch clears the flags it read"
+    assert torch.equal(out[:key], zero[:key]), "rows that may not see the NaN keep the zero run's bits"
+    assert torch.isnan(out[key:]).all(), "rows that see it are NaN, as the dense computation's"
+    vc[key // bs, :, key % bs] = 0.0
+    again = torch.empty_like(q)
+    plan.run(q, again, cu, dec, table)
+    assert torch.equal(again, zero) and int(plan.redo.abs().sum()) == 0

@@ -46,7 +46,9 @@ Masked keys contribute exactly nothing (docs/semantics.md) at the cost of one ch
 and a second launch that exits at once: the kernel runs twice per step. The fast launch walks the
 items as if there were no such rule; a non-finite V at a key a row may not see meets that row's
 ``P = 0`` in ``P @ V`` (``0 * NaN = NaN``), so it can only make the row non-finite, and each consumer
-writes whether one of its rows came out NaN or Inf (``Redo``). In the safe launch (``SAFE``) only the
+marks such a row in ``Redo`` as it stores the item (a store only then: a flag kept in registers over
+the items cost the first consumer's window key loop 5 % more instructions, sm_90 offline; the safe
+launch clears the flags it read). In the safe launch (``SAFE``) only the
 CTAs with such a row walk their items again (a persistent CTA takes the same items in both
 launches): a tile that some rows of the item see and others do not (causal diagonal, window edge)
 gets its non-finite V entries zeroed and their keys flagged (``_clean_tile``: by TMA onto the
@@ -311,8 +313,9 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _redo_wanted(Redo):
         """In the safe launch: whether this CTA's consumers found a non-finite output row in the fast
-        launch (``Redo [2 * grid]``, one flag per consumer, written at the fast launch's end). Every
-        partition asks, so all three agree; the CTA walks the same items in both launches."""
+        launch (``Redo [2 * grid]``, one flag per consumer, set by the fast launch where a row came out
+        non-finite, cleared by the safe launch once every partition has read it). Every partition asks,
+        so all three agree; the CTA walks the same items in both launches."""
         pid = gl.program_id(0)
         return (gl.load(Redo + 2 * pid) | gl.load(Redo + 2 * pid + 1)) != 0
 
@@ -779,26 +782,24 @@ if GLUON_IMPORT_ERROR is None:
         SAFE: gl.constexpr,
     ):  # fmt: skip
         """Rows ``[HALF * BLOCK_M, (HALF + 1) * BLOCK_M)`` of every work item of this CTA. The fast launch
-        ends with ``Redo[2 * pid + HALF]``: 1 if one of these rows came out non-finite (a NaN or Inf,
-        maybe from a key it may not see), else 0; the safe launch (``SAFE``) walks the items again only
-        where either consumer wrote 1 (:func:`_redo_wanted`)."""
+        sets ``Redo[2 * pid + HALF]`` to 1 where one of these rows came out non-finite (a NaN or Inf,
+        maybe from a key it may not see); the safe launch (``SAFE``) walks the items again only where
+        either consumer set it (:func:`_redo_wanted`)."""
         go = True
         if SAFE:
             go = _redo_wanted(Redo)
         if go:
-            bad = _consume_pass(
-                O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
+            _consume_pass(
+                Redo, O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty,
                 v_empty, CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items,
                 qk_scale, stride_ot, stride_oh, n_tok,
                 HALF, G, GP, HKV, DQK, DV, QKC, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, HEADWISE, HAS_WINDOW,
                 SINK_MODE, SOFTCAP, PROFILE, PEEL, PINGPONG, SNAKE, Q_ASYNC, O_VEC, SAFE,
             )  # fmt: skip
-            if not SAFE:
-                gl.store(Redo + 2 * gl.program_id(0) + HALF, gl.max(bad, 0))
 
     @gluon.jit
     def _consume_pass(
-        O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+        Redo, O, Sinks, q_bufs, k_bufs, v_bufs, flags, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
         CuQ, Ctx, Tbl, stride_tbl, num_reqs, min_q_len, window, win_h0, win_h1, n_items, qk_scale,
         stride_ot, stride_oh, n_tok,
         HALF: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, HKV: gl.constexpr, DQK: gl.constexpr,
@@ -808,9 +809,9 @@ if GLUON_IMPORT_ERROR is None:
         PINGPONG: gl.constexpr, SNAKE: gl.constexpr, Q_ASYNC: gl.constexpr, O_VEC: gl.constexpr,
         SAFE: gl.constexpr,
     ):  # fmt: skip
-        """The consumer's walk over this CTA's items; returns ``bad [BLOCK_M]`` int32, 1 where the row of
-        some item came out non-finite (not asked with ``SAFE``, where rows that see a key whose V the
-        producer cleaned are made NaN: :func:`_poison`)."""
+        """The consumer's walk over this CTA's items. The fast pass sets ``Redo[2 * pid + HALF]`` to 1 when
+        a row of an item comes out non-finite (not asked with ``SAFE``, where rows that see a key whose V
+        the producer cleaned are made NaN: :func:`_poison`)."""
         BLOCK_Q: gl.constexpr = BLOCK_M // GP
         TILE_Q: gl.constexpr = 2 * BLOCK_Q
         NQC: gl.constexpr = DQK // QKC
@@ -845,7 +846,7 @@ if GLUON_IMPORT_ERROR is None:
                 tok = _turn(tok, 0, 2)
         it = 0
         qi = 0
-        bad = gl.zeros([BLOCK_M], gl.int32, gl.SliceLayout(1, o_layout))
+        flag = Redo + 2 * gl.program_id(0) + HALF + offs_om * 0  # [BLOCK_M] pointers to this consumer's flag
         for step in range(gl.program_id(0), n_items, gl.num_programs(0)):
             item = _scheduled(step, n_items, SNAKE)
             valid, kvh, q0, q_len, ctx, tile_tok0, w, a, n_tiles, tbl_row, b = _work_item(
@@ -928,14 +929,13 @@ if GLUON_IMPORT_ERROR is None:
                 if not SAFE:  # a row's sum is NaN or Inf when one of its entries is (x - x is then NaN)
                     rs = gl.sum(o32, 1)
                     ok = (tok0 + offs_om // GP < q_len) & (offs_om % GP < G)
-                    bad = gl.where(ok & (rs - rs != 0), 1, bad)
+                    gl.store(flag, gl.full_like(offs_om, 1), mask=ok & (rs - rs != 0))
                 out = o32.to(dtype)
                 if O_VEC:  # 16-byte stores of whole row segments (the wgmma layout stores 4 bytes each)
                     out = gl.convert_layout(out, st_layout)
                     _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_sm, offs_sd, G, GP)
                 else:
                     _store_o(O, out, tok0, q0, q_len, kvh, stride_ot, stride_oh, offs_om, offs_od, G, GP)
-        return bad
 
     @gluon.jit(do_not_specialize=["stride_tbl", "n_blk", "n_pages", "n_tok", "num_reqs", "n_items"])
     def _hopper_prefill_kernel(
@@ -1009,6 +1009,9 @@ if GLUON_IMPORT_ERROR is None:
             [4, 4],
             [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
+        if SAFE:  # every partition has read this CTA's flags (_redo_wanted): clear them for the next step
+            two = gl.arange(0, 2, layout=gl.BlockedLayout([1], [32], [4], [0]))
+            gl.store(Redo + 2 * gl.program_id(0) + two, gl.zeros_like(two))
 
 
 def _descriptor(cache: torch.Tensor, box: int):
@@ -1128,9 +1131,9 @@ class HopperPlan:
         # Q by cp.async takes 16-byte copies: Triton proves their alignment from the pointer and the
         # strides it specialises on (divisible by 16); a query that is not gets the plain loads
         self._consts_plain_q = {e: dict(c, Q_ASYNC=False) for e, c in self._consts.items()}
-        #: ``int32 [2 * ctas]``: per CTA and consumer, whether the fast launch left a non-finite row
-        #: (written by every fast launch before the safe one reads it: never cleared)
-        self.redo = torch.empty(2 * self.ctas, dtype=torch.int32, device=key_cache.device)
+        #: ``int32 [2 * ctas]``: per CTA and consumer, whether the fast launch left a non-finite row (set
+        #: by the fast launch, read and cleared by the safe one)
+        self.redo = torch.zeros(2 * self.ctas, dtype=torch.int32, device=key_cache.device)
 
     def run(
         self,
