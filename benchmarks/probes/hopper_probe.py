@@ -85,8 +85,10 @@ _PRODUCER_LOOP = _lines(
     "pend = -1  # the stage of a V tile on v_own not yet cleaned (-1: none)",
     _LOOP,
 )
-_CONSUMER_BAD = "bad = gl.zeros([BLOCK_M], gl.int32, gl.SliceLayout(1, o_layout))"
-_CONSUMER_LOOP = _lines(16, "tok = _turn(tok, 0, 2)") + _lines(8, "it = 0", "qi = 0", _CONSUMER_BAD, _LOOP)
+_CONSUMER_FLAG = (
+    "flag = Redo + 2 * gl.program_id(0) + HALF + offs_om * 0  # [BLOCK_M] pointers to this consumer's flag"
+)
+_CONSUMER_LOOP = _lines(16, "tok = _turn(tok, 0, 2)") + _lines(8, "it = 0", "qi = 0", _CONSUMER_FLAG, _LOOP)
 _PEELED_END = "PROFILE, PINGPONG,\n                        SAFE,\n                    )  # fmt: skip\n"
 # the passes' signatures end alike in the wrapper and the pass: told apart by the docstring after them
 _PRODUCE_PASS_SIG = (
