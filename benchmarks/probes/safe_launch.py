@@ -4,9 +4,13 @@ The prefill runs twice a step (``kernels/hopper_prefill.py``, "Masked keys"): th
 safe launch, whose CTAs exit at once unless the fast launch found a non-finite output row. For each
 case (8192 tokens of one request, 32 q heads / 8 kv heads, 128 / 128, bf16, sinks; causal, window 1023,
 window 127), this probe times the fast launch alone, the safe launch alone and the two in turn, ten
-turns per CUDA-graph replay (``decode_probe``'s graph timing). It prints one JSON line per case: the
-microseconds per launch (or per pair) and how many flags the fast launch set (0 on these finite
-inputs).
+turns per CUDA-graph replay (``decode_probe``'s graph timing). It then replays sequences of kernels
+under ``torch.profiler`` and reports each kernel's own duration (median, us): the fast launch back to
+back, after the safe launch, after a safe launch of one CTA, after an empty Triton kernel, and after a
+cuBLAS matmul (``[4096, 4096] @ [4096, 2048]``, as a layer's projection runs before its attention)
+with and without the safe launch after it. One JSON line per case: the microseconds per launch (or
+per turn), the per-kernel durations of each sequence (``kernels``), and how many flags the fast
+launch set (0 on these finite inputs).
 
 Needs a Hopper GPU (sm_90) with torch and triton's Gluon; without one it exits 2 saying so.
 
@@ -38,6 +42,48 @@ def _per_turn_us(fns) -> float:
     from decode_probe import _graph_us
 
     return round(_graph_us(fns, 10) * len(fns), 1)
+
+
+def _kernel_us(fns, names: list[str], rounds: int = 10) -> dict:
+    """Each kernel's own duration (median us over three replays of a CUDA graph holding ``rounds``
+    turns of ``fns``) from ``torch.profiler``, by ``names`` (one per launch of a turn, in order: the
+    prefill's launches told apart by their order, the empty kernel by its name, every other kernel,
+    cuBLAS's, as ``matmul``)."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(rounds):
+                for f in fns:
+                    f()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
+    )
+    prefill = [n for n in names if n in ("fast", "safe")]
+    runs: dict[str, list[float]] = {}
+    seen = 0
+    for e in events:
+        if "_hopper_prefill_kernel" in e.name:
+            name = prefill[seen % len(prefill)]
+            seen += 1
+        else:
+            name = "empty" if "_nothing" in e.name else "matmul"
+        runs.setdefault(name, []).append(e.time_range.end - e.time_range.start)
+    return {n: round(statistics.median(v), 1) for n, v in runs.items()}
 
 
 def run_case(window: int | None) -> dict:
@@ -83,13 +129,54 @@ def run_case(window: int | None) -> dict:
     def safe():
         hp._hopper_prefill_kernel[grid](*args, **plan._consts["safe"])
 
+    def safe_one_cta():
+        hp._hopper_prefill_kernel[(1,)](*args, **plan._consts["safe"])
+
+    x = torch.zeros(16, device="cuda")
+    a_mm = torch.randn(4096, 4096, generator=gen, **kw)
+    b_mm = torch.randn(4096, 2048, generator=gen, **kw)
+    c_mm = torch.empty(4096, 2048, **kw)
+
+    def empty():
+        _empty_kernel()[grid](x)
+
+    def matmul():
+        torch.mm(a_mm, b_mm, out=c_mm)
+
     fast()
     torch.cuda.synchronize()
     flags = int((plan.redo != 0).sum())
+    sequences = {
+        "fast": ([fast], ["fast"]),
+        "fast,safe": ([fast, safe], ["fast", "safe"]),
+        "fast,safe_one_cta": ([fast, safe_one_cta], ["fast", "safe"]),
+        "fast,empty": ([fast, empty], ["fast", "empty"]),
+        "matmul,fast": ([matmul, fast], ["matmul", "fast"]),
+        "matmul,fast,safe": ([matmul, fast, safe], ["matmul", "fast", "safe"]),
+    }
     return dict(
         window=window, grid=grid[0], flags_set=flags, fast_us=_per_turn_us([fast]),
         safe_us=_per_turn_us([safe]), fast_then_safe_us=_per_turn_us([fast, safe]),
+        kernels={k: _kernel_us(fns, names) for k, (fns, names) in sequences.items()},
     )  # fmt: skip
+
+
+def _empty_kernel():
+    """A Triton kernel that does nothing (one launch's cost between two others)."""
+    import triton
+
+    global _EMPTY
+    if _EMPTY is None:
+
+        @triton.jit
+        def _nothing(X):
+            pass
+
+        _EMPTY = _nothing
+    return _EMPTY
+
+
+_EMPTY = None
 
 
 def main(argv: list[str] | None = None) -> int:
