@@ -1,15 +1,16 @@
 """What the Hopper prefill's safe launch costs when no flag is set, alone and beside the fast launch.
 
 The prefill runs twice a step (``kernels/hopper_prefill.py``, "Masked keys"): the fast launch, then the
-safe launch, whose CTAs exit at once unless the fast launch found a non-finite output row. For each
-case (8192 tokens of one request, 32 q heads / 8 kv heads, 128 / 128, bf16, sinks; causal, window 1023,
-window 127), this probe times the fast launch alone, the safe launch alone and the two in turn, ten
-turns per CUDA-graph replay (``decode_probe``'s graph timing). It then replays sequences of kernels
-under ``torch.profiler`` and reports each kernel's own duration (median, us): the fast launch back to
-back, after the safe launch, after a safe launch of one CTA, after an empty Triton kernel, and after a
-cuBLAS matmul (``[4096, 4096] @ [4096, 2048]``, as a layer's projection runs before its attention)
-with and without the safe launch after it. One JSON line per case: the microseconds per launch (or
-per turn), the per-kernel durations of each sequence (``kernels``), and how many flags the fast
+safe launch, whose CTAs exit at once unless the fast launch found a non-finite output row. For each case
+(8192 tokens of one request, 32 q heads / 8 kv heads, 128 / 128, bf16, sinks; causal, window 1023, window
+127), this probe times the fast launch alone, the safe launch alone and the two in turn, ten turns per
+CUDA-graph replay (``decode_probe``'s graph timing). It then replays sequences of kernels under
+``torch.profiler`` and reports each kernel's own duration (median, us): the fast launch back to back,
+after the safe launch, after a safe launch of one CTA, after an empty Triton kernel, in turn with another
+binary of the same work (``fast_err``: the error-flag variant, whose producer also records bad table
+entries), and after a cuBLAS matmul (``[4096, 4096] @ [4096, 2048]``, as a layer's projection runs before
+its attention) with and without the safe launch after it. One JSON line per case: the microseconds per
+launch (or per turn), the per-kernel durations of each sequence (``kernels``), and how many flags the fast
 launch set (0 on these finite inputs).
 
 Needs a Hopper GPU (sm_90) with torch and triton's Gluon; without one it exits 2 saying so.
@@ -73,7 +74,7 @@ def _kernel_us(fns, names: list[str], rounds: int = 10) -> dict:
     events = sorted(
         (e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
     )
-    prefill = [n for n in names if n in ("fast", "safe")]
+    prefill = [n for n in names if n in ("fast", "safe", "fast_err")]
     runs: dict[str, list[float]] = {}
     seen = 0
     for e in events:
@@ -129,6 +130,12 @@ def run_case(window: int | None) -> dict:
     def safe():
         hp._hopper_prefill_kernel[grid](*args, **plan._consts["safe"])
 
+    err = torch.zeros(8, dtype=torch.int32, device="cuda")
+    args_err = args[:9] + (err,) + args[10:]
+
+    def fast_with_errors():  # another binary of the fast launch's work (HAS_ERR)
+        hp._hopper_prefill_kernel[grid](*args_err, **plan._consts[True])
+
     def safe_one_cta():
         hp._hopper_prefill_kernel[(1,)](*args, **plan._consts["safe"])
 
@@ -151,6 +158,7 @@ def run_case(window: int | None) -> dict:
         "fast,safe": ([fast, safe], ["fast", "safe"]),
         "fast,safe_one_cta": ([fast, safe_one_cta], ["fast", "safe"]),
         "fast,empty": ([fast, empty], ["fast", "empty"]),
+        "fast,fast_err": ([fast, fast_with_errors], ["fast", "fast_err"]),
         "matmul,fast": ([matmul, fast], ["matmul", "fast"]),
         "matmul,fast,safe": ([matmul, fast, safe], ["matmul", "fast", "safe"]),
     }
