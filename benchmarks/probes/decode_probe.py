@@ -330,8 +330,9 @@ def shapes_part(shapes) -> list[dict]:
     return recs
 
 
-def _graph_us(fns, rounds: int) -> float:
-    """Median us per call of a CUDA graph holding ``rounds`` passes over the launches ``fns``."""
+def _captured(fns, rounds: int):
+    """A CUDA graph holding ``rounds`` passes over the launches ``fns`` (each run once before, so
+    nothing compiles during capture), replayed once."""
     import torch
 
     s = torch.cuda.Stream()
@@ -346,6 +347,14 @@ def _graph_us(fns, rounds: int) -> float:
                     f()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def _graph_us(fns, rounds: int) -> float:
+    """Median us per call of a CUDA graph holding ``rounds`` passes over the launches ``fns``."""
+    import torch
+
+    g = _captured(fns, rounds)
     times = []
     for _ in range(7):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

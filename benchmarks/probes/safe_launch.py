@@ -53,20 +53,10 @@ def _kernel_us(fns, names: list[str], rounds: int = 10) -> dict:
     import statistics
 
     import torch
+    from decode_probe import _captured
     from torch.profiler import ProfilerActivity, profile
 
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(rounds):
-                for f in fns:
-                    f()
-    g.replay()
-    torch.cuda.synchronize()
+    g = _captured(fns, rounds)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             g.replay()
