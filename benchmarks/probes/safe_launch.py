@@ -17,7 +17,7 @@ Needs a Hopper GPU (sm_90) with torch and triton's Gluon; without one it exits 2
 
 Usage::
 
-    python benchmarks/probes/safe_launch.py [--out FILE.jsonl]
+    python benchmarks/probes/safe_launch.py [--out FILE.jsonl] [--windows none,1023,127]
 """
 
 from __future__ import annotations
@@ -35,7 +35,20 @@ sys.path.insert(0, HERE)
 from _outputs import device_problem, fail, force_help, give_up, open_records  # noqa: E402
 
 HQ, HKV, D, BS, T = 32, 8, 128, 64, 8192
-WINDOWS = (None, 1023, 127)
+
+
+def _windows(text: str) -> list[int | None]:
+    """``--windows``: ``none`` (causal) or a window of at least 1, comma separated."""
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part == "none":
+            out.append(None)
+        elif part.isdigit() and int(part) >= 1:
+            out.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"{part!r} is neither 'none' nor a window >= 1")
+    return out
 
 
 def _per_turn_us(fns) -> float:
@@ -177,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Needs a Hopper GPU (sm_90).")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this .jsonl file")
     ap.add_argument("--force", action="store_true", help=force_help("the --out file"))
+    ap.add_argument(
+        "--windows",
+        default="none,1023,127",
+        type=_windows,
+        help="comma list of the cases' windows, 'none' for causal (default: none,1023,127)",
+    )
     a = ap.parse_args(argv)
     existed = a.out is not None and os.path.lexists(a.out)
     try:
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             problem = "benchmarks/probes/safe_launch.py needs a Hopper GPU (sm_90) and triton's Gluon"
     if problem:
         return give_up(fh, a.out, existed, problem)
-    for window in WINDOWS:
+    for window in a.windows:
         rec = run_case(window)
         print(json.dumps(rec), flush=True)
         if fh is not None:
