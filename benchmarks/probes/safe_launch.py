@@ -8,10 +8,11 @@ CUDA-graph replay (``decode_probe``'s graph timing). It then replays sequences o
 ``torch.profiler`` and reports each kernel's own duration (median, us): the fast launch back to back,
 after the safe launch, after a safe launch of one CTA, after an empty Triton kernel, in turn with another
 binary of the same work (``fast_err``: the error-flag variant, whose producer also records bad table
-entries), and after a cuBLAS matmul (``[4096, 4096] @ [4096, 2048]``, as a layer's projection runs before
-its attention) with and without the safe launch after it. One JSON line per case: the microseconds per
-launch (or per turn), the per-kernel durations of each sequence (``kernels``), and how many flags the fast
-launch set (0 on these finite inputs).
+entries), after an idle launch of its own binary (``fast_idle``: one CTA, no work items), after a memset
+(with and without the safe launch before it), and after a cuBLAS matmul (``[4096, 4096] @ [4096, 2048]``,
+as a layer's projection runs before its attention) with and without the safe launch after it. One JSON
+line per case: the microseconds per launch (or per turn), the per-kernel durations of each sequence
+(``kernels``), and how many flags the fast launch set (0 on these finite inputs).
 
 Needs a Hopper GPU (sm_90) with torch and triton's Gluon; without one it exits 2 saying so.
 
@@ -78,7 +79,7 @@ def _kernel_us(fns, names: list[str], rounds: int = 10) -> dict:
     events = sorted(
         (e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
     )
-    prefill = [n for n in names if n in ("fast", "safe", "fast_err")]
+    prefill = [n for n in names if n in ("fast", "safe", "fast_err", "fast_idle")]
     other = [n for n in names if n not in prefill]
     runs: dict[str, list[float]] = {}
     seen = 0
@@ -144,6 +145,14 @@ def run_case(window: int | None) -> dict:
     def safe_one_cta():
         hp._hopper_prefill_kernel[(1,)](*args, **plan._consts["safe"])
 
+    args_idle = args[:-1] + (0,)  # no work items: the binary's prologue and exit only
+
+    def fast_idle():  # the fast binary again, on one CTA, with nothing to do
+        hp._hopper_prefill_kernel[(1,)](*args_idle, **plan._consts[False])
+
+    def memset():  # a small kernel of another kind (no shared memory)
+        x.zero_()
+
     x = torch.zeros(16, device="cuda")
     a_mm = torch.randn(4096, 4096, generator=gen, **kw)
     b_mm = torch.randn(4096, 2048, generator=gen, **kw)
@@ -164,6 +173,9 @@ def run_case(window: int | None) -> dict:
         "fast,safe_one_cta": ([fast, safe_one_cta], ["fast", "safe"]),
         "fast,empty": ([fast, empty], ["fast", "empty"]),
         "fast,fast_err": ([fast, fast_with_errors], ["fast", "fast_err"]),
+        "fast,fast_idle": ([fast, fast_idle], ["fast", "fast_idle"]),
+        "fast,memset": ([fast, memset], ["fast", "memset"]),
+        "fast,safe,memset": ([fast, safe, memset], ["fast", "safe", "memset"]),
         "matmul,fast": ([matmul, fast], ["matmul", "fast"]),
         "matmul,fast,safe": ([matmul, fast, safe], ["matmul", "fast", "safe"]),
     }
