@@ -12,18 +12,24 @@ entries), after an idle launch of its own binary (``fast_idle``: one CTA, no wor
 (with and without the safe launch before it), and after a cuBLAS matmul (``[4096, 4096] @ [4096, 2048]``,
 as a layer's projection runs before its attention) with and without the safe launch after it. One JSON
 line per case: the microseconds per launch (or per turn), the per-kernel durations of each sequence
-(``kernels``), and how many flags the fast launch set (0 on these finite inputs).
+(``kernels``), and how many flags the fast launch set (0 on these finite inputs). Two attributions of
+the fast launch's cost: ``fast_nocheck`` (the fast launch without its row check, ``profile=3``: timing
+only) back to back, and ``fast_shared`` (the fast binary asking for the safe binary's dynamic shared
+memory, ``shared`` in the record: does a change of size between launches cost the next one?) alone and
+in turn with the safe launch. ``--src TREE`` runs on another source tree; one from before the
+masked-key rule (no safe launch) reports its launch alone and after the matmul (``plan``).
 
 Needs a Hopper GPU (sm_90) with torch and triton's Gluon; without one it exits 2 saying so.
 
 Usage::
 
-    python benchmarks/probes/safe_launch.py [--out FILE.jsonl] [--windows none,1023,127]
+    python benchmarks/probes/safe_launch.py [--out FILE.jsonl] [--windows none,1023,127] [--src TREE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -79,7 +85,7 @@ def _kernel_us(fns, names: list[str], rounds: int = 10) -> dict:
     events = sorted(
         (e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
     )
-    prefill = [n for n in names if n in ("fast", "safe", "fast_err", "fast_idle")]
+    prefill = [n for n in names if n.startswith(("fast", "safe", "plan"))]
     other = [n for n in names if n not in prefill]
     runs: dict[str, list[float]] = {}
     seen = 0
@@ -93,8 +99,9 @@ def _kernel_us(fns, names: list[str], rounds: int = 10) -> dict:
     return {n: round(statistics.median(v), 1) for n, v in runs.items()}
 
 
-def run_case(window: int | None) -> dict:
-    """One case's record (see the module docstring)."""
+def _inputs(window: int | None):
+    """One case's inputs and plan: ``(hp, plan, q, out, sinks, cu, dec, table)``, the plan over random
+    caches (8192 tokens of one request, physical blocks in random order) from the imported tree."""
     import torch
 
     from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
@@ -112,6 +119,51 @@ def run_case(window: int | None) -> dict:
     sinks = torch.zeros(HQ, device="cuda")
     plan = hp.HopperPlan(kc, vc, HQ, sinks, qk_scale=1.4426950408889634 / D**0.5, sink_mode=1, headwise=False,
                          has_window=window is not None, window=window or 0, win_h0=0, win_h1=HKV)  # fmt: skip
+    return hp, plan, q, out, sinks, cu, dec, table
+
+
+def _matmul():
+    """A cuBLAS matmul as a layer's projection runs before its attention (``[4096, 4096] @ [4096, 2048]``)."""
+    import torch
+
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    a, b, c = torch.randn(4096, 4096, **kw), torch.randn(4096, 2048, **kw), torch.empty(4096, 2048, **kw)
+    return lambda: torch.mm(a, b, out=c)
+
+
+def run_plain_case(window: int | None) -> dict:
+    """A tree from before the masked-key rule (``--src``; its plan has no safe launch): its launch alone
+    and after the matmul, per-kernel durations."""
+    hp, plan, q, out, sinks, cu, dec, table = _inputs(window)
+
+    def plan_run():
+        plan.run(q, out, cu, dec, table)
+
+    matmul = _matmul()
+    sequences = {"plan": ([plan_run], ["plan"]), "matmul,plan": ([matmul, plan_run], ["matmul", "plan"])}
+    return dict(
+        window=window, tree="before the masked-key rule", plan_us=_per_turn_us([plan_run]),
+        kernels={k: _kernel_us(fns, names) for k, (fns, names) in sequences.items()},
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _asking_shared(compiled, shared: int):
+    """Launches of the compiled kernel ``compiled`` through Triton's path ask for ``shared`` bytes of
+    dynamic shared memory meanwhile (its packed launch metadata: Triton 3.6's ``(warps, ctas, shared)``)."""
+    packed = compiled.packed_metadata
+    compiled.packed_metadata = (*packed[:-1], shared)
+    try:
+        yield
+    finally:
+        compiled.packed_metadata = packed
+
+
+def run_case(window: int | None) -> dict:
+    """One case's record (see the module docstring)."""
+    import torch
+
+    hp, plan, q, out, sinks, cu, dec, table = _inputs(window)
     n_items, grid = plan._items(T, 1)
     tail = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), plan.stride_vr, table.stride(0),
             table.shape[1], plan.n_pages, T, 1, 2, *plan.scalars, n_items)  # fmt: skip
@@ -153,16 +205,14 @@ def run_case(window: int | None) -> dict:
     def memset():  # a small kernel of another kind (no shared memory)
         x.zero_()
 
+    def fast_nocheck():  # the fast launch without its row check (profile=3: timing only)
+        hp._hopper_prefill_kernel[grid](*args, **dict(plan._consts[False], PROFILE=3))
+
     x = torch.zeros(16, device="cuda")
-    a_mm = torch.randn(4096, 4096, generator=gen, **kw)
-    b_mm = torch.randn(4096, 2048, generator=gen, **kw)
-    c_mm = torch.empty(4096, 2048, **kw)
+    matmul = _matmul()
 
     def empty():
         _empty_kernel()[grid](x)
-
-    def matmul():
-        torch.mm(a_mm, b_mm, out=c_mm)
 
     fast()
     torch.cuda.synchronize()
@@ -179,10 +229,21 @@ def run_case(window: int | None) -> dict:
         "matmul,fast": ([matmul, fast], ["matmul", "fast"]),
         "matmul,fast,safe": ([matmul, fast, safe], ["matmul", "fast", "safe"]),
     }
+    sequences["fast_nocheck"] = ([fast_nocheck], ["fast_nocheck"])
+    kernels = {k: _kernel_us(fns, names) for k, (fns, names) in sequences.items()}
+    # the fast binary asking for the safe one's dynamic shared memory: is the slowdown after a safe
+    # launch a change of shared-memory size between the launches?
+    compiled_fast = hp._hopper_prefill_kernel[grid](*args, **plan._consts[False])
+    compiled_safe = hp._hopper_prefill_kernel[grid](*args, **plan._consts["safe"])
+    shared = (compiled_fast.metadata.shared, compiled_safe.metadata.shared)
+    if hasattr(compiled_fast, "packed_metadata"):
+        with _asking_shared(compiled_fast, shared[1]):
+            for k, fns, names in (("fast_shared", [fast], ["fast_shared"]),
+                                  ("fast_shared,safe", [fast, safe], ["fast_shared", "safe"])):  # fmt: skip
+                kernels[k] = _kernel_us(fns, names)
     return dict(
-        window=window, grid=grid[0], flags_set=flags, fast_us=_per_turn_us([fast]),
-        safe_us=_per_turn_us([safe]), fast_then_safe_us=_per_turn_us([fast, safe]),
-        kernels={k: _kernel_us(fns, names) for k, (fns, names) in sequences.items()},
+        window=window, grid=grid[0], flags_set=flags, shared=shared, fast_us=_per_turn_us([fast]),
+        safe_us=_per_turn_us([safe]), fast_then_safe_us=_per_turn_us([fast, safe]), kernels=kernels,
     )  # fmt: skip
 
 
@@ -208,7 +269,15 @@ def main(argv: list[str] | None = None) -> int:
         type=_windows,
         help="comma list of the cases' windows, 'none' for causal (default: none,1023,127)",
     )
+    ap.add_argument(
+        "--src",
+        default=None,
+        help="import fastdeploy_paddlefleet from this source tree (default: this checkout's src/); a tree "
+        "from before the masked-key rule times its one launch alone and after the matmul",
+    )
     a = ap.parse_args(argv)
+    if a.src is not None and not os.path.isdir(os.path.join(a.src, "fastdeploy_paddlefleet")):
+        return fail(ValueError(f"--src {a.src!r} holds no fastdeploy_paddlefleet package"))
     existed = a.out is not None and os.path.lexists(a.out)
     try:
         fh = open_records(a.out, script="safe_launch", force=a.force)  # refused before any work
@@ -216,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e)
     problem = device_problem("benchmarks/probes/safe_launch.py")
     if problem is None:
-        sys.path.insert(0, os.path.join(ROOT, "src"))
+        sys.path.insert(0, os.path.abspath(a.src) if a.src else os.path.join(ROOT, "src"))
         import torch
 
         from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
@@ -225,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
             problem = "benchmarks/probes/safe_launch.py needs a Hopper GPU (sm_90) and triton's Gluon"
     if problem:
         return give_up(fh, a.out, existed, problem)
+    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
+
+    plain = not hasattr(hp, "safe_key")  # a tree from before the masked-key rule: one launch a step
     for window in a.windows:
-        rec = run_case(window)
+        rec = run_plain_case(window) if plain else run_case(window)
         print(json.dumps(rec), flush=True)
         if fh is not None:
             fh.record(rec)

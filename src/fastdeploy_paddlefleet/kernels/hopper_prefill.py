@@ -926,7 +926,8 @@ if GLUON_IMPORT_ERROR is None:
                 l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
                 # l_i NaN where _poison found a seen non-finite V: the row is NaN, as dense attention's
                 o32 = acc / gl.expand_dims(gl.where(l_o == 0, 1.0, l_o), 1)
-                if not SAFE:  # a row's sum is NaN or Inf when one of its entries is (x - x is then NaN)
+                # a row's sum is NaN or Inf when one of its entries is (x - x is then NaN)
+                if not SAFE and PROFILE != 3:
                     rs = gl.sum(o32, 1)
                     ok = (tok0 + offs_om // GP < q_len) & (offs_om % GP < G)
                     gl.store(flag, gl.full_like(offs_om, 1), mask=ok & (rs - rs != 0))
@@ -1032,7 +1033,8 @@ class HopperPlan:
     ``block_n`` / ``q_bufs`` / ``num_stages``: key tile, Q buffers, K/V ring depth (default
     :func:`tile_for`; others for tuning, checked against shared memory). ``num_ctas``: persistent grid
     size (default: one CTA per SM). ``profile=1``: a timing ablation with the softmax left out (wrong
-    results; ``benchmarks/probes/hopper_variants.py`` only). ``peel`` (default): the first key tile out of the
+    results; ``benchmarks/probes/hopper_variants.py`` only); ``profile=3``: the fast launch without its
+    row check (a masked key's NaN then stays; ``benchmarks/probes/safe_launch.py`` only). ``peel`` (default): the first key tile out of the
     loop (wgmma's stay asynchronous, :func:`_item_peeled`; ``False``: the old loop); ``pingpong``:
     ``peel`` plus the consumers' ping-pong on named barriers (:func:`_turn`). ``snake`` (default): every
     second full wave of work items reversed (:func:`_scheduled`; the H200 ran 2-10 % faster in 9 of 10
