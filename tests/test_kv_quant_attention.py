@@ -266,6 +266,28 @@ def test_fp16_inputs():
     run_quant(MIXED, "int8", dtype=torch.float16, num_splits=2)
 
 
+@pytest.mark.parametrize("num_splits", [None, 2])
+def test_fp16_small_values_keep_their_precision(num_splits):
+    """An fp16 model over a block_wise_fp8 cache of small V values (|v| ~ 1e-3, fp16 scales ~ 2e-6):
+    P times V's per-token scales would fall below fp16's normal range, where it loses bits. The error
+    relative to the output's size stays what it is for |v| ~ 1 (the dense reference on the dequantized
+    cache; decode, split-KV and prefill rows)."""
+    s = tk.make_step([(200, 1), (40, 37), (0, 50), (300, 1)], hkv=2, group=2, dqk=64, dv=64, block_size=16,
+                     dtype=torch.float16, seed=1)  # fmt: skip
+    s.value_cache.mul_(1e-3)
+    s.v.mul_(1e-3)
+    s.q.mul_(0.2)  # scores spread over many keys: many small P
+    qs = QStep(s, fmt_of("block_wise_fp8"))
+    scale = 1.0 / math.sqrt(64)
+    out = qs.attend(scale=scale, num_splits=num_splits)
+    for b in range(len(s.reqs)):
+        lo, hi = int(s.cu[b]), int(s.cu[b + 1])
+        want = dense_attention(s.q[lo:hi].cpu(), qs.history(b, "k"), qs.history(b, "v"), scale=scale,
+                               compute_dtype=torch.float64)  # fmt: skip
+        err = (out[lo:hi].cpu().double() - want).abs().max() / want.abs().max()
+        assert err < 1.5e-3, f"request {b}: max abs error {float(err):.1e} of the largest output"
+
+
 @triton.jit
 def _q_probe(Q, Out, Scale, M: tl.constexpr, D: tl.constexpr):
     """``_q_for_codes`` on a bf16 ``Q [M, D]``: the fp16 q into ``Out``, the score scale into ``Scale``."""

@@ -165,7 +165,8 @@ def _tile(
     Quantized caches (``KV_CODE`` 1: e4m3fn, 2: int8 + 128): the codes convert exactly to q's dtype for
     the dots (``K_F16``: K's e4m3 codes as fp16, with q, V's as bf16: ``_q_for_codes``); per-token
     scales (``SCALE_MODE`` 1: ``KS`` / ``VS`` ``[pages, block_size]`` at strides ``stride_ksp`` /
-    ``stride_ksr``) multiply the scores' columns (K) and P's columns (V), in fp32. A
+    ``stride_ksr``) multiply the scores' columns (K) and P's columns (V), in fp32 (with fp16 codes each
+    row of the scaled P relative to its largest entry: :func:`_pv_token_scaled`). A
     key's scale is loaded like its codes (zero where not loaded); in prefill's masked tiles a
     non-finite V scale counts as a non-finite V entry (zeroed for the dot, NaN where seen), a
     non-finite K scale scores NaN, which only reaches scores the mask replaces (or a row that sees it)."""
@@ -266,10 +267,29 @@ def _tile(
     acc = acc * alpha[:, None]
     if PROFILE != 2:
         if SCALE_MODE == 1:  # V's per-token scales on P's columns (fp32), then P @ codes
-            acc = _dot((p.to(tl.float32) * vs[None, :]).to(v.dtype), v, acc)
+            acc = _pv_token_scaled(p.to(tl.float32) * vs[None, :], v, acc)
         else:
             acc = _dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _pv_token_scaled(pv, v, acc):
+    """``acc + pv @ v`` for ``pv [M, N]`` (P times V's per-token scales, fp32) and ``v [N, DV]`` (codes
+    in the dot's dtype), accumulated in fp32. fp16 codes: ``pv`` in fp16 would lose bits below 2^-14
+    and vanish below 2^-24 (small scales: a cache of small V values), so each row is taken relative to
+    its largest finite entry, a power of two ``2^e`` taken out of the dot and put back on the row
+    (exact). A key a row may not see has ``P = 0`` there and so leaves that row's ``2^e`` alone."""
+    if v.dtype == tl.float16:
+        top = tl.max(tl.where(tl.abs(pv) < float("inf"), tl.abs(pv), 0.0), 1)  # [M]
+        bits = top.to(tl.int32, bitcast=True) & 0x7F800000
+        bits = tl.where(bits > 0, bits, 127 << 23)  # a zero or subnormal row: as it is
+        unit = bits.to(tl.float32, bitcast=True)  # 2^e
+        inv = ((254 << 23) - bits).to(tl.float32, bitcast=True)  # 2^-e
+        out = _dot((pv * inv[:, None]).to(v.dtype), v, acc * inv[:, None]) * unit[:, None]
+    else:
+        out = _dot(pv.to(v.dtype), v, acc)
+    return out
 
 
 @triton.jit

@@ -1034,8 +1034,9 @@ class HopperPlan:
     :func:`tile_for`; others for tuning, checked against shared memory). ``num_ctas``: persistent grid
     size (default: one CTA per SM). ``profile=1``: a timing ablation with the softmax left out (wrong
     results; ``benchmarks/probes/hopper_variants.py`` only); ``profile=3``: the fast launch without its
-    row check (a masked key's NaN then stays; ``benchmarks/probes/safe_launch.py`` only). ``peel`` (default): the first key tile out of the
-    loop (wgmma's stay asynchronous, :func:`_item_peeled`; ``False``: the old loop); ``pingpong``:
+    row check (a masked key's NaN then stays; ``benchmarks/probes/safe_launch.py`` only). ``peel``
+    (default): the first key tile out of the loop (wgmma's stay asynchronous, :func:`_item_peeled`;
+    ``False``: the old loop); ``pingpong``:
     ``peel`` plus the consumers' ping-pong on named barriers (:func:`_turn`). ``snake`` (default): every
     second full wave of work items reversed (:func:`_scheduled`; the H200 ran 2-10 % faster in 9 of 10
     same-call cases over two calls; ``False``: round robin). ``consumer_regs`` / ``producer_regs``: the

@@ -27,8 +27,9 @@ or int8 codes stored as ``code + 128``) with dequant scales ``x ~= code * scale`
 ``[num_blocks, Hkv, block_size]`` (``block_wise_fp8``, beside the codes), per kv head ``[Hkv]`` or per
 channel ``[Hkv * D]`` (static). The kernels convert codes exactly to q's dtype for the tensor-core dots
 (fp32 accumulation) and apply the scales where they cost least: per-token K scales on the scores'
-columns, per-token V scales on P's columns, static K scales folded into q, static V scales on the
-output. The Hopper prefill does not read them: ``auto`` picks the portable prefill.
+columns, per-token V scales on P's columns (under an fp16 model each row of that product taken relative
+to its largest entry, a power of two: small scales keep fp16's precision), static K scales folded into q,
+static V scales on the output. The Hopper prefill does not read them: ``auto`` picks the portable prefill.
 """
 
 from __future__ import annotations
