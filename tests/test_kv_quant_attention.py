@@ -266,26 +266,44 @@ def test_fp16_inputs():
     run_quant(MIXED, "int8", dtype=torch.float16, num_splits=2)
 
 
-@pytest.mark.parametrize("num_splits", [None, 2])
-def test_fp16_small_values_keep_their_precision(num_splits):
-    """An fp16 model over a block_wise_fp8 cache of small V values (|v| ~ 1e-3, fp16 scales ~ 2e-6):
-    P times V's per-token scales would fall below fp16's normal range, where it loses bits. The error
-    relative to the output's size stays what it is for |v| ~ 1 (the dense reference on the dequantized
-    cache; decode, split-KV and prefill rows)."""
-    s = tk.make_step([(200, 1), (40, 37), (0, 50), (300, 1)], hkv=2, group=2, dqk=64, dv=64, block_size=16,
-                     dtype=torch.float16, seed=1)  # fmt: skip
+def _small_values_error(reqs, *, dqk: int, block_size: int, num_splits: int | None) -> float:
+    """Max over requests of max |out - dense| / max |dense| for an fp16 model over a block_wise_fp8 cache
+    of small V values (|v| ~ 1e-3: fp16 scales ~ 2e-6) and spread scores (many small P)."""
+    s = tk.make_step(reqs, hkv=2, group=2, dqk=dqk, dv=dqk, block_size=block_size, dtype=torch.float16,
+                     seed=1)  # fmt: skip
     s.value_cache.mul_(1e-3)
     s.v.mul_(1e-3)
-    s.q.mul_(0.2)  # scores spread over many keys: many small P
+    s.q.mul_(0.2)
     qs = QStep(s, fmt_of("block_wise_fp8"))
-    scale = 1.0 / math.sqrt(64)
+    scale = 1.0 / math.sqrt(dqk)
     out = qs.attend(scale=scale, num_splits=num_splits)
+    worst = 0.0
     for b in range(len(s.reqs)):
         lo, hi = int(s.cu[b]), int(s.cu[b + 1])
         want = dense_attention(s.q[lo:hi].cpu(), qs.history(b, "k"), qs.history(b, "v"), scale=scale,
                                compute_dtype=torch.float64)  # fmt: skip
-        err = (out[lo:hi].cpu().double() - want).abs().max() / want.abs().max()
-        assert err < 1.5e-3, f"request {b}: max abs error {float(err):.1e} of the largest output"
+        worst = max(worst, float((out[lo:hi].cpu().double() - want).abs().max() / want.abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("num_splits", [None, 2])
+def test_fp16_small_values_keep_their_precision(num_splits):
+    """P times V's per-token scales would fall below fp16's normal range for small V values, where it
+    loses bits: the error relative to the output's size stays what it is for |v| ~ 1 (the dense
+    reference on the dequantized cache; decode, split-KV and prefill rows)."""
+    err = _small_values_error([(200, 1), (40, 37), (0, 50), (300, 1)], dqk=64, block_size=16,
+                              num_splits=num_splits)  # fmt: skip
+    assert err < 1.5e-3, f"max abs error {err:.1e} of the largest output"
+
+
+@gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
+def test_gpu_fp16_small_values_keep_their_precision():
+    """The same on the GPU's compiled kernels at head dim 128, block size 64, longer contexts."""
+    reqs = [(3000, 1), (700, 300), (0, 257), (1500, 1)]
+    for splits in (None, 8):
+        err = _small_values_error(reqs, dqk=128, block_size=64, num_splits=splits)
+        assert err < 1.5e-3, f"num_splits={splits}: max abs error {err:.1e} of the largest output"
 
 
 @triton.jit
