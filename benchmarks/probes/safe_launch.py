@@ -228,8 +228,8 @@ def run_case(window: int | None) -> dict:
         "fast,safe,memset": ([fast, safe, memset], ["fast", "safe", "memset"]),
         "matmul,fast": ([matmul, fast], ["matmul", "fast"]),
         "matmul,fast,safe": ([matmul, fast, safe], ["matmul", "fast", "safe"]),
+        "fast_nocheck": ([fast_nocheck], ["fast_nocheck"]),
     }
-    sequences["fast_nocheck"] = ([fast_nocheck], ["fast_nocheck"])
     kernels = {k: _kernel_us(fns, names) for k, (fns, names) in sequences.items()}
     # the fast binary asking for the safe one's dynamic shared memory: is the slowdown after a safe
     # launch a change of shared-memory size between the launches?
@@ -294,8 +294,6 @@ def main(argv: list[str] | None = None) -> int:
             problem = "benchmarks/probes/safe_launch.py needs a Hopper GPU (sm_90) and triton's Gluon"
     if problem:
         return give_up(fh, a.out, existed, problem)
-    from fastdeploy_paddlefleet.kernels import hopper_prefill as hp
-
     plain = not hasattr(hp, "safe_key")  # a tree from before the masked-key rule: one launch a step
     for window in a.windows:
         rec = run_plain_case(window) if plain else run_case(window)
