@@ -27,7 +27,7 @@ import test_triton_kernels as tk  # noqa: E402  (sets TRITON_INTERPRET before th
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fastdeploy_paddlefleet.kernels.attention_kernels import _q_for_codes  # noqa: E402
+from fastdeploy_paddlefleet.kernels.attention_kernels import _e4m3_as_f16_in_place, _q_for_codes  # noqa: E402
 from fastdeploy_paddlefleet.kernels.cache_write import write_kv_cache  # noqa: E402
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention, gather_request_kv  # noqa: E402
 from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
@@ -306,11 +306,47 @@ def test_gpu_fp16_small_values_keep_their_precision():
         assert err < 1.5e-3, f"num_splits={splits}: max abs error {err:.1e} of the largest output"
 
 
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "fp8_per_head", "fp8_per_channel"])
+@pytest.mark.parametrize("f16_codes", [2, 3])
+def test_bf16_model_reads_fp8_codes_as_fp16(fmt, f16_codes, monkeypatch):
+    """A bf16 model over an e4m3 cache reads K's and V's codes as fp16 (``F16_CODES`` 2, or 3: V's
+    converted where loaded, GPU only; the interpreter takes 2): decode, split-KV, a mixed batch, a
+    window with sinks over released pages, against the dense reference on the dequantized cache. Every
+    dot is then fp16, so the interpreter checks it too (its bf16 ``tl.dot`` is not exact)."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "FP8_F16_CODES", f16_codes)
+    kw = dict(dtype=torch.bfloat16, dqk=32, dv=32)
+    run_quant(MIXED, fmt, **kw)
+    run_quant([(70, 1), (41, 1)], fmt, num_splits=4, **kw)
+    run_quant([(30, 6), (27, 1)], fmt, window_left=5, release=True, sink_kind="learnable", **kw)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_e4m3_codes_convert_exactly_where_loaded():
+    """``_e4m3_as_f16_in_place`` (inline PTX) gives every one of the 256 codes the fp16 value torch's
+    ``float8_e4m3fn`` has (NaN for the two NaN codes), in a tile shaped as V's."""
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(16, 16).repeat(4, 8)  # [64, 128]
+    out = torch.empty(codes.shape, dtype=torch.float16, device=DEVICE)
+    _e4m3_probe[(1,)](codes, out, 64, 128)
+    want = codes.view(torch.float8_e4m3fn).to(torch.float16)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan], want[~nan])
+
+
+@triton.jit
+def _e4m3_probe(X, Out, N: tl.constexpr, D: tl.constexpr):
+    offs = tl.arange(0, N)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(Out + offs, _e4m3_as_f16_in_place(tl.load(X + offs)))
+
+
 @triton.jit
 def _q_probe(Q, Out, Scale, M: tl.constexpr, D: tl.constexpr):
     """``_q_for_codes`` on a bf16 ``Q [M, D]``: the fp16 q into ``Out``, the score scale into ``Scale``."""
     offs = tl.arange(0, M)[:, None] * D + tl.arange(0, D)[None, :]
-    q, s = _q_for_codes(tl.load(Q + offs), 0.5, True)
+    q, s = _q_for_codes(tl.load(Q + offs), 0.5, 1)
     tl.store(Out + offs, q)
     tl.store(Scale, s)
 

@@ -43,13 +43,35 @@ def _codes(x, dtype, KV_CODE: tl.constexpr):
 
 
 @triton.jit
-def _q_for_codes(q, qk_scale, K_F16: tl.constexpr):
-    """``(q, qk_scale)`` for the score dots. ``K_F16`` (e4m3 codes under a bf16 model): K's codes are
-    read as fp16, one ``cvt.f16x2.e4m3x2`` per pair (to bf16 it takes four, and they bound the key
-    loops), so ``q [M, D]`` goes to fp16 too, exactly: bf16 has fewer mantissa bits, and a power of
-    two ``2^-e`` brings ``max|q|`` under ``2^15`` first (``e`` is folded back into ``qk_scale``).
-    Otherwise: as they are."""
-    if K_F16:
+def _e4m3_as_f16_in_place(x):
+    """e4m3fn codes ``x [N, D]`` (uint8, D even) as fp16 ``[N, D]``, exactly: one ``cvt.rn.f16x2.e4m3x2``
+    (inline PTX, so GPU only) per pair of neighbouring codes, in the layout they were loaded in.
+
+    Why not ``x.to(tl.float8e4nv, bitcast=True).to(tl.float16)``: Triton moves that conversion past the
+    shared memory into the dot's operand layout, and for ``P @ V``'s B operand (pairs along the keys,
+    codes contiguous along D) it then reads V's codes one byte at a time (64 ``LDS.U8`` per 64-key
+    tile, sm_90 offline). The split into pairs and the join after it keep the conversion where the
+    codes were loaded; the fp16 tile then takes the transposing ``ldmatrix`` as a bf16 tile would."""
+    n: tl.constexpr = x.shape[0]
+    d: tl.constexpr = x.shape[1]
+    lo, hi = tl.split(tl.reshape(x, (n, d // 2, 2)))
+    pair = (lo.to(tl.uint16) | (hi.to(tl.uint16) << 8)).to(tl.int16, bitcast=True)
+    f16x2 = tl.inline_asm_elementwise(
+        "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [pair], dtype=tl.int32, is_pure=True, pack=1
+    )
+    first = (f16x2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    second = (f16x2 >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(first, second), (n, d))
+
+
+@triton.jit
+def _q_for_codes(q, qk_scale, F16_CODES: tl.constexpr):
+    """``(q, qk_scale)`` for the score dots. ``F16_CODES`` (e4m3 codes under a bf16 model; 1: K's, 2 and
+    3: K's and V's, 3 by :func:`_e4m3_as_f16_in_place`): the codes are read as fp16, one
+    ``cvt.f16x2.e4m3x2`` per pair (to bf16 it takes four, and they bound the key loops), so ``q [M, D]``
+    goes to fp16 too, exactly: bf16 has fewer mantissa bits, and a power of two ``2^-e`` brings
+    ``max|q|`` under ``2^15`` first (``e`` is folded back into ``qk_scale``). Otherwise: as they are."""
+    if F16_CODES > 0:
         amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
         big = (amax > 32768.0) & (amax < float("inf"))
         e = tl.where(big, tl.math.ceil(tl.log2(tl.where(big, amax, 1.0))) - 15.0, 0.0)
@@ -142,7 +164,7 @@ def _tile(
     USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0, ROWS_ALIKE: tl.constexpr = False,
     KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
-    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, K_F16: tl.constexpr = False,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, F16_CODES: tl.constexpr = 0,
     CLEAN: tl.constexpr = True,
 ):  # fmt: skip
     """One key tile ``[s, s + BLOCK_N)`` into the online softmax. ``page`` is a scalar (the tile lies
@@ -163,7 +185,8 @@ def _tile(
     wrong results): 1 drops the softmax (P = S), 2 drops the P @ V dot.
 
     Quantized caches (``KV_CODE`` 1: e4m3fn, 2: int8 + 128): the codes convert exactly to q's dtype for
-    the dots (``K_F16``: K's e4m3 codes as fp16, with q, V's as bf16: ``_q_for_codes``); per-token
+    the dots (``F16_CODES`` 1: K's e4m3 codes as fp16, with q, V's as bf16; 2 and 3: both as fp16:
+    ``_q_for_codes``); per-token
     scales (``SCALE_MODE`` 1: ``KS`` / ``VS`` ``[pages, block_size]`` at strides ``stride_ksp`` /
     ``stride_ksr``) multiply the scores' columns (K) and P's columns (V), in fp32 (with fp16 codes each
     row of the scaled P relative to its largest entry: :func:`_pv_token_scaled`). A
@@ -201,9 +224,11 @@ def _tile(
             zero_code = 128 if KV_CODE == 2 else 0
             k = _codes(tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=zero_code), q.dtype, KV_CODE)
             v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=zero_code)
-            if K_F16:  # V's codes in the model's bf16: P @ V stays as it was (no fp16 range to keep)
+            if F16_CODES == 1:  # V's codes in the model's bf16: P @ V as it was (no fp16 range to keep)
                 v = _codes(v, tl.bfloat16, KV_CODE)
-            else:
+            elif F16_CODES == 3:  # fp16, converted where loaded (GPU only): the same values as 2
+                v = _e4m3_as_f16_in_place(v)
+            else:  # F16_CODES 2: fp16 like q; P's rows then keep their bits by _pv_token_scaled
                 v = _codes(v, q.dtype, KV_CODE)
     if SCALE_MODE == 1:  # per-token scales, loaded like the keys' codes (page: a scalar or per key)
         ks = tl.load(KS + page * stride_ksp + slot * stride_ksr, mask=ok, other=0.0).to(tl.float32)
@@ -304,7 +329,7 @@ def _attend(
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, KERNEL: tl.constexpr = 0,
     ROWS_ALIKE: tl.constexpr = False,
     KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
-    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, K_F16: tl.constexpr = False,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, F16_CODES: tl.constexpr = 0,
     CLEAN: tl.constexpr = True,
 ):  # fmt: skip
     """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions (all the
@@ -340,7 +365,7 @@ def _attend(
                     kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                     BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
                     SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                    KV_CODE, SCALE_MODE, K_F16, CLEAN,
+                    KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
                 )  # fmt: skip
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
@@ -357,7 +382,7 @@ def _attend(
                 kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
                 BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
                 SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                KV_CODE, SCALE_MODE, K_F16, CLEAN,
+                KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
             )  # fmt: skip
     return acc, l_i, m_i, bad
 
@@ -405,7 +430,7 @@ def _prefill_keys(
     HKV: tl.constexpr, HEADWISE: tl.constexpr, HAS_WINDOW: tl.constexpr, SINK_MODE: tl.constexpr,
     USE_TMA: tl.constexpr, EXP_BF16: tl.constexpr, PROFILE: tl.constexpr, PAGE_H: tl.constexpr,
     SOFTCAP: tl.constexpr, ERR: tl.constexpr, KV_CODE: tl.constexpr, SCALE_MODE: tl.constexpr,
-    K_F16: tl.constexpr, CLEAN: tl.constexpr,
+    F16_CODES: tl.constexpr, CLEAN: tl.constexpr,
 ):  # fmt: skip
     """One prefill program's keys from the sink state: the masked tiles ``[a, ul)`` (the window's left
     edge), the tiles every row sees ``[ul, uh)``, the masked tiles ``[uh, p_last]`` (the causal
@@ -419,7 +444,7 @@ def _prefill_keys(
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP, ERR, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16, CLEAN,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -427,7 +452,7 @@ def _prefill_keys(
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP, ERR, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16, CLEAN,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -435,7 +460,7 @@ def _prefill_keys(
         qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_NM, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, EXP_BF16, PROFILE, PAGE_H,
         SOFTCAP, ERR, KERNEL_PREFILL, False,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16, CLEAN,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
     )  # fmt: skip
     return acc, l_i, m_i, bad
 
@@ -454,7 +479,7 @@ def _prefill_program(
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
     KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 16,
-    K_F16: tl.constexpr = False, SAFE: tl.constexpr = False,
+    F16_CODES: tl.constexpr = 0, SAFE: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``pid`` of the prefill launch (a tile of ``BLOCK_Q`` query tokens of one request, kv head;
     ``_prefill_kernel``); ``SAFE``: the masked tiles cleaned, else ``Redo[pid]`` written."""
@@ -496,7 +521,7 @@ def _prefill_program(
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
     q = tl.load(Q + q_rows[:, None] + offs_dk[None, :], mask=q_mask, other=0.0)
     q = _fold_k_scale(q, KS, kvh, offs_dk, DQK, SCALE_MODE)
-    q, qk_scale = _q_for_codes(q, qk_scale, K_F16)
+    q, qk_scale = _q_for_codes(q, qk_scale, F16_CODES)
 
     w = _head_window(kvh, window, win_h0, win_h1, HAS_WINDOW)
     p_first = ctx + tok0
@@ -512,7 +537,7 @@ def _prefill_program(
         lo_key, kv_len, w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr,
         KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
         DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NM, BS, HKV, HEADWISE, HAS_WINDOW, SINK_MODE,
-        USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR & ERR_LOOP, KV_CODE, SCALE_MODE, K_F16, SAFE,
+        USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR & ERR_LOOP, KV_CODE, SCALE_MODE, F16_CODES, SAFE,
     )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if not SAFE:  # a row's sum is NaN or Inf when one of its entries is (and x - x is then NaN)
@@ -548,7 +573,7 @@ def _prefill_kernel(
     EXP_BF16: tl.constexpr = False, PROFILE: tl.constexpr = 0, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
     KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, BLOCK_NM: tl.constexpr = 16,
-    K_F16: tl.constexpr = False, SAFE: tl.constexpr = False,
+    F16_CODES: tl.constexpr = 0, SAFE: tl.constexpr = False,
 ):  # fmt: skip
     """One (tile of ``BLOCK_Q`` query tokens of one request, kv head). ``KV_CODE`` / ``SCALE_MODE``: a
     quantized cache (``_tile``; static scales: K's folded into q, V's applied to the output).
@@ -583,7 +608,7 @@ def _prefill_kernel(
                             win_h1, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, G, GP, HKV, DQK,
                             DV, BLOCK_DQK, BLOCK_DV, BLOCK_Q, BLOCK_N, BS, HEADWISE, HAS_WINDOW, SINK_MODE,
                             USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR, ERR_LOOP, KV_CODE,
-                            SCALE_MODE, BLOCK_NM, K_F16, SAFE,
+                            SCALE_MODE, BLOCK_NM, F16_CODES, SAFE,
                         )  # fmt: skip
     else:
         _prefill_program(
@@ -592,7 +617,7 @@ def _prefill_kernel(
             n_pages, n_tok, num_reqs, min_q_len, qk_scale, window, win_h0, win_h1, KS, VS, stride_ksp,
             stride_ksr, stride_vsp, stride_vsr, G, GP, HKV, DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_Q, BLOCK_N,
             BS, HEADWISE, HAS_WINDOW, SINK_MODE, USE_TMA, EXP_BF16, PROFILE, PAGE_H, SOFTCAP, HAS_ERR,
-            ERR_LOOP, KV_CODE, SCALE_MODE, BLOCK_NM, K_F16, SAFE,
+            ERR_LOOP, KV_CODE, SCALE_MODE, BLOCK_NM, F16_CODES, SAFE,
         )  # fmt: skip
 
 
@@ -656,7 +681,7 @@ def _decode_kernel(
     SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
     FUSE_WRITE: tl.constexpr = False, KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
-    K_F16: tl.constexpr = False,
+    F16_CODES: tl.constexpr = 0,
 ):  # fmt: skip
     """One (request, kv head, split) of a decode step. ``FUSE_WRITE``: the step's own K/V (row ``q0``
     of ``Kn [T, Hkv, Dqk]`` / ``Vn [T, Hkv, Dv]``) are not in the cache yet: the split holding the
@@ -694,7 +719,7 @@ def _decode_kernel(
     q_rows = q0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_dk[None, :]
     q_mask = row_ok[:, None] & (offs_dk[None, :] < DQK)
     q = _fold_k_scale(tl.load(Q + q_rows, mask=q_mask, other=0.0), KS, kvh, offs_dk, DQK, SCALE_MODE)
-    q, qk_scale = _q_for_codes(q, qk_scale, K_F16)
+    q, qk_scale = _q_for_codes(q, qk_scale, F16_CODES)
     posv = tl.full([BLOCK_H], 0, tl.int32) + pos
     if NUM_SPLITS == 1:
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
@@ -716,7 +741,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -724,7 +749,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -732,7 +757,7 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, K_F16,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES,
     )  # fmt: skip
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:

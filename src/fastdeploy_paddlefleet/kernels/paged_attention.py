@@ -157,6 +157,11 @@ def choose_num_splits(num_requests: int, num_kv_heads: int, span: int, block_n: 
 
 
 SPLIT_TARGET = 2
+#: e4m3 cache codes under a bf16 model: 1 reads K's codes as fp16 (one ``cvt`` per pair instead of four)
+#: and V's as bf16; 2 reads both as fp16 (``attention_kernels._pv_token_scaled`` keeps P's rows exact);
+#: 3 as 2, V's converted where they were loaded (``attention_kernels._e4m3_as_f16_in_place``; GPU only,
+#: 2 under the interpreter)
+FP8_F16_CODES = 3
 MIN_TILES_PER_SPLIT = 4
 
 
@@ -519,12 +524,16 @@ class AttentionPlan:
         # table entries must lie in [0, n_pages): blocks, or head-wise pages (block * Hkv + head)
         self.n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
         self.common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
+        # e4m3 codes under a bf16 model: read as fp16 (attention_kernels._q_for_codes)
+        fp8_bf16 = quant is not None and quant.code == "fp8" and str(q.dtype).endswith("bfloat16")
+        f16_codes = FP8_F16_CODES if fp8_bf16 else 0
+        if f16_codes == 3 and not q.is_cuda:  # inline PTX: the interpreter takes 2 (the same values)
+            f16_codes = 2
         self.consts = dict(
             HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
             BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h, SOFTCAP=softcap,
             KV_CODE=KV_CODES[quant.code] if quant is not None else 0, SCALE_MODE=scales[0],
-            # e4m3 codes under a bf16 model: K's read as fp16 (attention_kernels._q_for_codes)
-            K_F16=quant is not None and quant.code == "fp8" and str(q.dtype).endswith("bfloat16"),
+            F16_CODES=f16_codes,
         )  # fmt: skip
         self.kv_quant = quant
         #: the scales as the kernels take them (the key cache where unused: any pointer), their strides
