@@ -310,12 +310,14 @@ def test_gpu_fp16_small_values_keep_their_precision():
 @pytest.mark.parametrize("f16_codes", [2, 3])
 def test_bf16_model_reads_fp8_codes_as_fp16(fmt, f16_codes, monkeypatch):
     """A bf16 model over an e4m3 cache reads K's and V's codes as fp16 (``F16_CODES`` 2, or 3: V's
-    converted where loaded, GPU only; the interpreter takes 2): decode, split-KV, a mixed batch, a
-    window with sinks over released pages, against the dense reference on the dequantized cache. Every
-    dot is then fp16, so the interpreter checks it too (its bf16 ``tl.dot`` is not exact)."""
+    converted where loaded, GPU only; the interpreter takes 2; decode's default, and the prefill's here):
+    decode, split-KV, a mixed batch, a window with sinks over released pages, against the dense reference
+    on the dequantized cache. Every dot is then fp16, so the interpreter checks it too (its bf16
+    ``tl.dot`` is not exact)."""
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
-    monkeypatch.setattr(pa, "FP8_F16_CODES", f16_codes)
+    monkeypatch.setattr(pa, "FP8_F16_CODES_DECODE", f16_codes)
+    monkeypatch.setattr(pa, "FP8_F16_CODES_PREFILL", f16_codes)
     kw = dict(dtype=torch.bfloat16, dqk=32, dv=32)
     run_quant(MIXED, fmt, **kw)
     run_quant([(70, 1), (41, 1)], fmt, num_splits=4, **kw)

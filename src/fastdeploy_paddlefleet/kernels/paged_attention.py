@@ -157,11 +157,14 @@ def choose_num_splits(num_requests: int, num_kv_heads: int, span: int, block_n: 
 
 
 SPLIT_TARGET = 2
-#: e4m3 cache codes under a bf16 model: 1 reads K's codes as fp16 (one ``cvt`` per pair instead of four)
-#: and V's as bf16; 2 reads both as fp16 (``attention_kernels._pv_token_scaled`` keeps P's rows exact);
-#: 3 as 2, V's converted where they were loaded (``attention_kernels._e4m3_as_f16_in_place``; GPU only,
-#: 2 under the interpreter)
-FP8_F16_CODES = 3
+#: e4m3 cache codes under a bf16 model, decode and prefill launches: 1 reads K's codes as fp16 (one ``cvt``
+#: per pair instead of four) and V's as bf16; 2 reads both as fp16 (``attention_kernels._pv_token_scaled``
+#: keeps P's rows exact); 3 as 2, V's converted where they were loaded
+#: (``attention_kernels._e4m3_as_f16_in_place``; GPU only, 2 under the interpreter). The prefill keeps 1:
+#: with 128-row tiles the row scaling of 2 / 3 costs more than V's conversions (sm_90 offline: 745
+#: against 563 instructions per key tile); decode's 16 rows pay little for it (benchmarks/NOTES.md)
+FP8_F16_CODES_DECODE = 3
+FP8_F16_CODES_PREFILL = 1
 MIN_TILES_PER_SPLIT = 4
 
 
@@ -526,14 +529,15 @@ class AttentionPlan:
         self.common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
         # e4m3 codes under a bf16 model: read as fp16 (attention_kernels._q_for_codes)
         fp8_bf16 = quant is not None and quant.code == "fp8" and str(q.dtype).endswith("bfloat16")
-        f16_codes = FP8_F16_CODES if fp8_bf16 else 0
-        if f16_codes == 3 and not q.is_cuda:  # inline PTX: the interpreter takes 2 (the same values)
-            f16_codes = 2
+        #: ``F16_CODES`` of the (prefill, decode) launches; 3 is inline PTX: the interpreter takes 2
+        self.f16_codes = tuple(
+            (2 if mode == 3 and not q.is_cuda else mode) if fp8_bf16 else 0
+            for mode in (FP8_F16_CODES_PREFILL, FP8_F16_CODES_DECODE)
+        )
         self.consts = dict(
             HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
             BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h, SOFTCAP=softcap,
             KV_CODE=KV_CODES[quant.code] if quant is not None else 0, SCALE_MODE=scales[0],
-            F16_CODES=f16_codes,
         )  # fmt: skip
         self.kv_quant = quant
         #: the scales as the kernels take them (the key cache where unused: any pointer), their strides
@@ -1047,7 +1051,7 @@ class AttentionPlan:
                 SINK_MODE=self.sink_mode, SAFE=has_err == "safe",
                 USE_TMA=self.prefill_desc is not None, EXP_BF16=self.exp_bf16, PROFILE=cfg.profile,
                 HAS_ERR=has_err is True, ERR_LOOP=ERR_LOOP_PREFILL, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **self.consts, **_reg_cap(cfg),
+                num_stages=cfg.num_stages, F16_CODES=self.f16_codes[0], **self.consts, **_reg_cap(cfg),
             )  # fmt: skip
         return consts
 
@@ -1068,7 +1072,7 @@ class AttentionPlan:
                 G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
                 NUM_SPLITS=num_splits, USE_TMA=self.decode_desc is not None, HAS_ERR=has_err,
                 ERR_LOOP=ERR_LOOP_DECODE, FUSE_WRITE=fused, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **self.consts, **_reg_cap(cfg),
+                num_stages=cfg.num_stages, F16_CODES=self.f16_codes[1], **self.consts, **_reg_cap(cfg),
             )  # fmt: skip
         return consts
 
