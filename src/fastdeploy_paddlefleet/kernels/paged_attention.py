@@ -527,13 +527,16 @@ class AttentionPlan:
         # table entries must lie in [0, n_pages): blocks, or head-wise pages (block * Hkv + head)
         self.n_pages = min(key_cache.shape[0], value_cache.shape[0]) * (hkv if headwise else 1)
         self.common = (key_cache.stride(1), key_cache.stride(2), value_cache.stride(1), value_cache.stride(2))
-        # e4m3 codes under a bf16 model: read as fp16 (attention_kernels._q_for_codes)
-        fp8_bf16 = quant is not None and quant.code == "fp8" and str(q.dtype).endswith("bfloat16")
+        # e4m3 codes under a bf16 model: read as fp16 (attention_kernels._q_for_codes); an fp16 model's
+        # decode takes modes 2 / 3 too (its V codes then convert where loaded)
+        fp8 = quant is not None and quant.code == "fp8"
+        model = str(q.dtype).rsplit(".", 1)[-1]
+        prefill_codes = FP8_F16_CODES_PREFILL if fp8 and model == "bfloat16" else 0
+        decode_codes = FP8_F16_CODES_DECODE if fp8 and model == "bfloat16" else 0
+        if fp8 and model == "float16" and FP8_F16_CODES_DECODE >= 2:
+            decode_codes = FP8_F16_CODES_DECODE
         #: ``F16_CODES`` of the (prefill, decode) launches; 3 is inline PTX: the interpreter takes 2
-        self.f16_codes = tuple(
-            (2 if mode == 3 and not q.is_cuda else mode) if fp8_bf16 else 0
-            for mode in (FP8_F16_CODES_PREFILL, FP8_F16_CODES_DECODE)
-        )
+        self.f16_codes = tuple(2 if m == 3 and not q.is_cuda else m for m in (prefill_codes, decode_codes))
         self.consts = dict(
             HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
             BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h, SOFTCAP=softcap,
