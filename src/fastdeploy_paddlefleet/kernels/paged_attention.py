@@ -162,8 +162,10 @@ SPLIT_TARGET = 2
 #: keeps P's rows exact); 3 as 2, V's converted where they were loaded
 #: (``attention_kernels._e4m3_as_f16_in_place``; GPU only, 2 under the interpreter). The prefill keeps 1:
 #: with 128-row tiles the row scaling of 2 / 3 costs more than V's conversions (sm_90 offline: 745
-#: against 563 instructions per key tile); decode's 16 rows pay little for it (benchmarks/NOTES.md)
-FP8_F16_CODES_DECODE = 3
+#: against 563 instructions per key tile); decode's 16 rows pay little for it. Decode stays at 1, the
+#: mode timed on a GPU, until 3 (617 against 699 instructions per 64-key tile, 145 against 251
+#: registers, sm_90 offline) is timed there too (benchmarks/NOTES.md)
+FP8_F16_CODES_DECODE = 1
 FP8_F16_CODES_PREFILL = 1
 MIN_TILES_PER_SPLIT = 4
 
