@@ -310,7 +310,7 @@ def test_gpu_fp16_small_values_keep_their_precision():
 @pytest.mark.parametrize("f16_codes", [2, 3])
 def test_bf16_model_reads_fp8_codes_as_fp16(fmt, f16_codes, monkeypatch):
     """A bf16 model over an e4m3 cache reads K's and V's codes as fp16 (``F16_CODES`` 2, or 3: V's
-    converted where loaded, GPU only; the interpreter takes 2; decode's default, and the prefill's here):
+    converted where loaded, GPU only; the interpreter takes 2; set here for decode and prefill):
     decode, split-KV, a mixed batch, a window with sinks over released pages, against the dense reference
     on the dequantized cache. Every dot is then fp16, so the interpreter checks it too (its bf16
     ``tl.dot`` is not exact)."""
