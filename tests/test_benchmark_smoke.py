@@ -222,3 +222,24 @@ def test_portable_compile_probe_builds_the_masked_tiles_half_width():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rec = json.loads(proc.stdout.splitlines()[-1])
     assert rec["case"] == "causal" and rec["block_nm"] == 32 and rec["regs"] > 0, rec
+
+
+def test_fp8_decode_reads_v_codes_without_byte_loads_when_converted_where_loaded():
+    """benchmarks/probes/portable_compile.py's ``decode-fp8`` (sm_90 offline, the installed Triton): with
+    ``F16_CODES`` 1 V's e4m3 codes reach ``P @ V`` one byte at a time (``LDS.U8``); 3
+    (``attention_kernels._e4m3_as_f16_in_place``) converts them where loaded: no byte loads, and a
+    shorter unmasked key loop (NOTES.md, "fp8 decode: V's codes one byte at a time")."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    recs = {}
+    for mode in (1, 3):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "probes" / "portable_compile.py"), "--case",
+             "decode-fp8", "--f16-codes", str(mode), "--json"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        recs[mode] = json.loads(proc.stdout.splitlines()[-1])
+    assert recs[1]["lds_u8"] > 0 and recs[3]["lds_u8"] == 0, recs
+    assert recs[3]["inner_loops"][1] < recs[1]["inner_loops"][1], recs

@@ -104,20 +104,35 @@ def _bars(sass: str) -> dict:
     return out
 
 
-def _inner_loop_spills(sass: str) -> int:
-    """``LDL`` / ``STL`` inside innermost loops: the address ranges ``[target, branch]`` of backward
-    branches that hold no other backward branch (the key-tile loops; the wait spin loops hold none)."""
-    ins = []
-    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
-        ins.append((int(m[1], 16), m[2]))
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    """``(address, text)`` of every SASS instruction."""
+    return [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def inner_loops(sass: str) -> list[tuple[int, int]]:
+    """The address ranges ``[target, branch]`` of backward branches that hold no other backward branch
+    (the key-tile loops; the wait spin loops hold none), in address order."""
     loops = []
-    for addr, text in ins:
+    for addr, text in _instructions(sass):
         b = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
         if b and int(b[1], 16) <= addr:
             loops.append((int(b[1], 16), addr))
-    inner = [lo for lo in loops if not any(o != lo and lo[0] <= o[0] and o[1] <= lo[1] for o in loops)]
+    return sorted(lo for lo in loops if not any(o != lo and lo[0] <= o[0] and o[1] <= lo[1] for o in loops))
+
+
+def inner_loop_sizes(sass: str) -> list[int]:
+    """Instructions in each of :func:`inner_loops` (a key tile's work per thread)."""
+    ins = _instructions(sass)
+    return [sum(1 for addr, _ in ins if a <= addr <= b) for a, b in inner_loops(sass)]
+
+
+def _inner_loop_spills(sass: str) -> int:
+    """``LDL`` / ``STL`` inside :func:`inner_loops`."""
+    inner = inner_loops(sass)
     return sum(
-        1 for addr, text in ins if re.search(r"\b(LDL|STL)\b", text) and any(a <= addr <= b for a, b in inner)
+        1
+        for addr, text in _instructions(sass)
+        if re.search(r"\b(LDL|STL)\b", text) and any(a <= addr <= b for a, b in inner)
     )
 
 

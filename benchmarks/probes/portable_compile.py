@@ -1,4 +1,4 @@
-"""The portable prefill kernel compiled offline for sm_90: registers, spills and instruction count.
+"""The portable kernels compiled offline for sm_90: registers, spills and instruction counts.
 
 Builds ``paged_attention``'s portable prefill launch on CPU tensors with the GPU's tile configs, catches
 the launch (nothing runs), compiles the kernel for sm_90 through a stubbed driver (as
@@ -7,7 +7,12 @@ tree's kernel (an A/B against an older commit, e.g. ``git archive`` into a direc
 
 * ``causal``: 128 / 128, 32 q heads / 8 kv heads, 128 x 64 tiles over 8 warps (the H200 default);
 * ``window``: the same heads, window 1024, 64 x 64 tiles over 4 warps (the sliding default);
-* ``mla``: 192 / 128, 16 heads, no GQA, 128 x 64 tiles over 8 warps, 2 stages.
+* ``mla``: 192 / 128, 16 heads, no GQA, 128 x 64 tiles over 8 warps, 2 stages;
+* ``decode-fp8``: the decode kernel over a block_wise_fp8 cache (bf16 q, 32 / 8 heads, 128 / 128, one
+  split, 64-key tiles over 4 warps, 3 stages; ``--f16-codes`` picks how e4m3 codes are read:
+  ``paged_attention.FP8_F16_CODES_DECODE``), with ``lds_u8`` (byte loads from shared memory: V's codes
+  read one at a time) and the instructions of each innermost key loop (``inner_loops``; the middle one
+  is the unmasked loop).
 
 Prints one line per case (``--json``: one JSON object). Needs torch and triton (Triton's bundled
 ``ptxas`` / ``cuobjdump``); no GPU.
@@ -30,14 +35,53 @@ CASES = {
     "causal": (32, 8, 128, 128, None, (128, 64, 8, 3)),
     "window": (32, 8, 128, 128, 1023, (64, 64, 4, 3)),
     "mla": (16, 16, 192, 128, None, (128, 64, 8, 2)),
+    "decode-fp8": (32, 8, 128, 128, None, (16, 64, 4, 3)),
 }
 
 
-def compile_case(name: str) -> dict:
+def _catch_launch(direct, caught: list):
+    """``direct.KernelCache.launch`` replaced by one that records ``(kernel, grid, args, consts)``; returns
+    the original."""
+    real = direct.KernelCache.launch
+    direct.KernelCache.launch = lambda self, kernel, key, grid, args, consts, stream: caught.append(
+        (kernel, grid, args, consts)
+    )
+    return real
+
+
+def _decode_fp8(pa, direct, f16_codes: int) -> tuple:
+    """The fp8 decode case's caught launch: 4 requests of 4001 keys, block_wise_fp8 codes and scales."""
+    import torch
+
+    from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant
+
+    hq, hkv, dqk, dv, _, (bm, bn, warps, stages) = CASES["decode-fp8"]
+    nb, bs = 70, 64
+    caught = []
+    real = _catch_launch(direct, caught)
+    try:
+        q = torch.zeros(4, hq, dqk, dtype=torch.bfloat16)
+        kc = torch.zeros(nb, hkv, bs, dqk, dtype=torch.uint8)
+        vc = torch.zeros(nb, hkv, bs, dv, dtype=torch.uint8)
+        ks = torch.zeros(nb, hkv, bs, dtype=torch.bfloat16)
+        pa.paged_attention(
+            q, kc, vc, torch.arange(5, dtype=torch.int32), torch.full((4,), 4000, dtype=torch.int32),
+            torch.arange(64, dtype=torch.int32)[None].repeat(4, 1), scale=0.1, num_splits=1, max_q_len=1,
+            max_context_len=4001, kv_quant=kv_cache_quant("block_wise_fp8"), key_scale=ks,
+            value_scale=ks.clone(),
+            decode_config=pa.TileConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages),
+        )  # fmt: skip
+    finally:
+        direct.KernelCache.launch = real
+    kernel, grid, args, consts = caught[0]
+    return kernel, grid, args, dict(consts, F16_CODES=f16_codes)  # CPU tensors: the plan takes 2 for 3
+
+
+def compile_case(name: str, f16_codes: int = 1) -> dict:
     """Compile case ``name`` of :data:`CASES` with the imported ``fastdeploy_paddlefleet`` and read its
     resources: registers, stack, ``LDL`` / ``STL`` (spills), SASS instructions."""
     import torch
-    from hopper_compile import read_cubin
+    from hopper_compile import inner_loop_sizes, read_cubin
 
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
@@ -45,12 +89,16 @@ def compile_case(name: str) -> dict:
         from fastdeploy_paddlefleet.kernels.launch import direct
     except ImportError:  # an older tree: the launch machinery as one module
         from fastdeploy_paddlefleet.kernels import _launch as direct
+    if name == "decode-fp8":
+        kernel, grid, args, consts = _decode_fp8(pa, direct, f16_codes)
+        res, sass = read_cubin(kernel.warmup(*args, grid=grid, **consts).asm["cubin"])
+        return dict(
+            case=name, f16_codes=f16_codes, regs=res["regs"], stack=res["stack"], ldl=sass.count(" LDL"),
+            stl=sass.count(" STL"), lds_u8=sass.count("LDS.U8"), inner_loops=inner_loop_sizes(sass),
+        )  # fmt: skip
     hq, hkv, dqk, dv, window, (bm, bn, warps, stages) = CASES[name]
     caught = []
-    real = direct.KernelCache.launch
-    direct.KernelCache.launch = lambda self, kernel, key, grid, args, consts, stream: caught.append(
-        (kernel, grid, args, consts)
-    )
+    real = _catch_launch(direct, caught)
     try:
         t, bs = 256, 64
         nb = t // bs + 2
@@ -82,6 +130,10 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="repeatable (default: all)")
     ap.add_argument("--src", default=os.path.join(ROOT, "src"), help="the source tree to compile")
     ap.add_argument("--json", action="store_true", help="one JSON object per case")
+    ap.add_argument(
+        "--f16-codes", type=int, choices=(1, 2, 3), default=1,
+        help="decode-fp8: how e4m3 codes are read under a bf16 model (paged_attention.FP8_F16_CODES_DECODE)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     for module in ("torch", "triton"):
         try:
@@ -99,10 +151,10 @@ def main(argv=None) -> int:
     rc = 0
     for name in args.case or list(CASES):
         try:
-            rec = compile_case(name)
+            rec = compile_case(name, args.f16_codes)
         except Exception as e:  # noqa: BLE001 - report every case
             rec, rc = {"case": name, "error": repr(e)[:500]}, 1
-        if args.json or "error" in rec:
+        if args.json or "error" in rec or name == "decode-fp8":
             print(json.dumps(rec), flush=True)
         else:
             print(
