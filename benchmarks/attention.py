@@ -1342,6 +1342,21 @@ def main(argv=None) -> int:
         action="store_true",
         help="portable kernels find bad table entries by one scan after the key loop (not in the loop)",
     )
+    ap.add_argument(
+        "--fp8-decode-codes",
+        type=int,
+        choices=(1, 2, 3),
+        default=None,
+        help="how decode reads e4m3 codes under a bf16 model (kernels/paged_attention.py "
+        "FP8_F16_CODES_DECODE; default: the module's)",
+    )
+    ap.add_argument(
+        "--fp8-decode-maxnreg",
+        type=int,
+        default=None,
+        help="register cap on the default decode tiles of an fp8 cache, 24..255 (kernels/paged_attention.py "
+        "FP8_DECODE_MAXNREG; default: the module's)",
+    )
     launch = ap.add_mutually_exclusive_group()
     launch.add_argument(
         "--direct-launch",
@@ -1374,6 +1389,8 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--kv-cache-quant {args.kv_cache_quant!r}: {bad} not among {', '.join(KV_QUANT_CHOICES)}")
     KV_QUANTS[:] = [x for x in quants if x != "none"]
+    if args.fp8_decode_maxnreg is not None and not 24 <= args.fp8_decode_maxnreg <= 255:
+        ap.error(f"--fp8-decode-maxnreg {args.fp8_decode_maxnreg}: not in 24..255")
     then = None
     try:  # where this run writes, and what it reads: refused by name before any work (_outputs.py)
         if args.plot_only:
@@ -1427,10 +1444,14 @@ def main(argv=None) -> int:
             _launch.DIRECT_LAUNCH = args.direct_launch
         if args.tensor_args:
             _launch.ADDRESS_ARGS = False
-    if args.err_scan:
-        from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
 
+    if args.err_scan:
         pa_mod.ERR_LOOP_PREFILL = pa_mod.ERR_LOOP_DECODE = False
+    if args.fp8_decode_codes is not None:
+        pa_mod.FP8_F16_CODES_DECODE = args.fp8_decode_codes
+    if args.fp8_decode_maxnreg is not None:
+        pa_mod.FP8_DECODE_MAXNREG = args.fp8_decode_maxnreg
     t0 = time.time()
     # the previous file stays until the run completes (and only if it is this script's, or --force)
     with replacing(out_claim) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -1448,6 +1469,8 @@ def main(argv=None) -> int:
                 "block_size": BS,
                 "stat": "median of do_bench",
                 "mode": "sweep" if args.sweep else "cases",
+                "fp8_decode_codes": getattr(pa_mod, "FP8_F16_CODES_DECODE", None),
+                "fp8_decode_maxnreg": getattr(pa_mod, "FP8_DECODE_MAXNREG", None),
             },
             fh,
         )

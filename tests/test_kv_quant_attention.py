@@ -324,6 +324,30 @@ def test_bf16_model_reads_fp8_codes_as_fp16(fmt, f16_codes, monkeypatch):
     run_quant([(30, 6), (27, 1)], fmt, window_left=5, release=True, sink_kind="learnable", **kw)
 
 
+@pytest.mark.parametrize("cap", [None, 128])
+def test_fp8_decode_register_cap_reaches_only_fp8_decode_tiles(cap, monkeypatch):
+    """``FP8_DECODE_MAXNREG`` (benchmarks' ``--fp8-decode-maxnreg``) caps the registers of the default
+    decode tiles of an fp8 cache, and of nothing else: not a bf16 cache's decode, not the prefill, not a
+    decode config the caller gave; the capped plan still matches the dense reference."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "FP8_DECODE_MAXNREG", cap)
+    q = torch.zeros(4, 8, 32, dtype=torch.bfloat16)
+    codes = torch.zeros(6, 2, 64, 32, dtype=torch.uint8)
+    scales = torch.zeros(6, 2, 64, dtype=torch.bfloat16)
+    fp8 = pa.AttentionPlan(codes, codes.clone(), q, scale=0.1, kv_quant="block_wise_fp8", key_scale=scales,
+                           value_scale=scales.clone())  # fmt: skip
+    assert fp8.decode_cfg.maxnreg == cap and fp8.prefill_cfg.maxnreg is None
+    plain = pa.AttentionPlan(torch.zeros(6, 2, 64, 32, dtype=torch.bfloat16),
+                             torch.zeros(6, 2, 64, 32, dtype=torch.bfloat16), q, scale=0.1)  # fmt: skip
+    assert plain.decode_cfg.maxnreg is None
+    given = pa.TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    mine = pa.AttentionPlan(codes, codes.clone(), q, scale=0.1, kv_quant="block_wise_fp8", key_scale=scales,
+                            value_scale=scales.clone(), decode_config=given)  # fmt: skip
+    assert mine.decode_cfg is given
+    run_quant([(70, 1), (41, 1)], "block_wise_fp8", dtype=torch.float16, dqk=32, dv=32)
+
+
 @gpu
 @pytest.mark.gpu
 def test_gpu_e4m3_codes_convert_exactly_where_loaded():

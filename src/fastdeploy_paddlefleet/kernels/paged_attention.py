@@ -38,7 +38,7 @@ import functools
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import envs
@@ -167,6 +167,10 @@ SPLIT_TARGET = 2
 #: registers, sm_90 offline) is timed there too (benchmarks/NOTES.md)
 FP8_F16_CODES_DECODE = 1
 FP8_F16_CODES_PREFILL = 1
+#: a register cap (``TileConfig.maxnreg``) on the default decode tiles of an fp8 cache, ``None``: none.
+#: Mode 3 compiles to 145 registers (3 programs per SM), 128 under this cap with no spills (4 programs,
+#: 626 against 617 instructions per tile; sm_90 offline): untimed, so off (benchmarks/NOTES.md)
+FP8_DECODE_MAXNREG: int | None = None
 MIN_TILES_PER_SPLIT = 4
 
 
@@ -571,6 +575,8 @@ class AttentionPlan:
         self.exp_bf16 = cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda
         self.all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
         self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
+        if decode_config is None and fp8 and FP8_DECODE_MAXNREG is not None:
+            self.decode_cfg = replace(self.decode_cfg, maxnreg=FP8_DECODE_MAXNREG)
         self.decode_desc = (
             _tma_descriptors(key_cache, value_cache, self.decode_cfg.block_n, dqk, dv)
             if self.decode_cfg.use_tma and quant is None
