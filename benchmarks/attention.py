@@ -1348,7 +1348,7 @@ def main(argv=None) -> int:
         choices=(1, 2, 3),
         default=None,
         help="how decode reads e4m3 codes under a bf16 model (kernels/paged_attention.py "
-        "FP8_F16_CODES_DECODE; default: the module's)",
+        "FP8_F16_CODES_DECODE; default: the module's, None: chosen per plan by fp8_decode_setup)",
     )
     ap.add_argument(
         "--fp8-decode-maxnreg",

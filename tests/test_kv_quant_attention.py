@@ -348,6 +348,59 @@ def test_fp8_decode_register_cap_reaches_only_fp8_decode_tiles(cap, monkeypatch)
     run_quant([(70, 1), (41, 1)], "block_wise_fp8", dtype=torch.float16, dqk=32, dv=32)
 
 
+def test_fp8_decode_setup_takes_mode_3_only_where_it_was_timed_faster():
+    """Mode 3 under the 128-register cap on the plain 64-key tile of a full-attention 128 / 128 cache;
+    mode 1 and no cap on windows' tiles, head-wise pages, other head dims and other tiles."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    plain = pa.TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+    sliding = pa.TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=3)
+    assert pa.fp8_decode_setup(plain, 128, 128, False, False) == (3, pa.FP8_DECODE_AUTO_MAXNREG)
+    for cfg, dqk, dv, headwise, window in [
+        (plain, 128, 128, True, False),
+        (plain, 128, 128, False, True),
+        (sliding, 128, 128, False, True),
+        (plain, 192, 128, False, False),
+        (plain, 64, 64, False, False),
+        (sliding, 128, 128, False, False),
+    ]:
+        assert pa.fp8_decode_setup(cfg, dqk, dv, headwise, window) == (1, None)
+
+
+@pytest.mark.parametrize("forced", [None, 1])
+def test_plan_takes_the_decode_setup_unless_told(forced, monkeypatch):
+    """A bf16 plan over an e4m3 cache with the GPU's plain decode tile takes :func:`fp8_decode_setup`'s
+    choice (mode 3, here read as 2 by the interpreter, under the cap) unless ``FP8_F16_CODES_DECODE``
+    forces a mode; a bf16 cache, an fp16 model and a caller's decode config are left alone; and the
+    chosen plan matches the dense reference."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    real = pa.default_decode_config
+    monkeypatch.setattr(pa, "FP8_F16_CODES_DECODE", forced)
+    monkeypatch.setattr(pa, "default_decode_config", lambda *a, **k: pa.TileConfig(16, 64, 4, 3))
+    codes = torch.zeros(6, 2, 64, 128, dtype=torch.uint8)
+    scales = torch.zeros(6, 2, 64, dtype=torch.bfloat16)
+    quant = dict(kv_quant="block_wise_fp8", key_scale=scales, value_scale=scales.clone())
+
+    def plan(dtype=torch.bfloat16, cache=codes, **kw):
+        return pa.AttentionPlan(cache, cache.clone(), torch.zeros(4, 8, 128, dtype=dtype), scale=0.1, **kw)
+
+    p = plan(**quant)
+    if forced is None:
+        assert p.f16_codes == (1, 2) and p.decode_cfg.maxnreg == pa.FP8_DECODE_AUTO_MAXNREG
+    else:
+        assert p.f16_codes == (1, 1) and p.decode_cfg.maxnreg is None
+    assert plan(torch.float16, **quant).f16_codes == (0, 0)
+    assert plan(cache=torch.zeros(6, 2, 64, 128, dtype=torch.bfloat16)).decode_cfg.maxnreg is None
+    given = pa.TileConfig(16, 64, 4, 3)
+    mine = plan(decode_config=given, **quant)
+    assert mine.decode_cfg is given and mine.f16_codes == (1, 1)
+    monkeypatch.setattr(pa, "default_decode_config", real)  # the interpreter's tile, mode 2 forced
+    monkeypatch.setattr(pa, "FP8_F16_CODES_DECODE", 2 if forced is None else forced)
+    if forced is None:
+        run_quant([(70, 1), (41, 1)], "block_wise_fp8", dtype=torch.bfloat16, dqk=32, dv=32)
+
+
 @gpu
 @pytest.mark.gpu
 def test_gpu_e4m3_codes_convert_exactly_where_loaded():

@@ -162,15 +162,34 @@ SPLIT_TARGET = 2
 #: keeps P's rows exact); 3 as 2, V's converted where they were loaded
 #: (``attention_kernels._e4m3_as_f16_in_place``; GPU only, 2 under the interpreter). The prefill keeps 1:
 #: with 128-row tiles the row scaling of 2 / 3 costs more than V's conversions (sm_90 offline: 745
-#: against 563 instructions per key tile); decode's 16 rows pay little for it. Decode stays at 1, the
-#: mode timed on a GPU, until 3 (617 against 699 instructions per 64-key tile, 145 against 251
-#: registers, sm_90 offline) is timed there too (benchmarks/NOTES.md)
-FP8_F16_CODES_DECODE = 1
+#: against 563 instructions per key tile). Decode: ``None`` lets :func:`fp8_decode_setup` choose per
+#: plan (3 under a register cap where that was measured faster, else 1); an int forces that mode
+FP8_F16_CODES_DECODE: int | None = None
 FP8_F16_CODES_PREFILL = 1
-#: a register cap (``TileConfig.maxnreg``) on the default decode tiles of an fp8 cache, ``None``: none.
-#: Mode 3 compiles to 145 registers (3 programs per SM), 128 under this cap with no spills (4 programs,
-#: 626 against 617 instructions per tile; sm_90 offline): untimed, so off (benchmarks/NOTES.md)
+#: a register cap (``TileConfig.maxnreg``) on the default decode tiles of every fp8 cache, overriding
+#: :func:`fp8_decode_setup`'s; ``None``: that choice
 FP8_DECODE_MAXNREG: int | None = None
+#: the cap :func:`fp8_decode_setup` puts on mode 3's tiles: 145 registers (3 programs per SM) become 128
+#: with no spills (4 programs; 626 against 617 instructions per 64-key tile, sm_90 offline)
+FP8_DECODE_AUTO_MAXNREG = 128
+
+
+def fp8_decode_setup(
+    cfg: TileConfig, dqk: int, dv: int, headwise: bool, has_window: bool
+) -> tuple[int, int | None]:
+    """``(F16_CODES, maxnreg)`` of the decode launches over an e4m3 cache under a bf16 model, where
+    :data:`FP8_F16_CODES_DECODE` is ``None``: mode 3 with :data:`FP8_DECODE_AUTO_MAXNREG` on the plain
+    decode tile (64 keys, 4 warps) of a full-attention 128 / 128 cache that is not head-wise, where it
+    was timed faster (H100, 64 x 4096, 32 / 8 heads: 1.36x our bf16 decode against 1.13x with mode 1);
+    mode 1 and no cap elsewhere, where mode 3 (capped or not) was timed slower: the 32-key tiles of
+    sliding windows (1.06-1.16x against 1.23-1.29x), head-wise pages (0.98-1.08x against 1.23x) and
+    MLA's 192 / 128 (1.07-1.27x against 1.31x) (benchmarks/NOTES.md)."""
+    plain = cfg.block_n == 64 and cfg.num_warps == 4
+    if plain and dqk == dv == 128 and not headwise and not has_window:
+        return 3, FP8_DECODE_AUTO_MAXNREG
+    return 1, None
+
+
 MIN_TILES_PER_SPLIT = 4
 
 
@@ -537,12 +556,12 @@ class AttentionPlan:
         # decode takes modes 2 / 3 too (its V codes then convert where loaded)
         fp8 = quant is not None and quant.code == "fp8"
         model = str(q.dtype).rsplit(".", 1)[-1]
+        auto_codes = FP8_F16_CODES_DECODE is None  # fp8_decode_setup, once the decode tile is known
+        decode_mode = 1 if auto_codes else FP8_F16_CODES_DECODE
         prefill_codes = FP8_F16_CODES_PREFILL if fp8 and model == "bfloat16" else 0
-        decode_codes = FP8_F16_CODES_DECODE if fp8 and model == "bfloat16" else 0
-        if fp8 and model == "float16" and FP8_F16_CODES_DECODE >= 2:
-            decode_codes = FP8_F16_CODES_DECODE
-        #: ``F16_CODES`` of the (prefill, decode) launches; 3 is inline PTX: the interpreter takes 2
-        self.f16_codes = tuple(2 if m == 3 and not q.is_cuda else m for m in (prefill_codes, decode_codes))
+        decode_codes = decode_mode if fp8 and model == "bfloat16" else 0
+        if fp8 and model == "float16" and decode_mode >= 2:
+            decode_codes = decode_mode
         self.consts = dict(
             HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
             BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h, SOFTCAP=softcap,
@@ -575,8 +594,14 @@ class AttentionPlan:
         self.exp_bf16 = cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda
         self.all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
         self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
-        if decode_config is None and fp8 and FP8_DECODE_MAXNREG is not None:
-            self.decode_cfg = replace(self.decode_cfg, maxnreg=FP8_DECODE_MAXNREG)
+        cap = FP8_DECODE_MAXNREG
+        if auto_codes and decode_codes and decode_config is None:
+            decode_codes, auto_cap = fp8_decode_setup(self.decode_cfg, dqk, dv, bool(headwise), has_window)
+            cap = auto_cap if cap is None else cap
+        if decode_config is None and fp8 and cap is not None:
+            self.decode_cfg = replace(self.decode_cfg, maxnreg=cap)
+        #: ``F16_CODES`` of the (prefill, decode) launches; 3 is inline PTX: the interpreter takes 2
+        self.f16_codes = tuple(2 if m == 3 and not q.is_cuda else m for m in (prefill_codes, decode_codes))
         self.decode_desc = (
             _tma_descriptors(key_cache, value_cache, self.decode_cfg.block_n, dqk, dv)
             if self.decode_cfg.use_tma and quant is None
