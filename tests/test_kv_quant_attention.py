@@ -371,8 +371,8 @@ def test_fp8_decode_setup_takes_mode_3_only_where_it_was_timed_faster():
 def test_plan_takes_the_decode_setup_unless_told(forced, monkeypatch):
     """A bf16 plan over an e4m3 cache with the GPU's plain decode tile takes :func:`fp8_decode_setup`'s
     choice (mode 3, here read as 2 by the interpreter, under the cap) unless ``FP8_F16_CODES_DECODE``
-    forces a mode; a bf16 cache, an fp16 model and a caller's decode config are left alone; and the
-    chosen plan matches the dense reference."""
+    forces a mode; a bf16 cache, an fp16 model and a caller's decode config are left alone; and mode 3 as
+    the interpreter runs it matches the dense reference."""
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
     real = pa.default_decode_config
@@ -395,9 +395,9 @@ def test_plan_takes_the_decode_setup_unless_told(forced, monkeypatch):
     given = pa.TileConfig(16, 64, 4, 3)
     mine = plan(decode_config=given, **quant)
     assert mine.decode_cfg is given and mine.f16_codes == (1, 1)
-    monkeypatch.setattr(pa, "default_decode_config", real)  # the interpreter's tile, mode 2 forced
-    monkeypatch.setattr(pa, "FP8_F16_CODES_DECODE", 2 if forced is None else forced)
-    if forced is None:
+    if forced is None:  # mode 3 as the interpreter runs it (2), on the interpreter's tile
+        monkeypatch.setattr(pa, "default_decode_config", real)
+        monkeypatch.setattr(pa, "FP8_F16_CODES_DECODE", 2)
         run_quant([(70, 1), (41, 1)], "block_wise_fp8", dtype=torch.bfloat16, dqk=32, dv=32)
 
 

@@ -594,12 +594,14 @@ class AttentionPlan:
         self.exp_bf16 = cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda
         self.all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
         self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
-        cap = FP8_DECODE_MAXNREG
-        if auto_codes and decode_codes and decode_config is None:
-            decode_codes, auto_cap = fp8_decode_setup(self.decode_cfg, dqk, dv, bool(headwise), has_window)
-            cap = auto_cap if cap is None else cap
-        if decode_config is None and fp8 and cap is not None:
-            self.decode_cfg = replace(self.decode_cfg, maxnreg=cap)
+        if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
+            cap = FP8_DECODE_MAXNREG
+            if auto_codes and decode_codes:
+                setup = fp8_decode_setup(self.decode_cfg, dqk, dv, bool(headwise), has_window)
+                decode_codes, auto_cap = setup
+                cap = auto_cap if cap is None else cap
+            if cap is not None:
+                self.decode_cfg = replace(self.decode_cfg, maxnreg=cap)
         #: ``F16_CODES`` of the (prefill, decode) launches; 3 is inline PTX: the interpreter takes 2
         self.f16_codes = tuple(2 if m == 3 and not q.is_cuda else m for m in (prefill_codes, decode_codes))
         self.decode_desc = (
