@@ -195,6 +195,19 @@ def quant_kv_bytes(kv_bytes: int, batch: dict, fmt_name: str) -> int:
     return kv_bytes // 2 + scales
 
 
+def quant_prefill_kernel(batch: dict, fmt_name: str) -> str:
+    """The prefill kernel ``auto`` runs on a ``fmt_name`` cache of ``batch``'s geometry: ``hopper`` (the
+    dequantizing gather, then the Hopper kernel) on sm_90, else ``portable`` (a --src tree whose
+    ``choose_prefill_impl`` takes no format: ``portable``, the only one that read quantized caches)."""
+    from fastdeploy_paddlefleet.kernels.hopper_prefill import choose_prefill_impl
+    from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant
+
+    try:
+        return choose_prefill_impl(None, None, batch["q"], batch["kc"], batch["vc"], kv_cache_quant(fmt_name))
+    except TypeError:
+        return "portable"
+
+
 def emit_quant(fh, rec: dict, batch: dict, **run_kw) -> None:
     """Time ``rec``'s case again for each of :data:`KV_QUANTS` (``run_ours`` with ``run_kw``, the caches
     quantized) and emit a record beside it: the same case, kind and work, ``impl`` ``triton-<format>``,
@@ -215,7 +228,9 @@ def emit_quant(fh, rec: dict, batch: dict, **run_kw) -> None:
         if "prefill_flops" in rec:
             out["prefill_flops"] = rec["prefill_flops"]
         out["vs_bf16"] = round(rec["ms"] / ms, 3)
-        emit({**out, "kernel": "portable", **errs} if rec.get("kind") == "prefill" else {**out, **errs}, fh)
+        if rec.get("kind") == "prefill":
+            out["kernel"] = quant_prefill_kernel(batch, fmt_name)
+        emit({**out, **errs}, fh)
     batch.pop("_quant", None)
 
 
@@ -362,7 +377,9 @@ def run_ours(
         caches = (qb["kcodes"], qb["vcodes"])
         quant_kw = dict(kv_quant=qb["fmt"], key_scale=qb["ks"], value_scale=qb["vs"])
         if prefill_impl == "hopper":
-            prefill_impl = None  # the portable prefill reads quantized caches (auto picks it)
+            # auto: on sm_90 the Hopper prefill through the dequantizing gather (kernels/kv_dequant_gather.py;
+            # a --src tree from before it: the portable prefill)
+            prefill_impl = None
         if check:
             check_batch = {**batch, "kc": qb["kc"], "vc": qb["vc"]}
     flag_kw, check_kernel_errors = {}, None
@@ -677,7 +694,7 @@ def prefill_cases(fh, check, peers, *, hq=HQ, hkv=HKV, dqk=D, dv=D, prefix="pref
                 **errs,
             }
             emit(rec, fh)
-            if impl == "triton":  # quantized: the portable prefill, beside the default kernel's run
+            if impl == "triton":  # quantized (auto: the Hopper prefill through the gather on sm_90)
                 emit_quant(fh, rec, batch, **run_kw)
         del batch
         if peers:
@@ -812,18 +829,78 @@ def mla_cases(fh, check, peers):
     )
 
 
-def sweep(fh):
-    """Tile / split / TMA variants of the headline cases (tuning; see NOTES.md)."""
+#: decode variants over a quantized cache: (block_n, warps, stages, splits, maxnreg, e4m3 code mode); the
+#: first of each case's list is the default tile of that case (kernels/paged_attention.py)
+FP8_DECODE_VARIANTS = {
+    "decode-full": [
+        (64, 4, 3, 1, 128, 3),
+        (64, 4, 3, 1, None, 1),
+        (64, 4, 4, 1, 128, 3),
+        (64, 4, 3, 2, 128, 3),
+        (64, 4, 4, 2, 128, 3),
+        (64, 4, 3, 4, 128, 3),
+        (64, 4, 3, 2, None, 1),
+        (128, 8, 3, 1, None, 3),
+        (128, 8, 3, 2, None, 3),
+        (64, 2, 3, 1, None, 3),
+        (64, 2, 3, 2, None, 3),
+        (32, 2, 4, 1, None, 1),
+        (32, 2, 4, 2, None, 1),
+    ],
+    "decode-swa1024-sinks": [
+        (32, 2, 3, 1, None, 1),
+        (32, 2, 4, 1, None, 1),
+        (32, 2, 3, 2, None, 1),
+        (64, 2, 3, 1, None, 1),
+        (64, 4, 3, 1, None, 1),
+        (64, 4, 3, 1, 128, 3),
+        (64, 2, 3, 1, None, 3),
+        (32, 2, 3, 1, None, 3),
+        (64, 4, 3, 2, 128, 3),
+    ],
+}
+
+
+def fp8_decode_sweep(fh, name: str, batch: dict, fmt_name: str, nbytes: int, **run_kw) -> None:
+    """Decode tile / split / register-cap / code-mode variants of case ``name`` over a ``fmt_name`` cache
+    (``--sweep --kv-cache-quant FMT``); ``kv_bytes``: the quantized bytes read."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
+    from fastdeploy_paddlefleet.kernels.paged_attention import TileConfig
+
+    bsz, ctx = SH["bsz"], SH["ctx"]
+    qbytes = quant_kv_bytes(nbytes, batch, fmt_name)
+    kept = pa_mod.FP8_F16_CODES_DECODE
+    try:
+        for bn, w, s, splits, cap, codes in FP8_DECODE_VARIANTS.get(name, []):
+            row = {"sweep": name, "kv_cache_dtype": fmt_name, "block_n": bn, "warps": w, "stages": s}
+            row.update(splits=splits, maxnreg=cap, f16_codes=codes)
+            pa_mod.FP8_F16_CODES_DECODE = codes
+            try:
+                ms, errs = run_ours(
+                    name, batch, max_q_len=1, max_ctx=ctx, check=[(bsz - 1, [0])], kv_quant=fmt_name,
+                    decode_config=TileConfig(16, bn, w, s, False, maxnreg=cap), num_splits=splits, **run_kw,
+                )  # fmt: skip
+                gbps = round(qbytes / (ms * 1e-3) / 1e9, 1)
+                emit({**row, "ms": round(ms, 4), "kv_bytes": qbytes, "gbps": gbps, **errs}, fh)
+            except Exception as e:  # noqa: BLE001 - keep the other variants' numbers
+                emit({**row, "error": repr(e)[:300]}, fh)
+    finally:
+        pa_mod.FP8_F16_CODES_DECODE = kept
+        batch.pop("_quant", None)
+
+
+def sweep(fh, cases: set[str]):
+    """Tile / split / TMA variants of the headline cases (tuning; see NOTES.md): decode's where ``cases``
+    holds ``decode`` (with :func:`fp8_decode_sweep` for each ``--kv-cache-quant`` format), prefill's where
+    it holds ``prefill``."""
     from fastdeploy_paddlefleet.kernels.paged_attention import TileConfig
 
     bsz, ctx, win = SH["bsz"], SH["ctx"], SH["window"]
     dec_variants = [  # (block_n, warps, stages, tma, splits)
         (64, 4, 3, False, 1), (64, 4, 4, False, 1), (32, 4, 4, False, 1),
     ]  # fmt: skip
-    for name, window, sink_kind in (
-        ("decode-full", None, "vanilla"),
-        ("decode-swa1024-sinks", win, "learnable"),
-    ):
+    dec_cases = (("decode-full", None, "vanilla"), ("decode-swa1024-sinks", win, "learnable"))
+    for name, window, sink_kind in dec_cases if "decode" in cases else ():
         batch = paged_batch([ctx - 1] * bsz, [1] * bsz, HQ, HKV, D, D, seed=6)
         keys = bsz * HKV * visible_keys(ctx - 1, window)
         nbytes = keys * 2 * D * 2
@@ -845,6 +922,8 @@ def sweep(fh):
                 emit({**row, "ms": round(ms, 4), "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1), **errs}, fh)
             except Exception as e:  # noqa: BLE001
                 emit({**row, "error": repr(e)[:300]}, fh)
+        for fmt_name in KV_QUANTS:
+            fp8_decode_sweep(fh, name, batch, fmt_name, nbytes, window=window, sink_kind=sink_kind)
         del batch
     pre_variants = [  # (block_m, block_n, warps, stages, tma, exp_bf16, profile)
         (128, 64, 8, 3, False, False, 0), (128, 64, 8, 3, False, True, 0), (64, 64, 4, 3, False, False, 0),
@@ -852,10 +931,8 @@ def sweep(fh):
         (128, 64, 8, 3, False, False, 2), (64, 64, 4, 3, False, False, 1), (64, 64, 4, 3, False, False, 2),
     ]  # fmt: skip
     n, win = SH["n"], SH["window"]
-    for name, window, sink_kind in (
-        ("prefill-causal", None, "vanilla"),
-        ("prefill-swa1024-sinks", win, "learnable"),
-    ):
+    pre_cases = (("prefill-causal", None, "vanilla"), ("prefill-swa1024-sinks", win, "learnable"))
+    for name, window, sink_kind in pre_cases if "prefill" in cases else ():
         batch = paged_batch([0], [n], HQ, HKV, D, D, seed=7)
         flops = 2 * visible_pairs(0, n, window) * 2 * D * HQ
         for bm, bn, w, s, tma, fast, prof in pre_variants:
@@ -1323,7 +1400,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--cases",
         default="copy,decode,prefill,mixed,mla,gptoss,host",
-        help="comma list (default: %(default)s)",
+        help="comma list (default: %(default)s); with --sweep, decode and / or prefill",
     )
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA / FlexAttention")
     ap.add_argument("--no-flex", action="store_true", help="peers: SDPA only (FlexAttention compiles slowly)")
@@ -1489,7 +1566,7 @@ def main(argv=None) -> int:
             }
             emit(small, fh)
         if args.sweep:
-            sweep(fh)
+            sweep(fh, cases)
         else:
             steps = (
                 ("decode", lambda: decode_cases(fh, check, peers)),

@@ -53,6 +53,44 @@ def test_attention_benchmark_smoke(tmp_path):
     assert out.with_suffix(".png").exists()
 
 
+@pytest.mark.slow
+def test_attention_sweep_times_every_fp8_decode_variant(tmp_path):
+    """``--sweep --cases decode --kv-cache-quant block_wise_fp8``: one record per listed fp8 decode variant
+    of both decode cases (tile, splits, register cap, code mode), each checked against the dense reference
+    on the dequantized cache, and no prefill variant (not asked for)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import attention
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = tmp_path / "sweep.jsonl"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "attention.py"),
+        "--smoke",
+        "--sweep",
+        "--cases",
+        "decode",
+    ]
+    cmd += ["--kv-cache-quant", "block_wise_fp8", "--no-peers", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    fp8 = [r for r in rows if r.get("kv_cache_dtype") == "block_wise_fp8"]
+    want = {(name, v) for name, variants in attention.FP8_DECODE_VARIANTS.items() for v in variants}
+    got = {
+        (r["sweep"], (r["block_n"], r["warps"], r["stages"], r["splits"], r["maxnreg"], r["f16_codes"]))
+        for r in fp8
+    }
+    assert got == want
+    for r in fp8:
+        assert "error" not in r and r["max_abs_err"] < 1e-4, r
+    assert not [r for r in rows if str(r.get("sweep", "")).startswith("prefill")]
+
+
 @pytest.mark.parametrize(
     "args, named",
     [

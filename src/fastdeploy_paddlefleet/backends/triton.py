@@ -44,8 +44,9 @@ where the step is synchronised anyway:
 
 Quantized caches (a :class:`~.base.QuantizedKVCache` for ``kv_cache``: uint8 codes plus dequant
 scales, ``kvcache/quant.py``): the write goes through ``kernels/cache_write.py`` with the cache whole
-(:func:`_write_plan`), never fused into the decode; the attention kernels read the codes and scales
-(the portable prefill; ``FDFLEET_PREFILL_KERNEL=hopper`` is refused by name).
+(:func:`_write_plan`), never fused into the decode; the decode and portable prefill kernels read the
+codes and scales, the Hopper prefill (sm_90, bf16 / fp16 models, ``auto`` or ``hopper``) reads a bf16 /
+fp16 scratch the step's pages are dequantized into first (``kernels/kv_dequant_gather.py``).
 
 Create the flag before capturing a CUDA graph (``backend.error_flag(tensor_on_device)``, or any eager
 call such as the warm-up run): a flag first allocated inside a capture would be cleared by every

@@ -13,7 +13,8 @@ compare-and-swap on ``flag[0]``) is written into it::
   visible range; 3 logical block past the table's width (``value`` = the width);
 * ``request``: index into ``cu_seqlens_q`` / ``block_tables``; ``kv_head``: -1 for a per-request
   block table, the kv head of a head-wise page table (row ``request * Hkv + kv_head``);
-* ``kernel``: 1 cache write, 2 prefill (portable), 3 decode, 4 prefill (Hopper);
+* ``kernel``: 1 cache write, 2 prefill (portable), 3 decode, 4 prefill (Hopper), 5 the dequantizing
+  gather ahead of the Hopper prefill of a quantized cache (``kernels/kv_dequant_gather.py``);
 * ``limit``: the cache's block count (per-request tables) or page count (head-wise tables).
 
 The flag is an ordinary preallocated device tensor passed as a kernel argument, so launches stay
@@ -40,11 +41,13 @@ KERNEL_NAMES = {
     2: "prefill attention",
     3: "decode attention",
     4: "Hopper prefill attention",
+    5: "dequantizing gather (Hopper prefill of a quantized cache)",
 }
 KERNEL_CACHE_WRITE = tl.constexpr(1)  # kernel ids as kernels pass them (compile-time constants)
 KERNEL_PREFILL = tl.constexpr(2)
 KERNEL_DECODE = tl.constexpr(3)
 KERNEL_HOPPER_PREFILL = tl.constexpr(4)
+KERNEL_DEQUANT_GATHER = tl.constexpr(5)
 #: ``flag[0]`` values
 CODE_PAST_CACHE, CODE_NEGATIVE, CODE_PAST_TABLE = 1, 2, 3
 

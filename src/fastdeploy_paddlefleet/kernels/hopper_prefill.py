@@ -186,9 +186,10 @@ def choose_prefill_impl(
     the Hopper kernel when :func:`supported`, the installed Triton is a tested release
     (:func:`.hopper_support.triton_blocks`: else one WARNING) and no portable ``prefill_config`` was asked
     for. ``hopper`` on inputs it cannot run, or on a Triton it does not compile with, raises
-    ``ValueError`` with the reason. ``kv_quant``: the cache's quantized format (``kvcache/quant.py``),
-    which only the portable prefill reads: ``auto`` picks it, ``hopper`` raises ``ValueError`` naming
-    the setting."""
+    ``ValueError`` with the reason. ``kv_quant``: the cache's quantized format (``kvcache/quant.py``):
+    the Hopper kernel then runs on the bf16 / fp16 scratch that ``kernels/kv_dequant_gather.py``
+    dequantizes the step's pages into (q's dtype, the caches' ``[blocks, Hkv, block_size, D]``
+    contiguous), so the same checks apply to that scratch instead of the ``uint8`` codes."""
     from .. import envs
 
     choice = impl if impl is not None else envs.prefill_kernel()
@@ -196,15 +197,11 @@ def choose_prefill_impl(
         raise ValueError(f"prefill_impl must be one of {envs.PREFILL_KERNELS}, got {choice!r}")
     if choice == "portable" or (choice == "auto" and prefill_config is not None):
         return "portable"
-    if kv_quant is not None:
-        if choice == "hopper":
-            setting = "prefill_impl='hopper'" if impl is not None else "FDFLEET_PREFILL_KERNEL=hopper"
-            name = getattr(kv_quant, "name", kv_quant)
-            raise ValueError(
-                f"{setting}: the hopper prefill kernel does not read a quantized KV cache "
-                f"(kv_cache_quant_type={name!r}); use FDFLEET_PREFILL_KERNEL=auto or portable"
-            )
-        return "portable"
+    if kv_quant is not None and torch is not None and isinstance(q, torch.Tensor):
+        # the scratch's geometry (no memory: a meta tensor's address is 0, aligned like an allocation)
+        hkv, bs = key_cache.shape[1], key_cache.shape[2]
+        key_cache = torch.empty((1, hkv, bs, key_cache.shape[3]), dtype=q.dtype, device="meta")
+        value_cache = torch.empty((1, hkv, bs, value_cache.shape[3]), dtype=q.dtype, device="meta")
     why = supported(q, key_cache, value_cache) or triton_blocks(choice)  # the Triton: hopper_support.py
     if why is None:
         return "hopper"

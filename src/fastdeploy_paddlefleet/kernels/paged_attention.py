@@ -29,7 +29,13 @@ channel ``[Hkv * D]`` (static). The kernels convert codes exactly to q's dtype f
 (fp32 accumulation) and apply the scales where they cost least: per-token K scales on the scores'
 columns, per-token V scales on P's columns (under an fp16 model each row of that product taken relative
 to its largest entry, a power of two: small scales keep fp16's precision), static K scales folded into q,
-static V scales on the output. The Hopper prefill does not read them: ``auto`` picks the portable prefill.
+static V scales on the output. The Hopper prefill reads them through a dequantizing gather
+(``kernels/kv_dequant_gather.py``): before its launch, the pages the step's prefill requests read are
+dequantized into a bf16 / fp16 scratch cache (``T(code * scale)``, rounded once to the model dtype: the
+one difference from the portable prefill's values) with a remapped block table, and the unchanged bf16
+Hopper kernel runs on those; decode rows keep reading the codes. ``auto`` picks it where it picks the
+Hopper kernel for an unquantized cache of the model dtype; ``prefill_impl='portable'`` keeps the
+portable prefill.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from ..kvcache.quant import KVCacheQuant, kv_cache_quant
 from ._framework import empty, is_torch, num_sms, to_float32, torch
 from .attention_kernels import SAFE_GRID, _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl, safe_key
+from .kv_dequant_gather import DequantGather
 from .launch.direct import (
     KernelCache,
     LaunchStep,
@@ -181,13 +188,27 @@ def fp8_decode_setup(
     :data:`FP8_F16_CODES_DECODE` is ``None``: mode 3 with :data:`FP8_DECODE_AUTO_MAXNREG` on the plain
     decode tile (64 keys, 4 warps) of a full-attention 128 / 128 cache that is not head-wise, where it
     was timed faster (H100, 64 x 4096, 32 / 8 heads: 1.36x our bf16 decode against 1.13x with mode 1);
-    mode 1 and no cap elsewhere, where mode 3 (capped or not) was timed slower: the 32-key tiles of
-    sliding windows (1.06-1.16x against 1.23-1.29x), head-wise pages (0.98-1.08x against 1.23x) and
-    MLA's 192 / 128 (1.07-1.27x against 1.31x) (benchmarks/NOTES.md)."""
+    mode 3 without a cap on :func:`fp8_decode_tile`'s 64-key, 2-warp tile of sliding windows (the fastest
+    of nine window variants, H100); mode 1 and no cap elsewhere, where mode 3 (capped or not) was timed
+    slower: the 32-key tiles of sliding windows (1.06-1.16x against 1.23-1.29x), head-wise pages
+    (0.98-1.08x against 1.23x) and MLA's 192 / 128 (1.07-1.27x against 1.31x) (benchmarks/NOTES.md)."""
     plain = cfg.block_n == 64 and cfg.num_warps == 4
     if plain and dqk == dv == 128 and not headwise and not has_window:
         return 3, FP8_DECODE_AUTO_MAXNREG
+    if cfg.block_n == 64 and cfg.num_warps == 2 and dqk == dv == 128 and not headwise and has_window:
+        return 3, None  # fp8_decode_tile's window tile
     return 1, None
+
+
+def fp8_decode_tile(cfg: TileConfig, dqk: int, dv: int, headwise: bool, all_slide: bool) -> TileConfig:
+    """The default decode tile of an e4m3 cache under a bf16 model (:data:`FP8_F16_CODES_DECODE` ``None``):
+    where every kv head slides over a 128 / 128 cache that is not head-wise, 64-key tiles over 2 warps
+    instead of bf16's 32 (mode 3 in :func:`fp8_decode_setup`; H100, window 1024 + sinks, 64 x 4096: 70.4
+    against 76.5 us, benchmarks/NOTES.md); ``cfg`` elsewhere."""
+    sliding_tile = cfg.block_n == 32 and cfg.num_warps == 2
+    if all_slide and sliding_tile and dqk == dv == 128 and not headwise:
+        return replace(cfg, block_n=64)
+    return cfg
 
 
 MIN_TILES_PER_SPLIT = 4
@@ -575,6 +596,10 @@ class AttentionPlan:
         self.prefill = "portable"
         self.hopper = None
         self._hopper_args = None
+        #: a quantized cache's Hopper prefill: the dequantizing gather into the shared scratch
+        #: (kernels/kv_dequant_gather.py), and the scratch generation :attr:`hopper` was built over
+        self.gather = None
+        self._hopper_gen = -1
         if choose_prefill_impl(prefill_impl, prefill_config, q, key_cache, value_cache, quant) == "hopper":
             self.prefill = "hopper"
             # built on the first prefill (its TMA descriptors cost ~20 us: a decode-only plan skips them)
@@ -582,6 +607,13 @@ class AttentionPlan:
                 qk_scale=qk_scale, sink_mode=sink_mode, headwise=bool(headwise), has_window=has_window,
                 window=window, win_h0=win_h0, win_h1=win_h1, softcap=softcap,
             )  # fmt: skip
+            if quant is not None:
+                self.gather = DequantGather(
+                    hkv=hkv, block_size=bs, dqk=dqk, dv=dv, dtype=q.dtype, device=q.device,
+                    kv_code=KV_CODES[quant.code], scale_mode=scales[0], page_h=page_h, common=self.common,
+                    scale_strides=scales[3], n_pages=self.n_pages, headwise=bool(headwise),
+                    window=window if has_window else None, win_h0=win_h0, win_h1=win_h1,
+                )  # fmt: skip
         cfg = prefill_config or default_prefill_config(dqk, dv, q.device, elem, has_window)
         self.prefill_cfg = cfg
         self.gp = _next_pow2(g)
@@ -597,6 +629,7 @@ class AttentionPlan:
         if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
             cap = FP8_DECODE_MAXNREG
             if auto_codes and decode_codes:
+                self.decode_cfg = fp8_decode_tile(self.decode_cfg, dqk, dv, bool(headwise), self.all_slide)
                 setup = fp8_decode_setup(self.decode_cfg, dqk, dv, bool(headwise), has_window)
                 decode_codes, auto_cap = setup
                 cap = auto_cap if cap is None else cap
@@ -656,7 +689,8 @@ class AttentionPlan:
             key_scale, value_scale = key_scale.reshape(-1), value_scale.reshape(-1)
         self.key_scale, self.value_scale = key_scale, value_scale
         hop = self.hopper
-        if hop is not None:  # its TMA descriptors read the caches' addresses at each launch
+        # its TMA descriptors read the caches' addresses at each launch (a gather's: the scratch's)
+        if hop is not None and self.gather is None:
             try:
                 hop.value_cache = value_cache
                 hop.k_desc.base, hop.v_desc.base = key_cache, value_cache
@@ -882,6 +916,8 @@ class AttentionPlan:
             return False  # a fused write is for decode-only steps (run_step refuses others)
         hopper = pre = dec = red = None
         if run_prefill:
+            if self.gather is not None:  # the gather's scratch and table: _launch_triton's (tensors)
+                return False
             pkey = ("hopper", key) if self._hopper_args is not None else ("prefill", key)
             if self._hopper_args is not None:
                 hopper = self.hopper
@@ -988,7 +1024,10 @@ class AttentionPlan:
         pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
         run_prefill, run_decode = self._runs(step.max_q_len, step.num_reqs, t)
         out3 = None
-        if run_prefill and self._hopper_args is not None:
+        if run_prefill and self.gather is not None:
+            out3 = out if out.dim() == 3 else out.view(t, hq, dv)
+            self._gather_prefill(q, out3, t, step, stream, key)
+        elif run_prefill and self._hopper_args is not None:
             if self.hopper is None:
                 self.hopper = HopperPlan(
                     self.key_cache, self.value_cache, self.hq, self.sinks, **self._hopper_args
@@ -1072,6 +1111,33 @@ class AttentionPlan:
                 mid_o, mid_l, out3, step.cu, self.sinks, self.sink_mode, kernels=cache,
                 key=None if key is None else ("reduce", splits, key), stream=stream,
             )  # fmt: skip
+
+    def _gather_prefill(
+        self, q: torch.Tensor, out3: torch.Tensor, t: int, step: LaunchStep, stream: int | None, key: Any
+    ) -> None:
+        """A quantized cache's Hopper prefill: the dequantizing gather of the pages this step's prefill
+        requests read into the shared scratch, then the bf16 :class:`HopperPlan` over the scratch and the
+        remapped table (built again when the scratch was reallocated). ``key``: the direct launches'
+        (``None``: Triton's path)."""
+        cache = self.kernels
+        sk, sv, tbl = self.gather.run(
+            self.key_cache, self.value_cache, self.key_scale, self.value_scale, step.cu, step.dec, step.table,
+            t, max_q_len=step.max_q_len, max_context_len=step.max_context_len, errors=step.errors,
+            kernels=cache, key=None if key is None else ("gather", step.sig), stream=stream,
+        )  # fmt: skip
+        gen = self.gather.scratch.generation
+        if self.hopper is None or self._hopper_gen != gen:
+            self.hopper = None  # the old descriptors hold the old scratch: let it go first
+            self.hopper = HopperPlan(sk, sv, self.hq, self.sinks, **self._hopper_args)
+            self._hopper_gen = gen
+        hkey = direct = None
+        if key is not None:
+            p0, p1, _, p3 = step.ptrs
+            sp = self.ptrs[2] if self.sink_mode == 1 else q.data_ptr()
+            hkey = ("hopper-gather", key)
+            qp, op = q.data_ptr(), out3.data_ptr()
+            direct = (qp, sk.data_ptr(), sv.data_ptr(), op, sp, p0, p1, tbl.data_ptr(), p3)
+        self.hopper.run(q, out3, step.cu, step.dec, tbl, step.errors, cache, hkey, stream, direct)
 
     def _sizes(self, qs: tuple, ost: tuple, step: LaunchStep, t: int) -> tuple:
         """The kernels' arguments after the pointers, up to the scalars: q's and out's strides, the
