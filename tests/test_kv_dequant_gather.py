@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 import test_kv_quant_attention as qa  # noqa: E402
 import test_triton_kernels as tk  # noqa: E402  (sets TRITON_INTERPRET before the kernels exist)
 
+from fastdeploy_paddlefleet import envs  # noqa: E402
 from fastdeploy_paddlefleet.kernels import hopper_prefill as hp  # noqa: E402
 from fastdeploy_paddlefleet.kernels import kv_dequant_gather as kg  # noqa: E402
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
@@ -244,6 +245,52 @@ def test_scratch_grows_on_demand_and_is_shared():
     w = kg.scratch_units(2, 40, 9, 16, 3, headwise=True, window=8, win_h0=1, win_h1=3, max_q_len=20,
                          max_context_len=140)  # fmt: skip
     assert w == (9, 3, 9 + 2 * 3, 2 * 15)
+
+
+def test_scratch_budget_bounds_every_step_and_its_growth(monkeypatch):
+    """``FDFLEET_DEQUANT_SCRATCH_MB``: a step whose bound (codes' pages in the model dtype plus the remapped
+    table) exceeds it does not fit (the plan then runs the portable prefill); growth stops at the budget
+    where the step still fits; the variable parses strictly."""
+    monkeypatch.setenv("FDFLEET_DEQUANT_SCRATCH_MB", "1")
+    g = kg.DequantGather(
+        hkv=2, block_size=16, dqk=64, dv=32, dtype=torch.float16, device="cpu", kv_code=1, scale_mode=1,
+        page_h=2, common=(0, 0, 0, 0), scale_strides=(0, 0, 0, 0), n_pages=100, headwise=False, window=None,
+        scratch=kg.DequantScratch("cpu", torch.float16, 2, 16, 64, 32),
+    )  # fmt: skip
+    unit = 2 * 16 * (64 + 32) * 2  # one scratch block: 6144 bytes
+    assert g.budget == 1 << 20
+    # 2 prefill requests x 80 blocks = 160 blocks (983,040 bytes) + a 2 x 80 table: fits in 1 MiB
+    assert g.fits(2, 400, 2, 80)
+    # 3 requests: 240 blocks, 1,474,560 bytes: does not
+    assert not g.fits(3, 400, 3, 80)
+    assert g.fits(3, 400, 3, 80, max_context_len=800)  # 50 blocks each, as max_context_len bounds them
+    g.scratch.ensure(100, 10, most=g.budget // unit)
+    g.scratch.ensure(160, 10, most=g.budget // unit)  # 1.5 x 100 = 150 < 160: 160
+    g.scratch.ensure(165, 10, most=g.budget // unit)  # 1.5 x 160 = 240 would pass the budget: 170
+    assert g.scratch.blocks == (1 << 20) // unit == 170
+    for bad in ("-1", "1.5", "lots", "١٢"):
+        monkeypatch.setenv("FDFLEET_DEQUANT_SCRATCH_MB", bad)
+        with pytest.raises(ValueError, match="FDFLEET_DEQUANT_SCRATCH_MB"):
+            envs.dequant_scratch_mb()
+    monkeypatch.delenv("FDFLEET_DEQUANT_SCRATCH_MB")
+    assert envs.dequant_scratch_mb() == envs.DEQUANT_SCRATCH_MB_DEFAULT == 512
+
+
+def test_no_scratch_means_the_portable_prefill(monkeypatch):
+    """``FDFLEET_DEQUANT_SCRATCH_MB=0``: ``auto`` keeps a quantized cache on the portable prefill wherever
+    it runs, and ``hopper`` asked for names the variable; an unquantized cache is unaffected."""
+    monkeypatch.setenv("FDFLEET_DEQUANT_SCRATCH_MB", "0")
+    monkeypatch.delenv("FDFLEET_PREFILL_KERNEL", raising=False)
+    fmt = qa.fmt_of("block_wise_fp8")
+    dev = "cuda" if CUDA else "cpu"
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16, device=dev)
+    codes = torch.zeros(2, 2, 64, 128, dtype=torch.uint8, device=dev)
+    assert hp.choose_prefill_impl(None, None, q, codes, codes, fmt) == "portable"
+    with pytest.raises(ValueError, match="FDFLEET_DEQUANT_SCRATCH_MB=0"):
+        hp.choose_prefill_impl("hopper", None, q, codes, codes, fmt)
+    bf16 = torch.zeros(2, 2, 64, 128, dtype=torch.bfloat16, device=dev)
+    want = "hopper" if HOPPER and triton_tested() else "portable"
+    assert hp.choose_prefill_impl(None, None, q, bf16, bf16, None) == want
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ itself.
 * ``FDFLEET_DIRECT_LAUNCH``: boolean, default ``True``
 * ``FDFLEET_OWN_LAUNCHER``: boolean, default ``True``
 * ``FDFLEET_FUSED_DECODE_WRITE``: boolean, default ``False``
+* ``FDFLEET_DEQUANT_SCRATCH_MB``: an integer >= 0, default ``512``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
   ``--model-impl paddlefleet`` is chosen (FastDeploy then sees ``auto``)
@@ -218,6 +219,24 @@ def fused_decode_write() -> bool:
     return get_bool("FDFLEET_FUSED_DECODE_WRITE", False)
 
 
+DEQUANT_SCRATCH_MB_DEFAULT = 512
+
+
+def dequant_scratch_mb() -> int:
+    """``FDFLEET_DEQUANT_SCRATCH_MB``: the most memory (MiB) the Hopper prefill of a quantized KV cache may
+    take for its bf16 / fp16 scratch (``kernels/kv_dequant_gather.py``; shared by the layers of one
+    geometry), default 512. A step whose bound is larger runs the portable prefill over the codes
+    instead, as ``0`` makes every step do (no scratch at all)."""
+    name = "FDFLEET_DEQUANT_SCRATCH_MB"
+    value = _raw(name)
+    if value is None:
+        return DEQUANT_SCRATCH_MB_DEFAULT
+    v = value.strip()
+    if not v.isdigit() or not v.isascii():
+        raise ValueError(f"{name}={value!r} is not a whole number of MiB (0 or more)")
+    return int(v)
+
+
 @dataclass(frozen=True)
 class Variable:
     """One ``FDFLEET_*`` variable: its ``name``, the getter that parses it (``read``: the value, or
@@ -245,6 +264,9 @@ VARIABLES: dict[str, Variable] = {
         Variable("FDFLEET_DIRECT_LAUNCH", direct_launch, "on", "launch compiled Triton kernels directly"),
         Variable("FDFLEET_OWN_LAUNCHER", own_launcher, "on", "direct launches through the plugin's launcher"),
         Variable("FDFLEET_FUSED_DECODE_WRITE", fused_decode_write, "off", "decode launch writes the K/V"),
+        Variable(
+            "FDFLEET_DEQUANT_SCRATCH_MB", dequant_scratch_mb, "512", "quantized caches' prefill scratch (MiB)"
+        ),
         Variable("FDFLEET_LOG_LEVEL", log_level, "WARNING", "the plugin's log level"),
         Variable(MODEL_IMPL_VAR, model_impl_is_paddlefleet, "unset", "set by --model-impl paddlefleet"),
         Variable("FDFLEET_HOST_FASTDEPLOY", None, "unset", "tests only: FastDeploy's sources"),

@@ -189,13 +189,24 @@ def choose_prefill_impl(
     ``ValueError`` with the reason. ``kv_quant``: the cache's quantized format (``kvcache/quant.py``):
     the Hopper kernel then runs on the bf16 / fp16 scratch that ``kernels/kv_dequant_gather.py``
     dequantizes the step's pages into (q's dtype, the caches' ``[blocks, Hkv, block_size, D]``
-    contiguous), so the same checks apply to that scratch instead of the ``uint8`` codes."""
+    contiguous), so the same checks apply to that scratch instead of the ``uint8`` codes; with
+    ``FDFLEET_DEQUANT_SCRATCH_MB=0`` (no scratch) ``auto`` picks the portable prefill and ``hopper``
+    raises ``ValueError``."""
     from .. import envs
 
     choice = impl if impl is not None else envs.prefill_kernel()
     if choice not in envs.PREFILL_KERNELS:
         raise ValueError(f"prefill_impl must be one of {envs.PREFILL_KERNELS}, got {choice!r}")
     if choice == "portable" or (choice == "auto" and prefill_config is not None):
+        return "portable"
+    if kv_quant is not None and envs.dequant_scratch_mb() == 0:  # no scratch: the codes' own prefill
+        if choice == "hopper":
+            setting = "prefill_impl='hopper'" if impl is not None else "FDFLEET_PREFILL_KERNEL=hopper"
+            name = getattr(kv_quant, "name", kv_quant)
+            raise ValueError(
+                f"{setting} with FDFLEET_DEQUANT_SCRATCH_MB=0: the hopper prefill reads a quantized KV "
+                f"cache (kv_cache_quant_type={name!r}) only through its scratch; allow one or use portable"
+            )
         return "portable"
     if kv_quant is not None and torch is not None and isinstance(q, torch.Tensor):
         # the scratch's geometry (no memory: a meta tensor's address is 0, aligned like an allocation)

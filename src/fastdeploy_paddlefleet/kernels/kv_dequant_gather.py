@@ -68,6 +68,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from .. import envs
 from ._framework import torch
 from .attention_kernels import _scan_table
 from .errors import KERNEL_DEQUANT_GATHER
@@ -264,11 +265,14 @@ class DequantScratch:
                 total += x.numel() * x.element_size()
         return total
 
-    def ensure(self, blocks: int, table_elems: int) -> None:
+    def ensure(self, blocks: int, table_elems: int, most: int | None = None) -> None:
         """At least ``blocks`` scratch blocks and ``table_elems`` table entries (a larger allocation
-        replaces a smaller one: :data:`GROWTH` times the old size at least)."""
+        replaces a smaller one: :data:`GROWTH` times the old size at least, but not past ``most``
+        blocks where that still holds ``blocks``)."""
         if blocks > self.blocks:
             new = max(int(blocks), int(self.blocks * GROWTH), 1)
+            if most is not None and blocks <= most:
+                new = min(new, int(most))
             shape_k = (new, self.hkv, self.bs, self.dqk)
             shape_v = (new, self.hkv, self.bs, self.dv)
             self.key = self.value = None  # free the old ones first
@@ -352,6 +356,28 @@ class DequantGather:
         tile = self.consts["BLOCK_S"] * max(self.consts["BLOCK_DQK"], self.consts["BLOCK_DV"])
         self.consts["num_warps"] = 4 if tile <= 8192 else 8
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if _is_cuda(device) else 4
+        #: the scratch's most bytes (FDFLEET_DEQUANT_SCRATCH_MB, read when the plan is built)
+        self.budget = envs.dequant_scratch_mb() << 20
+        self._unit_bytes = block_size * (dqk + dv) * torch.empty(0, dtype=dtype).element_size()
+
+    def fits(
+        self,
+        num_reqs: int,
+        n_tok: int,
+        rows: int,
+        n_blk: int,
+        *,
+        max_q_len: int | None = None,
+        max_context_len: int | None = None,
+    ) -> bool:
+        """Whether this step's scratch bound (:func:`scratch_units`, its remapped table included) stays
+        within :attr:`budget`; where it does not, the caller runs the portable prefill over the codes."""
+        *_, cap = scratch_units(
+            num_reqs, n_tok, n_blk, self.bs, self.hkv, headwise=self.headwise, window=self.window,
+            win_h0=self.win_h0, win_h1=self.win_h1, max_q_len=max_q_len, max_context_len=max_context_len,
+        )  # fmt: skip
+        pages = cap if self.headwise else cap * self.hkv
+        return pages * self._unit_bytes + rows * n_blk * 4 <= self.budget
 
     def run(
         self,
@@ -384,7 +410,7 @@ class DequantGather:
         )  # fmt: skip
         blocks = -(-cap // hkv) if self.headwise else cap
         sc = self.scratch
-        sc.ensure(max(blocks, 1), rows * n_blk)
+        sc.ensure(max(blocks, 1), rows * n_blk, most=self.budget // (self._unit_bytes * hkv))
         table = sc.table[: rows * n_blk].view(rows, n_blk)
         if num_reqs <= 0 or rows * n_blk == 0:
             return sc.key, sc.value, table

@@ -1024,10 +1024,16 @@ class AttentionPlan:
         pq, pk, pv, po, ps, pcu, pdec, ptbl, perr = self._tensor_args(q, out, step)
         run_prefill, run_decode = self._runs(step.max_q_len, step.num_reqs, t)
         out3 = None
-        if run_prefill and self.gather is not None:
+        gather = run_prefill and self.gather is not None
+        if gather:  # within FDFLEET_DEQUANT_SCRATCH_MB, else the portable prefill over the codes
+            gather = self.gather.fits(
+                num_reqs, t, step.table.shape[0], step.table.shape[1], max_q_len=step.max_q_len,
+                max_context_len=step.max_context_len,
+            )  # fmt: skip
+        if gather:
             out3 = out if out.dim() == 3 else out.view(t, hq, dv)
             self._gather_prefill(q, out3, t, step, stream, key)
-        elif run_prefill and self._hopper_args is not None:
+        elif run_prefill and self._hopper_args is not None and self.gather is None:
             if self.hopper is None:
                 self.hopper = HopperPlan(
                     self.key_cache, self.value_cache, self.hq, self.sinks, **self._hopper_args
