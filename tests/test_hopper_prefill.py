@@ -76,7 +76,7 @@ def test_hopper_prefill_headwise_tables_and_block_sizes(dtype, block_size):
     run_and_check(s, prefill_impl="hopper", sink_kind="learnable", **kw)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_hopper_prefill_long_sequences():
     run_and_check(s, prefill_impl="portable", max_q_len=4096)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @hopper
 @pytest.mark.parametrize("num_ctas", [1, 3])
 def test_hopper_prefill_persistent_ctas_walk_many_items(monkeypatch, num_ctas):
@@ -147,7 +147,7 @@ def test_hopper_prefill_wide_heads(shape, attend):
     run_and_check(s, prefill_impl="hopper", max_q_len=700, max_context_len=2001, **attend)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [WIDE[1], WIDE[2]], ids=["mla-g4", "d256-g8"])
@@ -161,7 +161,7 @@ def test_hopper_prefill_wide_heads_headwise(dtype, shape, block_size):
     run_and_check(s, prefill_impl="hopper", sink_kind="learnable", **kw)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @hopper
 @pytest.mark.parametrize(
     "shape, tiles",
@@ -210,7 +210,7 @@ SCHEDULE_CASES = [
 SCHEDULE_CASE_IDS = ["causal", "window-sinks", "mla", "d256-window", "headwise-bs16", "2ctas-s3", "mla-3ctas"]
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @hopper
 @pytest.mark.parametrize("case", SCHEDULE_CASES, ids=SCHEDULE_CASE_IDS)
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)

@@ -254,7 +254,7 @@ def backend_forward_error(device: str) -> float:
     return float((out.double().cpu().view(want.shape) - want).abs().max())
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @gpu
 def test_gpu_fp32_backend_forward_matches_float64():
     err = backend_forward_error("cuda")

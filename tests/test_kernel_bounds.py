@@ -334,7 +334,7 @@ def test_gpu_bad_tables_are_named_not_illegal_addresses(impl, bad):
     _survives(s.q.device)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @gpu
 def test_gpu_valid_steps_leave_the_flag_clear():
     for impl in ("portable", "hopper") if HOPPER else ("portable",):

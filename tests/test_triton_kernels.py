@@ -619,7 +619,7 @@ def test_gpu_chunked_prefill_and_mixed(dtype, window):
     run_and_check(s, window_left=window, sink_kind="learnable", max_q_len=700, max_context_len=2001)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @gpu
 @pytest.mark.parametrize("use_tma", [False, True])
 def test_gpu_tile_variants(use_tma):
