@@ -268,6 +268,12 @@ def test_scratch_budget_bounds_every_step_and_its_growth(monkeypatch):
     g.scratch.ensure(160, 10, most=g.budget // unit)  # 1.5 x 100 = 150 < 160: 160
     g.scratch.ensure(165, 10, most=g.budget // unit)  # 1.5 x 160 = 240 would pass the budget: 170
     assert g.scratch.blocks == (1 << 20) // unit == 170
+    fresh = kg.DequantScratch("cpu", torch.float16, 2, 16, 64, 32)
+    g.scratch = fresh
+    g.reserve()  # the plan's first prefill: the whole budget at once, whatever the step needs
+    assert fresh.blocks == 170 and fresh.generation == 1
+    g.reserve()
+    assert fresh.generation == 1
     for bad in ("-1", "1.5", "lots", "١٢"):
         monkeypatch.setenv("FDFLEET_DEQUANT_SCRATCH_MB", bad)
         with pytest.raises(ValueError, match="FDFLEET_DEQUANT_SCRATCH_MB"):

@@ -360,6 +360,15 @@ class DequantGather:
         self.budget = envs.dequant_scratch_mb() << 20
         self._unit_bytes = block_size * (dqk + dv) * torch.empty(0, dtype=dtype).element_size()
 
+    def reserve(self) -> None:
+        """Allocate the whole :attr:`budget` now (once; the plan calls it at each prefill, whether the step
+        fits or not): FastDeploy sizes the KV cache from the device memory in use after its profile run
+        (``gpu_worker.determine_available_memory``: NVML's ``used``, which sees torch's allocations), so a
+        scratch that reached its size only later would take memory the cache was given."""
+        most = self.budget // (self._unit_bytes * self.hkv)
+        if most > self.scratch.blocks:
+            self.scratch.ensure(most, 1, most=most)
+
     def fits(
         self,
         num_reqs: int,

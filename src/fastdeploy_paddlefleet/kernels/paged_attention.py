@@ -1026,6 +1026,7 @@ class AttentionPlan:
         out3 = None
         gather = run_prefill and self.gather is not None
         if gather:  # within FDFLEET_DEQUANT_SCRATCH_MB, else the portable prefill over the codes
+            self.gather.reserve()  # the whole budget at the first prefill, as FastDeploy's profile run
             gather = self.gather.fits(
                 num_reqs, t, step.table.shape[0], step.table.shape[1], max_q_len=step.max_q_len,
                 max_context_len=step.max_context_len,
