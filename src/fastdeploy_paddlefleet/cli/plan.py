@@ -45,6 +45,7 @@ import json
 import os
 from typing import Any
 
+from ..envs import dequant_scratch_mb
 from ..kvcache.layout import GIB, KVBudget, format_bytes, kv_budget
 from ..kvcache.pools import PoolLayout, budget_blocks, capacity
 from ..kvcache.quant import ALIASES, FORMATS, kv_cache_quant
@@ -534,6 +535,11 @@ def fastdeploy_flags(
         notes.append(
             f"FastDeploy requires max_num_batched_tokens <= max_model_len * max_num_seqs "
             f"({max_model_len} * {seqs}): lower --max-num-batched-tokens"
+        )
+    if kv_cache_quant is not None:  # kernels/kv_dequant_gather.py: beside the cache, not inside it
+        notes.append(
+            f"on sm_90 the Hopper prefill of a quantized cache also takes up to {dequant_scratch_mb()} MiB "
+            "(FDFLEET_DEQUANT_SCRATCH_MB) beside this KV memory for its dequantized copy of a step's pages"
         )
     return FastDeployFlags(
         recycle=recycle,
