@@ -557,6 +557,18 @@ def test_fastdeploy_flags_gpt_oss_by_hand(capsys):
     assert "--max-num-seqs 199 --num-gpu-blocks-override 13653" in out
 
 
+def test_quantized_flags_name_the_dequant_scratch(capsys, monkeypatch):
+    """A quantized cache's flags note the memory the Hopper prefill's dequant scratch takes beside the KV
+    memory, at FDFLEET_DEQUANT_SCRATCH_MB's value; an unquantized cache's say nothing of it."""
+    monkeypatch.setenv("FDFLEET_DEQUANT_SCRATCH_MB", "96")
+    notes = plan_json(capsys, "gpt-oss-20b", "--kv-cache-quant", "block_wise_fp8")["fastdeploy_flags"][
+        "notes"
+    ]
+    assert [n for n in notes if "96 MiB" in n and "FDFLEET_DEQUANT_SCRATCH_MB" in n]
+    plain = plan_json(capsys, "gpt-oss-20b")["fastdeploy_flags"]["notes"]
+    assert not [n for n in plain if "FDFLEET_DEQUANT_SCRATCH_MB" in n]
+
+
 def test_fastdeploy_flags_cap_and_off(capsys, monkeypatch):
     """Short requests: the memory holds thousands, FastDeploy's FDConfig.check caps max_num_seqs at
     512; with FDFLEET_KV_RECYCLE=off the flags count FastDeploy's accounting (a 256-token request
