@@ -230,8 +230,40 @@ def emit_quant(fh, rec: dict, batch: dict, **run_kw) -> None:
         out["vs_bf16"] = round(rec["ms"] / ms, 3)
         if rec.get("kind") == "prefill":
             out["kernel"] = quant_prefill_kernel(batch, fmt_name)
+            if out["kernel"] == "hopper":  # what of the difference from bf16 the gather itself takes
+                out.update(gather_timing(batch, fmt_name, **run_kw))
         emit({**out, **errs}, fh)
     batch.pop("_quant", None)
+
+
+def gather_timing(
+    batch: dict, fmt_name: str, *, window=None, sliding=None, max_q_len=None, max_ctx=None, **_
+) -> dict:
+    """The dequantizing gather alone (``kernels/kv_dequant_gather.py``) over ``batch``'s ``fmt_name``
+    cache, as the prefill's plan launches it: ``gather_ms`` (:func:`bench_best`), or ``gather_error``."""
+    try:
+        from fastdeploy_paddlefleet.kernels.paged_attention import AttentionPlan
+
+        qb = quantize_batch(batch, fmt_name, dequant=False)
+        q = batch["q"]
+        plan = AttentionPlan(
+            qb["kcodes"], qb["vcodes"], q, scale=1.0, headwise=batch["headwise"], window_left=window,
+            sliding_heads=sliding, kv_quant=qb["fmt"], key_scale=qb["ks"], value_scale=qb["vs"],
+        )  # fmt: skip
+        if plan.gather is None:
+            return {"gather_error": "the plan runs no gather"}
+        t = q.shape[0]
+
+        def fn():
+            plan.gather.run(
+                plan.key_cache, plan.value_cache, plan.key_scale, plan.value_scale, batch["cu"], batch["dec"],
+                batch["table"], t, max_q_len=max_q_len, max_context_len=max_ctx,
+            )  # fmt: skip
+
+        fn()
+        return {"gather_ms": bench_best(fn)["ms"]}
+    except Exception as e:  # noqa: BLE001 - the prefill's own record stands without it
+        return {"gather_error": repr(e)[:300]}
 
 
 def visible_keys(pos: int, window: int | None) -> int:

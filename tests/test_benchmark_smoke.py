@@ -53,6 +53,28 @@ def test_attention_benchmark_smoke(tmp_path):
     assert out.with_suffix(".png").exists()
 
 
+def test_gather_timing_runs_the_plans_own_gather(monkeypatch):
+    """``attention.gather_timing``: the dequantizing gather of the plan the quantized prefill runs, timed
+    alone (here on the interpreter, the plan made to choose the Hopper path); a plan without a gather is
+    reported, not raised."""
+    pytest.importorskip("triton")
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import attention
+
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setitem(attention.SH, "dev", "cpu")
+    monkeypatch.setitem(attention.SH, "dtype", "float32")  # the interpreter's dots: fp32
+    batch = attention.paged_batch([0, 30], [40, 1], 4, 2, 16, 16, seed=1)
+    assert batch["q"].dtype == torch.float32
+    assert "gather_error" in attention.gather_timing(batch, "block_wise_fp8", max_q_len=40, max_ctx=40)
+    monkeypatch.setattr(pa, "choose_prefill_impl", lambda *a, **k: "hopper")
+    got = attention.gather_timing(batch, "block_wise_fp8", max_q_len=40, max_ctx=40)
+    assert set(got) == {"gather_ms"} and got["gather_ms"] > 0
+
+
 @pytest.mark.slow
 def test_attention_sweep_times_every_fp8_decode_variant(tmp_path):
     """``--sweep --cases decode --kv-cache-quant block_wise_fp8``: one record per listed fp8 decode variant
