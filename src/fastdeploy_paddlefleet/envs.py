@@ -224,9 +224,9 @@ DEQUANT_SCRATCH_MB_DEFAULT = 512
 
 def dequant_scratch_mb() -> int:
     """``FDFLEET_DEQUANT_SCRATCH_MB``: the most memory (MiB) the Hopper prefill of a quantized KV cache may
-    take for its bf16 / fp16 scratch (``kernels/kv_dequant_gather.py``; shared by the layers of one
-    geometry), default 512. A step whose bound is larger runs the portable prefill over the codes
-    instead, as ``0`` makes every step do (no scratch at all)."""
+    take for its bf16 / fp16 scratch (``kernels/kv_dequant_gather.py``; one per head geometry, shared
+    by its layers, allocated whole at the first prefill), default 512. A step whose bound is larger runs
+    the portable prefill over the codes instead, as ``0`` makes every step do (no scratch at all)."""
     name = "FDFLEET_DEQUANT_SCRATCH_MB"
     value = _raw(name)
     if value is None:

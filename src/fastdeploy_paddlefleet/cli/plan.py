@@ -538,8 +538,9 @@ def fastdeploy_flags(
         )
     if kv_cache_quant is not None:  # kernels/kv_dequant_gather.py: beside the cache, not inside it
         notes.append(
-            f"on sm_90 the Hopper prefill of a quantized cache also takes up to {dequant_scratch_mb()} MiB "
-            "(FDFLEET_DEQUANT_SCRATCH_MB) beside this KV memory for its dequantized copy of a step's pages"
+            f"on sm_90 the Hopper prefill of a quantized cache also takes {dequant_scratch_mb()} MiB per "
+            "head geometry (FDFLEET_DEQUANT_SCRATCH_MB) beside this KV memory for its dequantized copy of a "
+            "step's pages"
         )
     return FastDeployFlags(
         recycle=recycle,
