@@ -282,6 +282,33 @@ def test_scratch_budget_bounds_every_step_and_its_growth(monkeypatch):
     assert envs.dequant_scratch_mb() == envs.DEQUANT_SCRATCH_MB_DEFAULT == 512
 
 
+@pytest.mark.parametrize("budget_mb", ["0", "1"])
+def test_a_step_past_the_budget_runs_the_portable_prefill(monkeypatch, budget_mb):
+    """A plan on the gather path (made to choose it here, on the interpreter) whose step's scratch bound
+    passes ``FDFLEET_DEQUANT_SCRATCH_MB`` runs the portable prefill over the codes: its output is a portable
+    plan's, bit for bit, with no Hopper plan built; the first prefill reserved the whole budget."""
+    import fastdeploy_paddlefleet.kernels.paged_attention as pa
+
+    monkeypatch.setenv("FDFLEET_DEQUANT_SCRATCH_MB", budget_mb)
+    # 64 / 64 dims over 64-token blocks: one scratch block is 2 heads x 64 x 128 x 4 bytes = 64 KiB; three
+    # prefill requests over 40 blocks each need 7.5 MiB, past 1 MiB
+    s, qs = quant_step([(2000, 6), (20, 1), (500, 9), (1200, 3)], "block_wise_fp8", hkv=2, group=2, dqk=64,
+                       dv=64, block_size=64)  # fmt: skip
+    kw = dict(scale=0.125, kv_quant=qs.fmt, key_scale=qs.ks, value_scale=qs.vs)
+    run = dict(max_q_len=9, max_context_len=2560)
+    want = AttentionPlan(qs.kc, qs.vc, s.q, prefill_impl="portable", **kw).run(
+        s.q, s.cu, s.dec, s.table, **run
+    )
+    monkeypatch.setattr(pa, "choose_prefill_impl", lambda *a, **k: "hopper")
+    plan = AttentionPlan(qs.kc, qs.vc, s.q, **kw)
+    assert plan.gather is not None
+    plan.gather.scratch = kg.DequantScratch("cpu", torch.float32, 2, 64, 64, 64)  # this test's own
+    got = plan.run(s.q, s.cu, s.dec, s.table, **run)
+    assert plan.hopper is None
+    assert torch.equal(got, want)
+    assert plan.gather.scratch.blocks == (int(budget_mb) << 20) // (2 * 64 * 128 * 4)
+
+
 def test_no_scratch_means_the_portable_prefill(monkeypatch):
     """``FDFLEET_DEQUANT_SCRATCH_MB=0``: ``auto`` keeps a quantized cache on the portable prefill wherever
     it runs, and ``hopper`` asked for names the variable; an unquantized cache is unaffected."""
