@@ -454,6 +454,9 @@ try:
 except ImportError:  # pragma: no cover - torch is in the CI env
     torch, CUDA = None, False
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+#: the first variant of each parametrized GPU test stays in ``-m gpu``, the rest are ``gpu_long``
+#: (conftest.py: each compiles its own kernels; every other GPU test launches through this launcher too)
+GPU_LONG_VARIANTS = True
 
 DECODE_TMA = dict(block_m=16, block_n=64, num_warps=4, num_stages=3, use_tma=True)
 

@@ -64,7 +64,7 @@ def test_hopper_prefill_features(dtype, attend):
     run_and_check(s, prefill_impl="hopper", max_q_len=700, max_context_len=2001, **attend)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 64, 128])

@@ -191,7 +191,7 @@ CASES = {
 }
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gpu_fp32_matches_float64(name):

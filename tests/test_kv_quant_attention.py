@@ -483,7 +483,7 @@ def test_queries_go_to_fp16_exactly(amax):
 
 
 @gpu
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 def test_gpu_fp8_reads_take_queries_and_value_scales_past_fp16s_range():
     """e4m3 keys are read as fp16 under a bf16 model (``_q_for_codes``); bf16 |q| ~ 1e5 (past fp16's
     65504) and V scales ~ 3e4 still match the dense attention on the dequantized cache, relative to

@@ -639,7 +639,7 @@ def test_gpu_tile_variants(use_tma):
         )
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_long  # -m gpu stays under 5 minutes: run with -m gpu_long
 @gpu
 def test_gpu_mla_dims_and_block_size_16():
     reqs = [(700, 300), (1500, 1), (0, 129)]
