@@ -45,7 +45,6 @@ import json
 import os
 from typing import Any
 
-from ..envs import dequant_scratch_mb
 from ..kvcache.layout import GIB, KVBudget, format_bytes, kv_budget
 from ..kvcache.pools import PoolLayout, budget_blocks, capacity
 from ..kvcache.quant import ALIASES, FORMATS, kv_cache_quant
@@ -537,6 +536,8 @@ def fastdeploy_flags(
             f"({max_model_len} * {seqs}): lower --max-num-batched-tokens"
         )
     if kv_cache_quant is not None:  # kernels/kv_dequant_gather.py: beside the cache, not inside it
+        from ..envs import dequant_scratch_mb  # not at import: the CLI's --help prints whatever the switches
+
         notes.append(
             f"on sm_90 the Hopper prefill of a quantized cache also takes {dequant_scratch_mb()} MiB per "
             "head geometry (FDFLEET_DEQUANT_SCRATCH_MB) beside this KV memory for its dequantized copy of a "
