@@ -45,6 +45,11 @@ def dtype_name(x: Any) -> str:
     return str(x.dtype).rsplit(".", 1)[-1]
 
 
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= ``x`` (1 for ``x <= 1``): block shapes Triton's ``tl.arange`` takes."""
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
 def empty(shape: Sequence[int], dtype: Any, like: Any) -> Any:
     """An uninitialised tensor of ``shape`` on ``like``'s device and framework; ``dtype`` is a dtype
     object of that framework or a name (``"float32"``)."""

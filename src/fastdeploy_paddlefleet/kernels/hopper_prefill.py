@@ -75,6 +75,7 @@ try:  # the Hopper path runs on torch tensors (Gluon's TensorDescriptor); withou
 except ImportError:  # a FastDeploy deployment without torch: the portable kernel serves
     torch = None
 
+from ._framework import next_pow2
 from .hopper_support import triton_blocks, triton_version
 
 logger = logging.getLogger(__name__)
@@ -108,10 +109,6 @@ def _num_sms(device: torch.device) -> int:
 def is_hopper(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA GPU of compute capability 9.x."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 BLOCK_M = 64  # query rows (tokens x padded group heads) per consumer warpgroup
@@ -1087,7 +1084,7 @@ class HopperPlan:
         hkv, bs = key_cache.shape[1], key_cache.shape[2]
         dqk, dv = key_cache.shape[3], value_cache.shape[3]
         g = hq // hkv
-        gp = _next_pow2(g)
+        gp = next_pow2(g)
         block_m = BLOCK_M
         if gp > block_m:
             raise ValueError(f"hopper prefill packs at most {block_m} q heads per kv head, got {g}")

@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from .. import envs
-from ._framework import torch
+from ._framework import next_pow2, torch
 from .attention_kernels import _scan_table
 from .errors import KERNEL_DEQUANT_GATHER
 from .kv_quant import dequant, to_dtype
@@ -202,10 +202,6 @@ def _dequant_gather_kernel(
                     V, OV, VS, src, dst, slots, keys, lo, kv_len, h, stride_vp, stride_vr,
                     stride_vsp, stride_vsr, DV, BLOCK_DV, BS, KV_CODE, SCALE_MODE,
                 )  # fmt: skip
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def scratch_units(
@@ -347,8 +343,8 @@ class DequantGather:
         self.scratch = scratch or shared_scratch(device, dtype, hkv, block_size, dqk, dv)
         all_slide = window is not None and self.win_h0 <= 0 and self.win_h1 >= hkv
         self.consts = dict(
-            HKV=hkv, BS=block_size, BLOCK_S=_next_pow2(block_size), DQK=dqk, DV=dv,
-            BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)), HEADWISE=self.headwise,
+            HKV=hkv, BS=block_size, BLOCK_S=next_pow2(block_size), DQK=dqk, DV=dv,
+            BLOCK_DQK=next_pow2(max(dqk, 16)), BLOCK_DV=next_pow2(max(dv, 16)), HEADWISE=self.headwise,
             ALL_SLIDE=all_slide, PAGE_H=page_h, KV_CODE=kv_code,
             SCALE_MODE=scale_mode, BLOCK_R=256, BLOCK_T=64, num_stages=1,
         )  # fmt: skip
@@ -369,6 +365,15 @@ class DequantGather:
         if most > self.scratch.blocks:
             self.scratch.ensure(most, 1, most=most)
 
+    def _units(
+        self, num_reqs: int, n_tok: int, n_blk: int, max_q_len: int | None, max_context_len: int | None
+    ) -> tuple[int, int, int, int]:
+        """:func:`scratch_units` of one step of this layer's geometry."""
+        return scratch_units(
+            num_reqs, n_tok, n_blk, self.bs, self.hkv, headwise=self.headwise, window=self.window,
+            win_h0=self.win_h0, win_h1=self.win_h1, max_q_len=max_q_len, max_context_len=max_context_len,
+        )  # fmt: skip
+
     def fits(
         self,
         num_reqs: int,
@@ -381,10 +386,7 @@ class DequantGather:
     ) -> bool:
         """Whether this step's scratch bound (:func:`scratch_units`, its remapped table included) stays
         within :attr:`budget`; where it does not, the caller runs the portable prefill over the codes."""
-        *_, cap = scratch_units(
-            num_reqs, n_tok, n_blk, self.bs, self.hkv, headwise=self.headwise, window=self.window,
-            win_h0=self.win_h0, win_h1=self.win_h1, max_q_len=max_q_len, max_context_len=max_context_len,
-        )  # fmt: skip
+        *_, cap = self._units(num_reqs, n_tok, n_blk, max_q_len, max_context_len)
         pages = cap if self.headwise else cap * self.hkv
         return pages * self._unit_bytes + rows * n_blk * 4 <= self.budget
 
@@ -413,10 +415,7 @@ class DequantGather:
         num_reqs = cu_seqlens_q.shape[0] - 1
         rows, n_blk = block_tables.shape[0], block_tables.shape[1]
         hkv = self.hkv
-        w_full, w_win, per_req, cap = scratch_units(
-            num_reqs, n_tok, n_blk, self.bs, hkv, headwise=self.headwise, window=self.window,
-            win_h0=self.win_h0, win_h1=self.win_h1, max_q_len=max_q_len, max_context_len=max_context_len,
-        )  # fmt: skip
+        w_full, w_win, per_req, cap = self._units(num_reqs, n_tok, n_blk, max_q_len, max_context_len)
         blocks = -(-cap // hkv) if self.headwise else cap
         sc = self.scratch
         sc.ensure(max(blocks, 1), rows * n_blk, most=self.budget // (self._unit_bytes * hkv))

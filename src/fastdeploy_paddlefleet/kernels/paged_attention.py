@@ -49,7 +49,7 @@ from typing import Any
 
 from .. import envs
 from ..kvcache.quant import KVCacheQuant, kv_cache_quant
-from ._framework import empty, is_torch, num_sms, to_float32, torch
+from ._framework import empty, is_torch, next_pow2, num_sms, to_float32, torch
 from .attention_kernels import SAFE_GRID, _decode_kernel, _prefill_kernel
 from .hopper_prefill import HopperPlan, choose_prefill_impl, safe_key
 from .kv_dequant_gather import DequantGather
@@ -146,7 +146,7 @@ def default_decode_config(
     if sliding and elem_size <= 2 and max(dqk, dv) <= 128:
         return TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=3)
     block_n = 64 if elem_size <= 2 else 32
-    per_stage = block_n * (_next_pow2(dqk) + _next_pow2(dv)) * elem_size
+    per_stage = block_n * (next_pow2(dqk) + next_pow2(dv)) * elem_size
     return TileConfig(
         block_m=16, block_n=block_n, num_warps=4, num_stages=max(2, min(3, (200 << 10) // per_stage))
     )
@@ -219,16 +219,12 @@ def _reg_cap(cfg: TileConfig) -> dict:
     return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def _tma_descriptors(key_cache, value_cache, block_n: int, dqk: int, dv: int):
     """TMA descriptors over the caches viewed as ``[pages * block_size, D]`` (None if unusable)."""
     on_device = key_cache.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     if not (on_device and key_cache.is_contiguous() and value_cache.is_contiguous()):
         return None
-    if dqk != _next_pow2(dqk) or dv != _next_pow2(dv) or key_cache.shape[2] % block_n:
+    if dqk != next_pow2(dqk) or dv != next_pow2(dv) or key_cache.shape[2] % block_n:
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -584,7 +580,7 @@ class AttentionPlan:
         if fp8 and model == "float16" and decode_mode >= 2:
             decode_codes = decode_mode
         self.consts = dict(
-            HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=_next_pow2(max(dqk, 16)), BLOCK_DV=_next_pow2(max(dv, 16)),
+            HKV=hkv, DQK=dqk, DV=dv, BLOCK_DQK=next_pow2(max(dqk, 16)), BLOCK_DV=next_pow2(max(dv, 16)),
             BS=bs, HEADWISE=bool(headwise), HAS_WINDOW=has_window, PAGE_H=page_h, SOFTCAP=softcap,
             KV_CODE=KV_CODES[quant.code] if quant is not None else 0, SCALE_MODE=scales[0],
         )  # fmt: skip
@@ -616,7 +612,7 @@ class AttentionPlan:
                 )  # fmt: skip
         cfg = prefill_config or default_prefill_config(dqk, dv, q.device, elem, has_window)
         self.prefill_cfg = cfg
-        self.gp = _next_pow2(g)
+        self.gp = next_pow2(g)
         self.block_q = max(1, cfg.block_m // self.gp)
         self.prefill_desc = (  # a quantized cache loads through pointers
             _tma_descriptors(key_cache, value_cache, cfg.block_n, dqk, dv)
@@ -1180,7 +1176,7 @@ class AttentionPlan:
         if consts is None:
             cfg = self.decode_cfg
             consts = self._consts[("decode", has_err, num_splits, fused)] = dict(
-                G=self.g, BLOCK_H=max(16, _next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
+                G=self.g, BLOCK_H=max(16, next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
                 NUM_SPLITS=num_splits, USE_TMA=self.decode_desc is not None, HAS_ERR=has_err,
                 ERR_LOOP=ERR_LOOP_DECODE, FUSE_WRITE=fused, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, F16_CODES=self.f16_codes[1], **self.consts, **_reg_cap(cfg),
