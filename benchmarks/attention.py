@@ -861,34 +861,31 @@ def mla_cases(fh, check, peers):
     )
 
 
-#: decode variants over a quantized cache: (block_n, warps, stages, splits, maxnreg, e4m3 code mode); the
-#: first of each case's list is the default tile of that case (kernels/paged_attention.py)
+#: decode variants over a quantized cache: (block_n, warps, stages, splits, maxnreg, e4m3 code mode, key rows:
+#: kernels/paged_attention.py DECODE_KEY_ROWS); the first of each case's list is the default tile of that case
+#: (the query-rows variants of earlier sweeps: results/attention-h100-sweep-fp8-2026-12-07e.jsonl)
 FP8_DECODE_VARIANTS = {
     "decode-full": [
-        (64, 4, 3, 1, 128, 3),
-        (64, 4, 3, 1, None, 1),
-        (64, 4, 4, 1, 128, 3),
-        (64, 4, 3, 2, 128, 3),
-        (64, 4, 4, 2, 128, 3),
-        (64, 4, 3, 4, 128, 3),
-        (64, 4, 3, 2, None, 1),
-        (128, 8, 3, 1, None, 3),
-        (128, 8, 3, 2, None, 3),
-        (64, 2, 3, 1, None, 3),
-        (64, 2, 3, 2, None, 3),
-        (32, 2, 4, 1, None, 1),
-        (32, 2, 4, 2, None, 1),
+        (64, 4, 3, 1, None, 3, True),
+        (64, 4, 3, 1, 128, 3, True),
+        (64, 4, 2, 1, None, 3, True),
+        (64, 4, 4, 1, None, 3, True),
+        (64, 4, 3, 2, None, 3, True),
+        (32, 2, 3, 1, None, 3, True),
+        (32, 2, 4, 1, None, 3, True),
+        (16, 1, 4, 1, None, 3, True),
+        (128, 8, 3, 1, None, 3, True),
+        (128, 8, 3, 1, 128, 3, True),
+        (64, 4, 3, 1, 128, 3, False),
     ],
     "decode-swa1024-sinks": [
-        (32, 2, 3, 1, None, 1),
-        (32, 2, 4, 1, None, 1),
-        (32, 2, 3, 2, None, 1),
-        (64, 2, 3, 1, None, 1),
-        (64, 4, 3, 1, None, 1),
-        (64, 4, 3, 1, 128, 3),
-        (64, 2, 3, 1, None, 3),
-        (32, 2, 3, 1, None, 3),
-        (64, 4, 3, 2, 128, 3),
+        (64, 4, 3, 1, None, 3, True),
+        (32, 2, 3, 1, None, 3, True),
+        (64, 2, 3, 1, None, 3, True),
+        (32, 2, 4, 1, None, 3, True),
+        (16, 1, 4, 1, None, 3, True),
+        (64, 4, 3, 2, None, 3, True),
+        (64, 2, 3, 1, None, 3, False),
     ],
 }
 
@@ -901,12 +898,13 @@ def fp8_decode_sweep(fh, name: str, batch: dict, fmt_name: str, nbytes: int, **r
 
     bsz, ctx = SH["bsz"], SH["ctx"]
     qbytes = quant_kv_bytes(nbytes, batch, fmt_name)
-    kept = pa_mod.FP8_F16_CODES_DECODE
+    kept = pa_mod.FP8_F16_CODES_DECODE, getattr(pa_mod, "DECODE_KEY_ROWS", None)
     try:
-        for bn, w, s, splits, cap, codes in FP8_DECODE_VARIANTS.get(name, []):
+        for bn, w, s, splits, cap, codes, key_rows in FP8_DECODE_VARIANTS.get(name, []):
             row = {"sweep": name, "kv_cache_dtype": fmt_name, "block_n": bn, "warps": w, "stages": s}
-            row.update(splits=splits, maxnreg=cap, f16_codes=codes)
+            row.update(splits=splits, maxnreg=cap, f16_codes=codes, key_rows=key_rows)
             pa_mod.FP8_F16_CODES_DECODE = codes
+            pa_mod.DECODE_KEY_ROWS = key_rows
             try:
                 ms, errs = run_ours(
                     name, batch, max_q_len=1, max_ctx=ctx, check=[(bsz - 1, [0])], kv_quant=fmt_name,
@@ -917,7 +915,7 @@ def fp8_decode_sweep(fh, name: str, batch: dict, fmt_name: str, nbytes: int, **r
             except Exception as e:  # noqa: BLE001 - keep the other variants' numbers
                 emit({**row, "error": repr(e)[:300]}, fh)
     finally:
-        pa_mod.FP8_F16_CODES_DECODE = kept
+        pa_mod.FP8_F16_CODES_DECODE, pa_mod.DECODE_KEY_ROWS = kept
         batch.pop("_quant", None)
 
 
@@ -1466,6 +1464,13 @@ def main(argv=None) -> int:
         help="register cap on the default decode tiles of an fp8 cache, 24..255 (kernels/paged_attention.py "
         "FP8_DECODE_MAXNREG; default: the module's)",
     )
+    ap.add_argument(
+        "--decode-key-rows",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="decode's key tiles as the dots' rows (kernels/paged_attention.py DECODE_KEY_ROWS; auto: "
+        "quantized caches only; default: the module's)",
+    )
     launch = ap.add_mutually_exclusive_group()
     launch.add_argument(
         "--direct-launch",
@@ -1561,6 +1566,8 @@ def main(argv=None) -> int:
         pa_mod.FP8_F16_CODES_DECODE = args.fp8_decode_codes
     if args.fp8_decode_maxnreg is not None:
         pa_mod.FP8_DECODE_MAXNREG = args.fp8_decode_maxnreg
+    if args.decode_key_rows is not None:
+        pa_mod.DECODE_KEY_ROWS = {"auto": None, "on": True, "off": False}[args.decode_key_rows]
     t0 = time.time()
     # the previous file stays until the run completes (and only if it is this script's, or --force)
     with replacing(out_claim) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -1580,6 +1587,7 @@ def main(argv=None) -> int:
                 "mode": "sweep" if args.sweep else "cases",
                 "fp8_decode_codes": getattr(pa_mod, "FP8_F16_CODES_DECODE", None),
                 "fp8_decode_maxnreg": getattr(pa_mod, "FP8_DECODE_MAXNREG", None),
+                "decode_key_rows": getattr(pa_mod, "DECODE_KEY_ROWS", None),
             },
             fh,
         )

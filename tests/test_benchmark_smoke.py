@@ -104,7 +104,7 @@ def test_attention_sweep_times_every_fp8_decode_variant(tmp_path):
     fp8 = [r for r in rows if r.get("kv_cache_dtype") == "block_wise_fp8"]
     want = {(name, v) for name, variants in attention.FP8_DECODE_VARIANTS.items() for v in variants}
     got = {
-        (r["sweep"], (r["block_n"], r["warps"], r["stages"], r["splits"], r["maxnreg"], r["f16_codes"]))
+        (r["sweep"], (r["block_n"], r["warps"], r["stages"], r["splits"], r["maxnreg"], r["f16_codes"], r["key_rows"]))
         for r in fp8
     }
     assert got == want

@@ -399,6 +399,7 @@ def test_plan_takes_the_decode_setup_unless_told(forced, monkeypatch):
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
     real = pa.default_decode_config
+    monkeypatch.setattr(pa, "DECODE_KEY_ROWS", False)  # the query-rows layout's setup
     monkeypatch.setattr(pa, "FP8_F16_CODES_DECODE", forced)
     monkeypatch.setattr(pa, "default_decode_config", lambda *a, **k: pa.TileConfig(16, 64, 4, 3))
     codes = torch.zeros(6, 2, 64, 128, dtype=torch.uint8)

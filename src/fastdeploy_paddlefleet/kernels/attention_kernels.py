@@ -318,6 +318,98 @@ def _pv_token_scaled(pv, v, acc):
 
 
 @triton.jit
+def _tile_key_rows(
+    acc, l_i, m_i, qt, K, V, k_desc, v_desc, s, page, slot, ok, lo_key, kv_len, qk_scale,
+    stride_kp, stride_kr, stride_vp, stride_vr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
+    KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
+    KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, F16_CODES: tl.constexpr = 0,
+):  # fmt: skip
+    """Decode's key tile ``[s, s + BLOCK_N)`` with the keys as the dots' rows: ``S^T = K q^T``
+    (``[BLOCK_N, BLOCK_H]``) and ``acc^T [BLOCK_DV, BLOCK_H] += V^T P^T``; ``qt`` is ``q^T [BLOCK_DQK,
+    BLOCK_H]``, ``m_i`` / ``l_i`` ``[BLOCK_H]``. The same arithmetic as :func:`_tile` with ``ROWS_ALIKE``
+    (every row of a decode query sees the same keys), laid out for a small group of query heads: the
+    64-key tile fills the tensor cores' 16-row side instead of 4 query heads padded to 16, so each dot
+    takes a quarter of the MMAs, and the cache codes convert into the dots' A operand without the
+    query's operand being read again from shared memory every tile (sm_90 offline: 401 against 617
+    instructions per 64-key tile of an e4m3 cache, benchmarks/NOTES.md).
+
+    Masked keys (outside ``[lo_key, kv_len)``, absent pages) are loaded as zeros and score ``-inf``:
+    they contribute exactly nothing. Per-token V scales under fp16 codes: ``P^T * v_scale`` is taken
+    relative to the tile's largest finite scale (a power of two moved out of the fp16 dot and back,
+    exact), so small scales keep fp16's precision."""
+    keys = s + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if MASK:
+        ok = ok & (keys >= lo_key) & (keys < kv_len)
+    if USE_TMA:  # an absent page (-1) reads page 0 instead, and everything read from it is masked
+        row = (tl.maximum(page, 0) * BS + s % BS).to(tl.int32)
+        k = k_desc.load([row, 0])
+        v = v_desc.load([row, 0])
+        if MASK:
+            k = tl.where(ok[:, None], k, 0.0)
+            v = tl.where(ok[:, None], v, 0.0)
+    else:
+        if BS % BLOCK_N == 0:
+            k_off = page * stride_kp + slot[:, None] * stride_kr
+            v_off = page * stride_vp + slot[:, None] * stride_vr
+        else:
+            k_off = page[:, None] * stride_kp + slot[:, None] * stride_kr
+            v_off = page[:, None] * stride_vp + slot[:, None] * stride_vr
+        k_mask = ok[:, None]
+        v_mask = ok[:, None]
+        if BLOCK_DQK != DQK:
+            k_mask = k_mask & (offs_dk[None, :] < DQK)
+        if BLOCK_DV != DV:
+            v_mask = v_mask & (offs_dv[None, :] < DV)
+        zero_code = 128 if KV_CODE == 2 else 0  # codes: what is not loaded reads as the code of 0
+        k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=zero_code)
+        v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=zero_code)
+        if KV_CODE != 0:
+            if F16_CODES == 3:  # fp16, converted where loaded (GPU only)
+                k = _e4m3_as_f16_in_place(k)
+                v = _e4m3_as_f16_in_place(v)
+            else:
+                k = _codes(k, qt.dtype, KV_CODE)
+                v = _codes(v, qt.dtype, KV_CODE)
+    if SCALE_MODE == 1:  # per-token scales, loaded like the keys' codes (page: a scalar or per key)
+        ks = tl.load(KS + page * stride_ksp + slot * stride_ksr, mask=ok, other=0.0).to(tl.float32)
+        vs = tl.load(VS + page * stride_vsp + slot * stride_vsr, mask=ok, other=0.0).to(tl.float32)
+    st = _dot(k, qt, None)
+    if SCALE_MODE == 1:  # a non-finite K scale scores NaN (an infinite one times q.k could read -inf)
+        st = st * tl.where(tl.abs(ks) < float("inf"), ks, float("nan"))[:, None]
+    if SOFTCAP != 0.0:  # soft-capping: qk_scale is scale / cap, SOFTCAP is cap * log2(e)
+        st = _tanh(st * qk_scale) * (SOFTCAP / qk_scale)
+    if MASK:
+        st = tl.where(ok[:, None], st * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, 0))
+        x = st - m_new[None, :]
+    else:
+        m_new = tl.maximum(m_i, tl.max(st, 0) * qk_scale)
+        x = st * qk_scale - m_new[None, :]
+    p = tl.exp2(x)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if SCALE_MODE == 1:
+        if v.dtype == tl.float16:  # the tile's largest finite V scale as 2^e, out of the dot and back
+            top = tl.max(tl.where(tl.abs(vs) < float("inf"), tl.abs(vs), 0.0), 0)
+            bits = top.to(tl.int32, bitcast=True) & 0x7F800000
+            bits = tl.where(bits > 0, bits, 127 << 23)  # a zero or subnormal top: as it is
+            unit = bits.to(tl.float32, bitcast=True)  # 2^e
+            inv = ((254 << 23) - bits).to(tl.float32, bitcast=True)  # 2^-e
+            pv = (p * (vs * inv)[:, None]).to(v.dtype)
+            acc = _dot(tl.trans(v), pv, acc * (alpha * inv)[None, :]) * unit
+        else:
+            acc = _dot(tl.trans(v), (p * vs[:, None]).to(v.dtype), acc * alpha[None, :])
+    else:
+        acc = _dot(tl.trans(v), p.to(v.dtype), acc * alpha[None, :])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend(
     acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, req,
     start, stop, pos, lo_key, kv_len, window, qk_scale,
@@ -330,9 +422,10 @@ def _attend(
     ROWS_ALIKE: tl.constexpr = False,
     KS=None, VS=None, stride_ksp=0, stride_ksr=0, stride_vsp=0, stride_vsr=0,
     KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0, F16_CODES: tl.constexpr = 0,
-    CLEAN: tl.constexpr = True,
+    CLEAN: tl.constexpr = True, KEY_ROWS: tl.constexpr = False,
 ):  # fmt: skip
-    """Online softmax over key tiles ``[start, stop)``; ``pos [M]`` are the rows' positions (all the
+    """Online softmax over key tiles ``[start, stop)``; ``KEY_ROWS`` (decode): :func:`_tile_key_rows`'s
+    layout (``q`` is then ``q^T``, ``acc`` ``acc^T``); ``pos [M]`` are the rows' positions (all the
     same with ``ROWS_ALIKE``: a decode query's group heads, see ``_tile``; ``CLEAN``: see ``_tile``).
 
     Table entries of keys in ``[lo_key, kv_len)`` must exist; entries outside the cache are never
@@ -360,13 +453,21 @@ def _attend(
             for s in range(c0, tl.minimum(c0 + CHUNK * BLOCK_N, stop), BLOCK_N):
                 page = tl.sum(tl.where(offs_c == (s - c0) // BLOCK_N, pages, 0))
                 ok = (page + offs_n * 0) >= 0  # a vector compare (the interpreter mis-splats scalar bools)
-                acc, l_i, m_i = _tile(
-                    acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, pos, lo_key,
-                    kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
-                    BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
-                    SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                    KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
-                )  # fmt: skip
+                if KEY_ROWS:
+                    acc, l_i, m_i = _tile_key_rows(
+                        acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, lo_key, kv_len,
+                        qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+                        BLOCK_N, BS, MASK, USE_TMA, SOFTCAP, KS, VS, stride_ksp, stride_ksr, stride_vsp,
+                        stride_vsr, KV_CODE, SCALE_MODE, F16_CODES,
+                    )  # fmt: skip
+                else:
+                    acc, l_i, m_i = _tile(
+                        acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, s % BS + offs_n, ok, pos, lo_key,
+                        kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
+                        BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, USE_TMA, EXP_BF16, PROFILE,
+                        SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+                        KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
+                    )  # fmt: skip
     else:  # a tile spans several pages: gather one page per key
         for s in range(start, stop, BLOCK_N):
             keys = s + offs_n
@@ -377,13 +478,21 @@ def _attend(
             )  # fmt: skip
             if HAS_ERR:
                 bad = tl.minimum(bad, tl.min(tl.where(need & (page < 0), keys // BS, BAD_NONE), 0))
-            acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
-                kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
-                BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
-                SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
-                KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
-            )  # fmt: skip
+            if KEY_ROWS:
+                acc, l_i, m_i = _tile_key_rows(
+                    acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, lo_key, kv_len,
+                    qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
+                    BLOCK_N, BS, MASK, False, SOFTCAP, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+                    KV_CODE, SCALE_MODE, F16_CODES,
+                )  # fmt: skip
+            else:
+                acc, l_i, m_i = _tile(
+                    acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, keys % BS, page >= 0, pos, lo_key,
+                    kv_len, window, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV,
+                    BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, MASK, HAS_WINDOW, False, EXP_BF16, PROFILE,
+                    SOFTCAP, ROWS_ALIKE, KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr,
+                    KV_CODE, SCALE_MODE, F16_CODES, CLEAN,
+                )  # fmt: skip
     return acc, l_i, m_i, bad
 
 
@@ -681,14 +790,16 @@ def _decode_kernel(
     SINK_MODE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_TMA: tl.constexpr, PAGE_H: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, HAS_ERR: tl.constexpr = False, ERR_LOOP: tl.constexpr = True,
     FUSE_WRITE: tl.constexpr = False, KV_CODE: tl.constexpr = 0, SCALE_MODE: tl.constexpr = 0,
-    F16_CODES: tl.constexpr = 0,
+    F16_CODES: tl.constexpr = 0, KEY_ROWS: tl.constexpr = False,
 ):  # fmt: skip
     """One (request, kv head, split) of a decode step. ``FUSE_WRITE``: the step's own K/V (row ``q0``
     of ``Kn [T, Hkv, Dqk]`` / ``Vn [T, Hkv, Dv]``) are not in the cache yet: the split holding the
     query's position writes them there (as ``_write_kv_kernel`` would) and attends them from
     registers, every other key comes from the cache (no program reads the slot being written).
     ``KV_CODE`` / ``SCALE_MODE``: a quantized cache, as in ``_prefill_kernel`` (never with
-    ``FUSE_WRITE``: the plan refuses it)."""
+    ``FUSE_WRITE``: the plan refuses it). ``KEY_ROWS``: the key tiles as the dots' rows
+    (:func:`_tile_key_rows`; never with ``FUSE_WRITE``)."""
+    tl.static_assert(not (KEY_ROWS and FUSE_WRITE), "KEY_ROWS does not fuse the cache write")
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -725,7 +836,11 @@ def _decode_kernel(
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
     else:  # the sink joins once, in the reduce
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, 0)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if KEY_ROWS:  # q^T and acc^T: see _tile_key_rows
+        q = tl.trans(q)
+        acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     bad = tl.full([], BAD_NONE, tl.int32)  # HAS_ERR: smallest logical block with an unusable entry
     tbl_row = Tbl + (b * HKV + kvh if HEADWISE else b) * stride_tbl
     if FUSE_WRITE:  # the new key first: the key loops below stay as without it
@@ -741,7 +856,8 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES, True,
+        KEY_ROWS,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -749,7 +865,8 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, False, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES, True,
+        KEY_ROWS,
     )  # fmt: skip
     acc, l_i, m_i, bad = _attend(
         acc, l_i, m_i, bad, q, K, V, k_desc, v_desc, tbl_row, n_blk, kvh, Err, n_pages, b,
@@ -757,7 +874,8 @@ def _decode_kernel(
         w, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, DQK, DV, BLOCK_DQK, BLOCK_DV,
         BLOCK_N, BS, HKV, HEADWISE, True, HAS_WINDOW, USE_TMA, PAGE_CHUNK, False, 0, PAGE_H,
         SOFTCAP, HAS_ERR & ERR_LOOP, KERNEL_DECODE, True,
-        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES,
+        KS, VS, stride_ksp, stride_ksr, stride_vsp, stride_vsr, KV_CODE, SCALE_MODE, F16_CODES, True,
+        KEY_ROWS,
     )  # fmt: skip
     if HAS_ERR & ERR_LOOP:  # after the key loop: the first bad block it met, read again and recorded
         if bad < BAD_NONE:
@@ -768,6 +886,8 @@ def _decode_kernel(
         _scan_table(
             Err, tbl_row, n_blk, n_pages, b, kvh, tl.maximum(start, lo_key), stop, BS, HEADWISE, KERNEL_DECODE
         )
+    if KEY_ROWS:
+        acc = tl.trans(acc)
     out = _apply_v_scale(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], VS, kvh, offs_dv, DV, SCALE_MODE)
     dv_ok = offs_dv[None, :] < DV
     if NUM_SPLITS == 1:

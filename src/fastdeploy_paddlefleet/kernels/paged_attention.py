@@ -211,6 +211,19 @@ def fp8_decode_tile(cfg: TileConfig, dqk: int, dv: int, headwise: bool, all_slid
     return cfg
 
 
+#: decode launches take the key tiles as the dots' rows (``attention_kernels._tile_key_rows``): ``None``
+#: for quantized caches only (where the codes' conversion made the query-rows layout bound by
+#: instructions, benchmarks/NOTES.md), or a bool for every cache
+DECODE_KEY_ROWS: bool | None = None
+
+
+def key_rows_decode_setup(cfg: TileConfig, decode_codes: int) -> tuple[TileConfig, int, int | None]:
+    """``(tile, F16_CODES, maxnreg)`` of the key-rows decode over an e4m3 cache under a bf16 model
+    (:data:`FP8_F16_CODES_DECODE` ``None``): both code tiles converted where loaded (mode 3), the
+    default tile, no register cap."""
+    return cfg, 3, None
+
+
 MIN_TILES_PER_SPLIT = 4
 
 
@@ -622,9 +635,14 @@ class AttentionPlan:
         self.exp_bf16 = cfg.exp_bf16 and str(q.dtype).endswith("bfloat16") and q.is_cuda
         self.all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
         self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
+        #: decode's key tiles as the dots' rows (attention_kernels._tile_key_rows)
+        self.key_rows = quant is not None if DECODE_KEY_ROWS is None else bool(DECODE_KEY_ROWS)
         if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
             cap = FP8_DECODE_MAXNREG
-            if auto_codes and decode_codes:
+            if auto_codes and decode_codes and self.key_rows:
+                self.decode_cfg, decode_codes, auto_cap = key_rows_decode_setup(self.decode_cfg, decode_codes)
+                cap = auto_cap if cap is None else cap
+            elif auto_codes and decode_codes:
                 self.decode_cfg = fp8_decode_tile(self.decode_cfg, dqk, dv, bool(headwise), self.all_slide)
                 setup = fp8_decode_setup(self.decode_cfg, dqk, dv, bool(headwise), has_window)
                 decode_codes, auto_cap = setup
@@ -1175,10 +1193,12 @@ class AttentionPlan:
         consts = self._consts.get(("decode", has_err, num_splits, fused))
         if consts is None:
             cfg = self.decode_cfg
+            key_rows = self.key_rows and not fused  # the fused write keeps the query-rows layout
             consts = self._consts[("decode", has_err, num_splits, fused)] = dict(
-                G=self.g, BLOCK_H=max(16, next_pow2(self.g)), BLOCK_N=cfg.block_n, SINK_MODE=self.sink_mode,
-                NUM_SPLITS=num_splits, USE_TMA=self.decode_desc is not None, HAS_ERR=has_err,
-                ERR_LOOP=ERR_LOOP_DECODE, FUSE_WRITE=fused, num_warps=cfg.num_warps,
+                G=self.g, BLOCK_H=max(8 if key_rows else 16, next_pow2(self.g)), BLOCK_N=cfg.block_n,
+                SINK_MODE=self.sink_mode, NUM_SPLITS=num_splits, USE_TMA=self.decode_desc is not None,
+                HAS_ERR=has_err, ERR_LOOP=ERR_LOOP_DECODE, FUSE_WRITE=fused, KEY_ROWS=key_rows,
+                num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, F16_CODES=self.f16_codes[1], **self.consts, **_reg_cap(cfg),
             )  # fmt: skip
         return consts

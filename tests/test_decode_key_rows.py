@@ -1,0 +1,92 @@
+"""Decode with the key tiles as the dots' rows (``attention_kernels._tile_key_rows``), against the dense
+reference on unquantized caches: the layout quantized caches take by default
+(``paged_attention.DECODE_KEY_ROWS``), forced here onto every decode feature a bf16 / fp32 cache has
+(windows per head, sinks, head-wise pages with released NaN pages, soft-capping, split-KV, pages smaller
+and larger than the key tile, q/k head dim != v head dim, GQA groups of 1 to 16). Quantized caches are
+covered by ``tests/test_kv_quant_attention.py`` and ``tests/test_masked_keys.py``, whose decode rows take
+this layout by default."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import test_triton_kernels as tk  # noqa: E402
+from test_triton_kernels import CUDA, REAL, make_step, run_and_check  # noqa: E402
+
+from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def key_rows(monkeypatch):
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "DECODE_KEY_ROWS", True)
+
+
+DECODES = [(0, 1), (20, 1), (37, 1), (64, 1), (131, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 16])
+@pytest.mark.parametrize("sink_kind", ["vanilla", "learnable", "off-by-one"])
+def test_groups_and_sinks(group, sink_kind):
+    s = make_step(DECODES, hkv=2, group=group, dqk=16, dv=16, block_size=16, seed=group)
+    run_and_check(s, sink_kind=sink_kind)
+
+
+@pytest.mark.parametrize("window", [0, 9, 40])
+def test_windows_per_head_and_released_pages(window):
+    kw = dict(hkv=4, group=2, dqk=16, dv=32, block_size=4, window_left=window, sliding_heads=(2, 4))
+    s = make_step(DECODES, headwise=True, release=True, **kw)
+    assert (s.table == -1).any()
+    run_and_check(s, window_left=window, sliding_heads=(2, 4), sink_kind="learnable")
+    s = make_step(DECODES, hkv=2, group=2, dqk=16, dv=16, block_size=8, window_left=window, release=True)
+    run_and_check(s, window_left=window)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32, 64])
+def test_pages_around_the_key_tile(block_size):
+    s = make_step(DECODES, hkv=2, group=2, dqk=16, dv=16, block_size=block_size, seed=block_size)
+    run_and_check(s, window_left=50)
+
+
+@pytest.mark.parametrize("dims", [(24, 40), (192, 128)])
+def test_qk_dim_differs_from_v_dim(dims):
+    s = make_step(DECODES, hkv=2, group=1, dqk=dims[0], dv=dims[1], block_size=16)
+    run_and_check(s, sink_kind="learnable")
+
+
+@pytest.mark.parametrize("splits", [2, 8])
+def test_split_kv(splits):
+    reqs = [(300, 1), (5, 1), (129, 1), (0, 1)]
+    s = make_step(reqs, hkv=2, group=4, dqk=32, dv=16, block_size=16, window_left=100, release=True)
+    run_and_check(s, window_left=100, sink_kind="learnable", num_splits=splits)
+
+
+def test_soft_cap(monkeypatch):
+    monkeypatch.setattr(tk, "dense_attention", functools.partial(dense_attention, logits_soft_cap=5.0))
+    s = make_step(DECODES, hkv=2, group=4, dqk=16, dv=16, block_size=8, seed=3)
+    s.q.mul_(8.0)  # scores well past the cap
+    run_and_check(s, logits_soft_cap=5.0, sink_kind="learnable")
+
+
+def test_decode_rows_of_a_mixed_batch():
+    s = make_step([(9, 4), (20, 1), (0, 5), (3, 1)], hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    run_and_check(s, window_left=6, sink_kind="learnable")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_decode_batch(dtype):
+    reqs = [(int(c), 1) for c in torch.randint(1, 3000, (24,), generator=torch.Generator().manual_seed(1))]
+    kw = dict(window_left=255, sliding_heads=(4, 8))
+    s = make_step(reqs, dtype=dtype, headwise=True, release=True, seed=2, **kw, **REAL)
+    for splits in (None, 4):
+        run_and_check(s, num_splits=splits, sink_kind="learnable", **kw)
