@@ -103,10 +103,8 @@ def test_attention_sweep_times_every_fp8_decode_variant(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     fp8 = [r for r in rows if r.get("kv_cache_dtype") == "block_wise_fp8"]
     want = {(name, v) for name, variants in attention.FP8_DECODE_VARIANTS.items() for v in variants}
-    got = {
-        (r["sweep"], (r["block_n"], r["warps"], r["stages"], r["splits"], r["maxnreg"], r["f16_codes"], r["key_rows"]))
-        for r in fp8
-    }
+    keys = ("block_n", "warps", "stages", "splits", "maxnreg", "f16_codes", "key_rows")
+    got = {(r["sweep"], tuple(r[k] for k in keys)) for r in fp8}
     assert got == want
     for r in fp8:
         assert "error" not in r and r["max_abs_err"] < 1e-4, r
