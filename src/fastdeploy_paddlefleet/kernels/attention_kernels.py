@@ -336,10 +336,14 @@ def _tile_key_rows(
     query's operand being read again from shared memory every tile (sm_90 offline: 401 against 617
     instructions per 64-key tile of an e4m3 cache, benchmarks/NOTES.md).
 
+    ``l_i`` is ``[BLOCK_N, BLOCK_H]`` here: each key slot's share of the softmax sum, added up once after
+    the key loops (a sum over the keys each tile is a reduction across warps: shared memory and
+    barriers).
+
     Masked keys (outside ``[lo_key, kv_len)``, absent pages) are loaded as zeros and score ``-inf``:
-    they contribute exactly nothing. Per-token V scales under fp16 codes: ``P^T * v_scale`` is taken
-    relative to the tile's largest finite scale (a power of two moved out of the fp16 dot and back,
-    exact), so small scales keep fp16's precision."""
+    they contribute exactly nothing. Per-token V scales under fp16 codes: the running maximum ``m``
+    is that of ``score + log2 |v_scale|``, so ``P^T * v_scale = 2^(score + log2 |v_scale| - m)`` is at
+    most 1 in every column and keeps fp16's precision however small the scales are."""
     keys = s + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -376,8 +380,15 @@ def _tile_key_rows(
                 k = _codes(k, qt.dtype, KV_CODE)
                 v = _codes(v, qt.dtype, KV_CODE)
     if SCALE_MODE == 1:  # per-token scales, loaded like the keys' codes (page: a scalar or per key)
-        ks = tl.load(KS + page * stride_ksp + slot * stride_ksr, mask=ok, other=0.0).to(tl.float32)
-        vs = tl.load(VS + page * stride_vsp + slot * stride_vsr, mask=ok, other=0.0).to(tl.float32)
+        if BS % BLOCK_N == 0 and not MASK:  # one page, every key loaded: unmasked vector loads
+            # (an absent page reads page 0's scales, zeroed below like its codes' scores)
+            slot = tl.multiple_of(s % BS, BLOCK_N) + tl.arange(0, BLOCK_N)
+            pg = tl.maximum(page, 0)
+            ks = tl.where(ok, tl.load(KS + pg * stride_ksp + slot * stride_ksr), 0.0).to(tl.float32)
+            vs = tl.where(ok, tl.load(VS + pg * stride_vsp + slot * stride_vsr), 0.0).to(tl.float32)
+        else:
+            ks = tl.load(KS + page * stride_ksp + slot * stride_ksr, mask=ok, other=0.0).to(tl.float32)
+            vs = tl.load(VS + page * stride_vsp + slot * stride_vsr, mask=ok, other=0.0).to(tl.float32)
     st = _dot(k, qt, None)
     if SCALE_MODE == 1:  # a non-finite K scale scores NaN (an infinite one times q.k could read -inf)
         st = st * tl.where(tl.abs(ks) < float("inf"), ks, float("nan"))[:, None]
@@ -385,27 +396,28 @@ def _tile_key_rows(
         st = _tanh(st * qk_scale) * (SOFTCAP / qk_scale)
     if MASK:
         st = tl.where(ok[:, None], st * qk_scale, float("-inf"))
+    else:
+        st = st * qk_scale
+    if SCALE_MODE == 1 and v.dtype == tl.float16:
+        # fp16 P^T * v_scale: the running maximum is taken over score + log2 |v_scale| (clamped at -64),
+        # so each column's largest P^T * v_scale is 1 (fp16 keeps its bits) and no reduction over the
+        # scales is needed; the sum l then holds 2^(s - m) <= 2^64, in fp32
+        lv = tl.maximum(tl.log2(tl.abs(vs)), -64.0)
+        t = st + lv[:, None]
+        m_new = tl.maximum(m_i, tl.max(t, 0))
+        p = tl.exp2(st - m_new[None, :])
+        pv = tl.exp2(t - m_new[None, :])
+        pv = tl.where(vs[:, None] < 0, -pv, pv).to(v.dtype)
+    else:
         m_new = tl.maximum(m_i, tl.max(st, 0))
-        x = st - m_new[None, :]
-    else:
-        m_new = tl.maximum(m_i, tl.max(st, 0) * qk_scale)
-        x = st * qk_scale - m_new[None, :]
-    p = tl.exp2(x)
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    if SCALE_MODE == 1:
-        if v.dtype == tl.float16:  # the tile's largest finite V scale as 2^e, out of the dot and back
-            top = tl.max(tl.where(tl.abs(vs) < float("inf"), tl.abs(vs), 0.0), 0)
-            bits = top.to(tl.int32, bitcast=True) & 0x7F800000
-            bits = tl.where(bits > 0, bits, 127 << 23)  # a zero or subnormal top: as it is
-            unit = bits.to(tl.float32, bitcast=True)  # 2^e
-            inv = ((254 << 23) - bits).to(tl.float32, bitcast=True)  # 2^-e
-            pv = (p * (vs * inv)[:, None]).to(v.dtype)
-            acc = _dot(tl.trans(v), pv, acc * (alpha * inv)[None, :]) * unit
+        p = tl.exp2(st - m_new[None, :])
+        if SCALE_MODE == 1:
+            pv = (p * vs[:, None]).to(v.dtype)
         else:
-            acc = _dot(tl.trans(v), (p * vs[:, None]).to(v.dtype), acc * alpha[None, :])
-    else:
-        acc = _dot(tl.trans(v), p.to(v.dtype), acc * alpha[None, :])
+            pv = p.to(v.dtype)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha[None, :] + p  # [BLOCK_N, BLOCK_H]: summed once after the key loops
+    acc = _dot(tl.trans(v), pv, acc * alpha[None, :])
     return acc, l_i, m_new
 
 
@@ -836,9 +848,10 @@ def _decode_kernel(
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, SINK_MODE)
     else:  # the sink joins once, in the reduce
         m_i, l_i = _init_state(Sinks, head, BLOCK_H, 0)
-    if KEY_ROWS:  # q^T and acc^T: see _tile_key_rows
+    if KEY_ROWS:  # q^T, acc^T and l per key slot: see _tile_key_rows
         q = tl.trans(q)
         acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+        l_i = tl.where(tl.arange(0, BLOCK_N)[:, None] == 0, l_i[None, :], 0.0)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     bad = tl.full([], BAD_NONE, tl.int32)  # HAS_ERR: smallest logical block with an unusable entry
@@ -888,6 +901,7 @@ def _decode_kernel(
         )
     if KEY_ROWS:
         acc = tl.trans(acc)
+        l_i = tl.sum(l_i, 0)
     out = _apply_v_scale(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], VS, kvh, offs_dv, DV, SCALE_MODE)
     dv_ok = offs_dv[None, :] < DV
     if NUM_SPLITS == 1:
