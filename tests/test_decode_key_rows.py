@@ -21,6 +21,8 @@ from test_triton_kernels import CUDA, REAL, make_step, run_and_check  # noqa: E4
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+#: the first variant of each parametrized GPU test stays in ``-m gpu``, the rest are ``gpu_long``
+GPU_LONG_VARIANTS = True
 
 
 @pytest.fixture(autouse=True)
