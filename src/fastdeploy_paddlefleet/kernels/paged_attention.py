@@ -217,11 +217,14 @@ def fp8_decode_tile(cfg: TileConfig, dqk: int, dv: int, headwise: bool, all_slid
 DECODE_KEY_ROWS: bool | None = None
 
 
-def key_rows_decode_setup(cfg: TileConfig, decode_codes: int) -> tuple[TileConfig, int, int | None]:
+def key_rows_decode_setup(cfg: TileConfig, dqk: int, dv: int) -> tuple[TileConfig, int, int | None]:
     """``(tile, F16_CODES, maxnreg)`` of the key-rows decode over an e4m3 cache under a bf16 model
-    (:data:`FP8_F16_CODES_DECODE` ``None``): both code tiles converted where loaded (mode 3), the
-    default tile, no register cap."""
-    return cfg, 3, None
+    (:data:`FP8_F16_CODES_DECODE` ``None``): the default tile, both code tiles converted where loaded
+    (mode 3), and a 128-register cap on 128 / 128 caches' 64-key / 4-warp and 32-key / 2-warp tiles
+    (sm_90 offline: 160-164 registers, three programs per SM, become 128 with no spill in the key loops,
+    four; MLA's 192 / 128 spills under it and keeps its 217)."""
+    capped = dqk == dv == 128 and (cfg.block_n, cfg.num_warps) in ((64, 4), (32, 2))
+    return cfg, 3, FP8_DECODE_AUTO_MAXNREG if capped else None
 
 
 MIN_TILES_PER_SPLIT = 4
@@ -640,7 +643,7 @@ class AttentionPlan:
         if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
             cap = FP8_DECODE_MAXNREG
             if auto_codes and decode_codes and self.key_rows:
-                self.decode_cfg, decode_codes, auto_cap = key_rows_decode_setup(self.decode_cfg, decode_codes)
+                self.decode_cfg, decode_codes, auto_cap = key_rows_decode_setup(self.decode_cfg, dqk, dv)
                 cap = auto_cap if cap is None else cap
             elif auto_codes and decode_codes:
                 self.decode_cfg = fp8_decode_tile(self.decode_cfg, dqk, dv, bool(headwise), self.all_slide)
