@@ -866,8 +866,8 @@ def mla_cases(fh, check, peers):
 #: (the query-rows variants of earlier sweeps: results/attention-h100-sweep-fp8-2026-12-07e.jsonl)
 FP8_DECODE_VARIANTS = {
     "decode-full": [
-        (64, 4, 3, 1, None, 3, True),
         (64, 4, 3, 1, 128, 3, True),
+        (64, 4, 3, 1, None, 3, True),
         (64, 4, 2, 1, None, 3, True),
         (64, 4, 4, 1, None, 3, True),
         (64, 4, 3, 2, None, 3, True),
@@ -882,8 +882,9 @@ FP8_DECODE_VARIANTS = {
         (64, 4, 3, 1, 128, 3, False),
     ],
     "decode-swa1024-sinks": [
-        (64, 4, 3, 1, None, 3, True),
+        (32, 2, 3, 1, 128, 3, True),
         (32, 2, 3, 1, None, 3, True),
+        (64, 4, 3, 1, 128, 3, True),
         (64, 2, 3, 1, None, 3, True),
         (32, 2, 4, 1, None, 3, True),
         (16, 1, 4, 1, None, 3, True),
