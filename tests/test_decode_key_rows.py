@@ -1,10 +1,10 @@
-"""Decode with the key tiles as the dots' rows (``attention_kernels._tile_key_rows``), against the dense
-reference on unquantized caches: the layout quantized caches take by default
-(``paged_attention.DECODE_KEY_ROWS``), forced here onto every decode feature a bf16 / fp32 cache has
-(windows per head, sinks, head-wise pages with released NaN pages, soft-capping, split-KV, pages smaller
-and larger than the key tile, q/k head dim != v head dim, GQA groups of 1 to 16). Quantized caches are
-covered by ``tests/test_kv_quant_attention.py`` and ``tests/test_masked_keys.py``, whose decode rows take
-this layout by default."""
+"""Decode with the key tiles as the dots' rows (``attention_kernels._tile_key_rows``), forced on
+(``paged_attention.DECODE_KEY_ROWS``) against the dense references: on unquantized caches, every decode
+feature a bf16 / fp32 cache has (windows per head, sinks, head-wise pages with released NaN pages,
+soft-capping, split-KV, pages smaller and larger than the key tile, q/k head dim != v head dim, GQA
+groups of 1 to 16); on quantized caches, ``tests/test_kv_quant_attention.py``'s tests run again here
+under this layout (imported below: this module's fixture forces it), masked NaN / Inf keys included.
+Quantized caches take the layout where ``FDFLEET_DECODE_KEY_ROWS`` is on."""
 
 from __future__ import annotations
 
@@ -16,6 +16,29 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import test_triton_kernels as tk  # noqa: E402
+
+# the quantized caches' tests, collected again in this module: they run under the key-rows fixture below
+from test_kv_quant_attention import (  # noqa: E402, F401
+    test_block_sizes_around_the_key_tile,
+    test_fp16_inputs,
+    test_fp16_small_values_keep_their_precision,
+    test_gpu_decode_and_mixed_bf16,
+    test_gpu_fp8_reads_take_queries_and_value_scales_past_fp16s_range,
+    test_gpu_fp16_small_values_keep_their_precision,
+    test_head_dims,
+    test_headwise_lanes,
+    test_masked_causal_future_and_past_the_context,
+    test_masked_headwise_windows,
+    test_masked_outside_the_window_split_kv,
+    test_masked_static_formats_codes,
+    test_mixed_batch_every_format,
+    test_mla_dims,
+    test_sinks,
+    test_sliding_window_with_released_pages,
+    test_split_kv_decode,
+)
+from test_kv_quant_attention import test_qk_dim_differs_from_v_dim as test_quant_qk_dim_not_v_dim  # noqa: E402, F401
+from test_kv_quant_attention import test_soft_cap as test_quant_soft_cap  # noqa: E402, F401
 from test_triton_kernels import CUDA, REAL, make_step, run_and_check  # noqa: E402
 
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
@@ -92,3 +115,30 @@ def test_gpu_decode_batch(dtype):
     s = make_step(reqs, dtype=dtype, headwise=True, release=True, seed=2, **kw, **REAL)
     for splits in (None, 4):
         run_and_check(s, num_splits=splits, sink_kind="learnable", **kw)
+
+
+def test_switch_reaches_only_quantized_plans(monkeypatch):
+    """Unforced (``DECODE_KEY_ROWS`` None), ``FDFLEET_DECODE_KEY_ROWS`` decides for quantized caches only
+    (default off), and the key-rows setup caps 128 / 128 caches' GPU tiles at 128 registers."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "DECODE_KEY_ROWS", None)
+    monkeypatch.setattr(pa, "default_decode_config", lambda *a, **k: pa.TileConfig(16, 64, 4, 3))
+    codes = torch.zeros(6, 2, 64, 128, dtype=torch.uint8)
+    scales = torch.zeros(6, 2, 64, dtype=torch.bfloat16)
+    quant = dict(kv_quant="block_wise_fp8", key_scale=scales, value_scale=scales.clone())
+
+    def plan(cache=codes, **kw):
+        q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+        return pa.AttentionPlan(cache, cache.clone(), q, scale=0.1, **kw)
+
+    bf16 = torch.zeros(6, 2, 64, 128, dtype=torch.bfloat16)
+    monkeypatch.delenv("FDFLEET_DECODE_KEY_ROWS", raising=False)
+    assert not plan(**quant).key_rows and not plan(bf16).key_rows
+    monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "1")
+    on = plan(**quant)
+    assert on.key_rows and on.decode_cfg.maxnreg == pa.FP8_DECODE_AUTO_MAXNREG and on.f16_codes[1] == 2
+    assert not plan(bf16).key_rows
+    monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "maybe")
+    with pytest.raises(ValueError, match="FDFLEET_DECODE_KEY_ROWS"):
+        plan(**quant)

@@ -212,8 +212,8 @@ def fp8_decode_tile(cfg: TileConfig, dqk: int, dv: int, headwise: bool, all_slid
 
 
 #: decode launches take the key tiles as the dots' rows (``attention_kernels._tile_key_rows``): ``None``
-#: for quantized caches only (where the codes' conversion made the query-rows layout bound by
-#: instructions, benchmarks/NOTES.md), or a bool for every cache
+#: for quantized caches where ``FDFLEET_DECODE_KEY_ROWS`` is on (default off: the layout's instruction
+#: counts were measured offline only, benchmarks/NOTES.md), or a bool for every cache (tests, benchmarks)
 DECODE_KEY_ROWS: bool | None = None
 
 
@@ -639,7 +639,10 @@ class AttentionPlan:
         self.all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
         self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
         #: decode's key tiles as the dots' rows (attention_kernels._tile_key_rows)
-        self.key_rows = quant is not None if DECODE_KEY_ROWS is None else bool(DECODE_KEY_ROWS)
+        if DECODE_KEY_ROWS is None:
+            self.key_rows = quant is not None and envs.decode_key_rows()
+        else:
+            self.key_rows = bool(DECODE_KEY_ROWS)
         if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
             cap = FP8_DECODE_MAXNREG
             if auto_codes and decode_codes and self.key_rows:
