@@ -1472,8 +1472,8 @@ def main(argv=None) -> int:
         "--decode-key-rows",
         choices=("auto", "on", "off"),
         default=None,
-        help="decode's key tiles as the dots' rows (kernels/paged_attention.py DECODE_KEY_ROWS; auto: "
-        "quantized caches only; default: the module's)",
+        help="decode's key tiles as the dots' rows (kernels/paged_attention.py DECODE_KEY_ROWS; on / off: "
+        "every cache; auto: quantized caches where FDFLEET_DECODE_KEY_ROWS is on; default: the module's)",
     )
     launch = ap.add_mutually_exclusive_group()
     launch.add_argument(
