@@ -119,7 +119,8 @@ def test_gpu_decode_batch(dtype):
 
 def test_switch_reaches_only_quantized_plans(monkeypatch):
     """Unforced (``DECODE_KEY_ROWS`` None), ``FDFLEET_DECODE_KEY_ROWS`` decides for quantized caches only
-    (default off), and the key-rows setup caps 128 / 128 caches' GPU tiles at 128 registers."""
+    (default off); the key-rows setup caps 128 / 128 caches' GPU tiles at 128 registers and reads e4m3
+    codes in mode 3 (2 under the interpreter) under bf16 and fp16 models; a bad value is named."""
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "DECODE_KEY_ROWS", None)
@@ -128,8 +129,8 @@ def test_switch_reaches_only_quantized_plans(monkeypatch):
     scales = torch.zeros(6, 2, 64, dtype=torch.bfloat16)
     quant = dict(kv_quant="block_wise_fp8", key_scale=scales, value_scale=scales.clone())
 
-    def plan(cache=codes, **kw):
-        q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    def plan(cache=codes, dtype=torch.bfloat16, **kw):
+        q = torch.zeros(4, 8, 128, dtype=dtype)
         return pa.AttentionPlan(cache, cache.clone(), q, scale=0.1, **kw)
 
     bf16 = torch.zeros(6, 2, 64, 128, dtype=torch.bfloat16)
@@ -139,6 +140,7 @@ def test_switch_reaches_only_quantized_plans(monkeypatch):
     on = plan(**quant)
     assert on.key_rows and on.decode_cfg.maxnreg == pa.FP8_DECODE_AUTO_MAXNREG and on.f16_codes[1] == 2
     assert not plan(bf16).key_rows
+    assert plan(dtype=torch.float16, **quant).f16_codes[1] == 2  # an fp16 model's codes: mode 3 too
     monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "maybe")
     with pytest.raises(ValueError, match="FDFLEET_DECODE_KEY_ROWS"):
         plan(**quant)

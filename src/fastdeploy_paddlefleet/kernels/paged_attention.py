@@ -645,7 +645,7 @@ class AttentionPlan:
             self.key_rows = bool(DECODE_KEY_ROWS)
         if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
             cap = FP8_DECODE_MAXNREG
-            if auto_codes and decode_codes and self.key_rows:
+            if auto_codes and self.key_rows and model in ("bfloat16", "float16"):  # both read fp16 codes
                 self.decode_cfg, decode_codes, auto_cap = key_rows_decode_setup(self.decode_cfg, dqk, dv)
                 cap = auto_cap if cap is None else cap
             elif auto_codes and decode_codes:
