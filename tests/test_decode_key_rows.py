@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+import test_kv_quant_attention as kq  # noqa: E402
 import test_triton_kernels as tk  # noqa: E402
 
 # the quantized caches' tests, collected again in this module: they run under the key-rows fixture below
@@ -22,7 +23,6 @@ from test_kv_quant_attention import (  # noqa: E402, F401
     test_block_sizes_around_the_key_tile,
     test_fp16_inputs,
     test_fp16_small_values_keep_their_precision,
-    test_gpu_decode_and_mixed_bf16,
     test_gpu_fp8_reads_take_queries_and_value_scales_past_fp16s_range,
     test_gpu_fp16_small_values_keep_their_precision,
     test_head_dims,
@@ -44,8 +44,6 @@ from test_triton_kernels import CUDA, REAL, make_step, run_and_check  # noqa: E4
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-#: the first variant of each parametrized GPU test stays in ``-m gpu``, the rest are ``gpu_long``
-GPU_LONG_VARIANTS = True
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +104,18 @@ def test_decode_rows_of_a_mixed_batch():
     run_and_check(s, window_left=6, sink_kind="learnable")
 
 
-@pytest.mark.gpu
+# on a GPU: gpu_long (the layout is off by default; -m gpu stays under 5 minutes): run with -m gpu_long
+
+
+@pytest.mark.gpu_long
+@gpu
+@pytest.mark.parametrize("fmt", ["block_wise_fp8", "fp8_per_channel", "int8"])
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (192, 128)])
+def test_gpu_quantized_decode_and_mixed(fmt, dims):
+    kq.test_gpu_decode_and_mixed_bf16(fmt, dims)
+
+
+@pytest.mark.gpu_long
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_decode_batch(dtype):
