@@ -208,18 +208,48 @@ def quant_prefill_kernel(batch: dict, fmt_name: str) -> str:
         return "portable"
 
 
+def _key_rows_layouts(rec: dict) -> list:
+    """The decode layouts to time a quantized cache's ``rec`` under: the plan's own (``None``), and for
+    decode and mixed cases also the key-rows layout forced on (``True``) where the plan would not take
+    it (``kernels/paged_attention.py`` ``DECODE_KEY_ROWS``; a --src tree without it: the plan's only)."""
+    from fastdeploy_paddlefleet import envs
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
+
+    if rec.get("kind") not in ("decode", "mixed") or not hasattr(pa_mod, "DECODE_KEY_ROWS"):
+        return [None]
+    forced = pa_mod.DECODE_KEY_ROWS
+    on = forced if forced is not None else envs.decode_key_rows()
+    return [None] if on else [None, True]
+
+
 def emit_quant(fh, rec: dict, batch: dict, **run_kw) -> None:
     """Time ``rec``'s case again for each of :data:`KV_QUANTS` (``run_ours`` with ``run_kw``, the caches
     quantized) and emit a record beside it: the same case, kind and work, ``impl`` ``triton-<format>``,
-    bytes read (decode), ``vs_bf16`` (ms of the unquantized run over this one's)."""
+    bytes read (decode), ``vs_bf16`` (ms of the unquantized run over this one's); decode and mixed cases
+    also under the key-rows decode where it is off (``impl`` ``triton-<format>-key-rows``)."""
     for fmt_name in KV_QUANTS:
+        for layout in _key_rows_layouts(rec):
+            _emit_quant_one(fh, rec, batch, fmt_name, layout, **run_kw)
+    batch.pop("_quant", None)
+
+
+def _emit_quant_one(fh, rec: dict, batch: dict, fmt_name: str, key_rows, **run_kw) -> None:
+    """One record of :func:`emit_quant`: format ``fmt_name``, the decode layout forced to ``key_rows``
+    (``None``: the plan's own)."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
+
+    impl = f"triton-{fmt_name}" + ("-key-rows" if key_rows else "")
+    kept = getattr(pa_mod, "DECODE_KEY_ROWS", None)
+    if key_rows is not None:
+        pa_mod.DECODE_KEY_ROWS = key_rows
+    try:
         try:
             ms, errs = run_ours(rec["case"], batch, kv_quant=fmt_name, **run_kw)
         except Exception as e:  # noqa: BLE001 - keep the other formats' numbers
-            emit({"case": rec["case"], "impl": f"triton-{fmt_name}", "kind": rec.get("kind"),
+            emit({"case": rec["case"], "impl": impl, "kind": rec.get("kind"),
                   "kv_cache_dtype": fmt_name, "error": repr(e)[:500]}, fh)  # fmt: skip
-            continue
-        out = {"case": rec["case"], "impl": f"triton-{fmt_name}", "kind": rec.get("kind"), "ms": round(ms, 4)}
+            return
+        out = {"case": rec["case"], "impl": impl, "kind": rec.get("kind"), "ms": round(ms, 4)}
         if "kv_bytes" in rec:
             nbytes = quant_kv_bytes(rec["kv_bytes"], batch, fmt_name)
             out.update(kv_bytes=nbytes, gbps=round(nbytes / (ms * 1e-3) / 1e9, 1))
@@ -233,7 +263,9 @@ def emit_quant(fh, rec: dict, batch: dict, **run_kw) -> None:
             if out["kernel"] == "hopper":  # what of the difference from bf16 the gather itself takes
                 out.update(gather_timing(batch, fmt_name, **run_kw))
         emit({**out, **errs}, fh)
-    batch.pop("_quant", None)
+    finally:
+        if key_rows is not None:
+            pa_mod.DECODE_KEY_ROWS = kept
 
 
 def gather_timing(
