@@ -39,7 +39,13 @@ from test_kv_quant_attention import (  # noqa: E402, F401
 )
 from test_kv_quant_attention import test_qk_dim_differs_from_v_dim as test_quant_qk_dim_not_v_dim  # noqa: E402, F401
 from test_kv_quant_attention import test_soft_cap as test_quant_soft_cap  # noqa: E402, F401
-from test_triton_kernels import CUDA, REAL, make_step, run_and_check  # noqa: E402
+from test_triton_kernels import (  # noqa: E402
+    CUDA,
+    REAL,
+    make_step,
+    run_and_check,
+    test_random_batches_match_dense_reference,  # noqa: E402, F401
+)
 
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention  # noqa: E402
 
@@ -90,6 +96,14 @@ def test_split_kv(splits):
     reqs = [(300, 1), (5, 1), (129, 1), (0, 1)]
     s = make_step(reqs, hkv=2, group=4, dqk=32, dv=16, block_size=16, window_left=100, release=True)
     run_and_check(s, window_left=100, sink_kind="learnable", num_splits=splits)
+
+
+def test_tma_loads():
+    """The TMA variant (one page per key tile, absent pages read as page 0 and masked)."""
+    cfg = tk.TileConfig(block_m=16, block_n=16, use_tma=True)
+    reqs = [(70, 1), (33, 1), (100, 1), (5, 1)]
+    s = make_step(reqs, hkv=2, group=2, dqk=32, dv=16, block_size=32, window_left=30, release=True)
+    run_and_check(s, window_left=30, sink_kind="learnable", decode_config=cfg, num_splits=2)
 
 
 def test_soft_cap(monkeypatch):
