@@ -167,3 +167,28 @@ def test_switch_reaches_only_quantized_plans(monkeypatch):
     monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "maybe")
     with pytest.raises(ValueError, match="FDFLEET_DECODE_KEY_ROWS"):
         plan(**quant)
+
+
+def test_a_changed_switch_builds_a_new_plan(monkeypatch):
+    """The one-shot wrapper's plan memo keys on the layout's module setting and environment switch (and
+    the fp8 decode settings): the same call after a change runs the other layout, not the memoised plan."""
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    s = make_step(DECODES, hkv=2, group=2, dqk=16, dv=16, block_size=8)
+    seen = []
+    real = pa.AttentionPlan.__init__
+
+    def record(self, *a, **kw):
+        real(self, *a, **kw)
+        seen.append(self.key_rows)
+
+    monkeypatch.setattr(pa.AttentionPlan, "__init__", record)
+    run_and_check(s)  # forced on by the fixture
+    monkeypatch.setattr(pa, "DECODE_KEY_ROWS", False)
+    run_and_check(s)
+    monkeypatch.setattr(pa, "DECODE_KEY_ROWS", None)
+    monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "0")
+    run_and_check(s)
+    monkeypatch.setattr(pa, "FP8_F16_CODES_DECODE", 1)
+    run_and_check(s)
+    assert seen == [True, False, False, False]

@@ -218,7 +218,8 @@ def test_test_and_ci_names_are_known_not_warned_about():
 def test_every_fdfleet_name_in_the_sources_tests_and_ci_is_registered():
     """envs.VARIABLES is the one registry: every FDFLEET_* name src/, tests/ or .ci/ reads is in it
     (names tests only make up to check the parsers are listed here)."""
-    made_up = {"FDFLEET_SOMETHING", "FDFLEET_TEST_A", "FDFLEET_TEST_B", "FDFLEET_TEST_C", "FDFLEET_HOST_"}
+    made_up = {"FDFLEET_SOMETHING", "FDFLEET_TEST_A", "FDFLEET_TEST_B", "FDFLEET_TEST_C", "FDFLEET_TEST_D"}
+    made_up |= {"FDFLEET_HOST_"}
     made_up |= {"FDFLEET_KV_RECYCEL", "FDFLEET_ZZZ"}
     found = set()
     for folder in ("src", "tests", ".ci"):

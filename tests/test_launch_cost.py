@@ -770,12 +770,15 @@ def test_raw_reader_follows_the_environment_and_a_replaced_mapping(monkeypatch):
 
     from fastdeploy_paddlefleet import envs
 
-    names = ("FDFLEET_TEST_A", "FDFLEET_TEST_B", "FDFLEET_TEST_C")
-    three, one = envs.raw_reader(*names), envs.raw_reader(names[0])
+    names = ("FDFLEET_TEST_A", "FDFLEET_TEST_B", "FDFLEET_TEST_C", "FDFLEET_TEST_D")
+    three, four, one = envs.raw_reader(*names[:3]), envs.raw_reader(*names), envs.raw_reader(names[0])
     for n in names:
         monkeypatch.delenv(n, raising=False)
-    assert three() == (None, None, None) == envs.raw_values(*names) and one() == (None,)
+    assert three() == (None, None, None) == envs.raw_values(*names[:3]) and one() == (None,)
+    assert four() == (None,) * 4
     monkeypatch.setenv("FDFLEET_TEST_B", "x")
-    assert three() == envs.raw_values(*names) and three()[1] in ("x", b"x") and three()[0] is None
+    monkeypatch.setenv("FDFLEET_TEST_D", "z")
+    assert three() == envs.raw_values(*names[:3]) and three()[1] in ("x", b"x") and three()[0] is None
+    assert four() == envs.raw_values(*names) and four()[3] in ("z", b"z")
     monkeypatch.setattr(os, "environ", {"FDFLEET_TEST_A": "y"})  # another mapping: read by name
-    assert three() == ("y", None, None) and one() == ("y",)
+    assert three() == ("y", None, None) and one() == ("y",) and four() == ("y", None, None, None)

@@ -431,7 +431,7 @@ def paged_attention(
         None if sliding_heads is None else tuple(sliding_heads), sink_kind,
         None if sinks is None else (id(sinks), tensor_version(sinks), sinks.data_ptr()), prefill_config,
         decode_config, prefill_impl, logits_soft_cap, switches_key(), ERR_LOOP_PREFILL, ERR_LOOP_DECODE,
-        HopperPlan,
+        HopperPlan, FP8_F16_CODES_DECODE, FP8_F16_CODES_PREFILL, FP8_DECODE_MAXNREG, DECODE_KEY_ROWS,
         None if kv_quant is None or key_scale is None or value_scale is None
         else (kv_quant, caches_key(key_scale, value_scale)),
     )  # fmt: skip

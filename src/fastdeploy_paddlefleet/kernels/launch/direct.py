@@ -306,7 +306,9 @@ def tensor_key(x: Any) -> tuple:
     return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, str(getattr(x, "place", None)))
 
 
-_read_switches = envs.raw_reader("FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER")
+_read_switches = envs.raw_reader(
+    "FDFLEET_PREFILL_KERNEL", "FDFLEET_DIRECT_LAUNCH", "FDFLEET_OWN_LAUNCHER", "FDFLEET_DECODE_KEY_ROWS"
+)
 
 
 _TORCH_TENSOR = _framework.torch.Tensor if _framework.torch is not None else None  # exact type, inline keys
@@ -325,8 +327,8 @@ def caches_key(kc: Any, vc: Any) -> tuple:
 
 def switches_key() -> tuple:
     """What a plan reads from the environment and this module when it is built (``FDFLEET_PREFILL_KERNEL``,
-    direct launches, addresses), unparsed: part of a memoised plan's key, so a changed switch builds
-    (and parses) anew."""
+    ``FDFLEET_DECODE_KEY_ROWS``, direct launches, addresses), unparsed: part of a memoised plan's key, so
+    a changed switch builds (and parses) anew."""
     return (DIRECT_LAUNCH, ADDRESS_ARGS, OWN_LAUNCHER, _read_switches())
 
 
