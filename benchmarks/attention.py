@@ -894,8 +894,9 @@ def mla_cases(fh, check, peers):
 
 
 #: decode variants over a quantized cache: (block_n, warps, stages, splits, maxnreg, e4m3 code mode, key rows:
-#: kernels/paged_attention.py DECODE_KEY_ROWS); the first of each case's list is the default tile of that case
-#: (the query-rows variants of earlier sweeps: results/attention-h100-sweep-fp8-2026-12-07e.jsonl)
+#: kernels/paged_attention.py DECODE_KEY_ROWS); the first of each case's list is the key-rows layout's default
+#: tile, the last the query-rows default (the query-rows variants of earlier sweeps:
+#: results/attention-h100-sweep-fp8-2026-12-07e.jsonl)
 FP8_DECODE_VARIANTS = {
     "decode-full": [
         (64, 4, 3, 1, 128, 3, True),
@@ -921,7 +922,7 @@ FP8_DECODE_VARIANTS = {
         (32, 2, 4, 1, None, 3, True),
         (16, 1, 4, 1, None, 3, True),
         (64, 4, 3, 2, None, 3, True),
-        (64, 2, 3, 1, None, 3, False),
+        (32, 2, 3, 1, None, 1, False),
     ],
 }
 

@@ -355,9 +355,8 @@ def test_fp8_decode_setup_takes_mode_3_only_where_it_was_timed_faster():
 
     plain = pa.TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
     sliding = pa.TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=3)
-    wide = pa.TileConfig(block_m=16, block_n=64, num_warps=2, num_stages=3)  # fp8_decode_tile's window tile
+    wide = pa.TileConfig(block_m=16, block_n=64, num_warps=2, num_stages=3)
     assert pa.fp8_decode_setup(plain, 128, 128, False, False) == (3, pa.FP8_DECODE_AUTO_MAXNREG)
-    assert pa.fp8_decode_setup(wide, 128, 128, False, True) == (3, None)
     for cfg, dqk, dv, headwise, window in [
         (plain, 128, 128, True, False),
         (plain, 128, 128, False, True),
@@ -368,26 +367,9 @@ def test_fp8_decode_setup_takes_mode_3_only_where_it_was_timed_faster():
         (wide, 128, 128, True, True),
         (wide, 192, 128, False, True),
         (wide, 128, 128, False, False),
+        (wide, 128, 128, False, True),
     ]:
         assert pa.fp8_decode_setup(cfg, dqk, dv, headwise, window) == (1, None)
-
-
-def test_fp8_decode_tile_widens_only_the_sliding_tile_of_128_caches():
-    """64 keys instead of 32 on the 2-warp tile of a cache whose every kv head slides, 128 / 128, not
-    head-wise; every other tile and shape kept as given."""
-    from fastdeploy_paddlefleet.kernels import paged_attention as pa
-
-    sliding = pa.TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=3)
-    plain = pa.TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-    assert pa.fp8_decode_tile(sliding, 128, 128, False, True) == pa.TileConfig(16, 64, 2, 3)
-    for cfg, dqk, dv, headwise, all_slide in [
-        (sliding, 128, 128, True, True),
-        (sliding, 128, 128, False, False),
-        (sliding, 192, 128, False, True),
-        (sliding, 64, 64, False, True),
-        (plain, 128, 128, False, True),
-    ]:
-        assert pa.fp8_decode_tile(cfg, dqk, dv, headwise, all_slide) == cfg
 
 
 @pytest.mark.parametrize("forced", [None, 1])
@@ -419,13 +401,10 @@ def test_plan_takes_the_decode_setup_unless_told(forced, monkeypatch):
     given = pa.TileConfig(16, 64, 4, 3)
     mine = plan(decode_config=given, **quant)
     assert mine.decode_cfg is given and mine.f16_codes == (1, 1)
-    # every head sliding: the GPU's 32-key window tile widened to 64 keys (fp8_decode_tile), mode 3, no cap
+    # every head sliding: the GPU's 32-key window tile as it is, mode 1, no cap
     monkeypatch.setattr(pa, "default_decode_config", lambda *a, **k: pa.TileConfig(16, 32, 2, 3))
     win = plan(window_left=1023, **quant)
-    if forced is None:
-        assert win.decode_cfg == pa.TileConfig(16, 64, 2, 3) and win.f16_codes == (1, 2)
-    else:
-        assert win.decode_cfg == pa.TileConfig(16, 32, 2, 3) and win.f16_codes == (1, 1)
+    assert win.decode_cfg == pa.TileConfig(16, 32, 2, 3) and win.f16_codes == (1, 1)
     assert plan(window_left=1023, sliding_heads=(0, 1), **quant).decode_cfg == pa.TileConfig(16, 32, 2, 3)
     if forced is None:  # mode 3 as the interpreter runs it (2), on the interpreter's tile
         monkeypatch.setattr(pa, "default_decode_config", real)

@@ -188,27 +188,14 @@ def fp8_decode_setup(
     :data:`FP8_F16_CODES_DECODE` is ``None``: mode 3 with :data:`FP8_DECODE_AUTO_MAXNREG` on the plain
     decode tile (64 keys, 4 warps) of a full-attention 128 / 128 cache that is not head-wise, where it
     was timed faster (H100, 64 x 4096, 32 / 8 heads: 1.36x our bf16 decode against 1.13x with mode 1);
-    mode 3 without a cap on :func:`fp8_decode_tile`'s 64-key, 2-warp tile of sliding windows (the fastest
-    of nine window variants, H100); mode 1 and no cap elsewhere, where mode 3 (capped or not) was timed
-    slower: the 32-key tiles of sliding windows (1.06-1.16x against 1.23-1.29x), head-wise pages
-    (0.98-1.08x against 1.23x) and MLA's 192 / 128 (1.07-1.27x against 1.31x) (benchmarks/NOTES.md)."""
+    mode 1 and no cap elsewhere, where mode 3 (capped or not) was timed slower: the 32-key tiles of
+    sliding windows (1.06-1.16x against 1.23-1.29x), head-wise pages (0.98-1.08x against 1.23x) and
+    MLA's 192 / 128 (1.07-1.27x against 1.31x) (benchmarks/NOTES.md). (A 64-key window tile in mode 3
+    was the default for a while on a comparison that had timed one plan twice: benchmarks/NOTES.md.)"""
     plain = cfg.block_n == 64 and cfg.num_warps == 4
     if plain and dqk == dv == 128 and not headwise and not has_window:
         return 3, FP8_DECODE_AUTO_MAXNREG
-    if cfg.block_n == 64 and cfg.num_warps == 2 and dqk == dv == 128 and not headwise and has_window:
-        return 3, None  # fp8_decode_tile's window tile
     return 1, None
-
-
-def fp8_decode_tile(cfg: TileConfig, dqk: int, dv: int, headwise: bool, all_slide: bool) -> TileConfig:
-    """The default decode tile of an e4m3 cache under a bf16 model (:data:`FP8_F16_CODES_DECODE` ``None``):
-    where every kv head slides over a 128 / 128 cache that is not head-wise, 64-key tiles over 2 warps
-    instead of bf16's 32 (mode 3 in :func:`fp8_decode_setup`; H100, window 1024 + sinks, 64 x 4096: 70.4
-    against 76.5 us, benchmarks/NOTES.md); ``cfg`` elsewhere."""
-    sliding_tile = cfg.block_n == 32 and cfg.num_warps == 2
-    if all_slide and sliding_tile and dqk == dv == 128 and not headwise:
-        return replace(cfg, block_n=64)
-    return cfg
 
 
 #: decode launches take the key tiles as the dots' rows (``attention_kernels._tile_key_rows``): ``None``
@@ -649,7 +636,6 @@ class AttentionPlan:
                 self.decode_cfg, decode_codes, auto_cap = key_rows_decode_setup(self.decode_cfg, dqk, dv)
                 cap = auto_cap if cap is None else cap
             elif auto_codes and decode_codes:
-                self.decode_cfg = fp8_decode_tile(self.decode_cfg, dqk, dv, bool(headwise), self.all_slide)
                 setup = fp8_decode_setup(self.decode_cfg, dqk, dv, bool(headwise), has_window)
                 decode_codes, auto_cap = setup
                 cap = auto_cap if cap is None else cap
