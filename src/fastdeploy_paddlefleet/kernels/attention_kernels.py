@@ -156,6 +156,39 @@ def _scan_table(
 
 
 @triton.jit
+def _load_kv_tile(
+    K, V, page, slot, ok, stride_kp, stride_kr, stride_vp, stride_vr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BS: tl.constexpr, KV_CODE: tl.constexpr,
+):  # fmt: skip
+    """A key tile's K ``[BLOCK_N, BLOCK_DQK]`` and V ``[BLOCK_N, BLOCK_DV]`` through pointers, as stored
+    (values, or uint8 codes): keys whose ``ok`` is False and channels past ``DQK`` / ``DV`` read as zero
+    (codes: the code of 0). ``page`` is a scalar where the tile lies in one page, else one per key."""
+    offs_dk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if BS % BLOCK_N == 0:
+        k_off = page * stride_kp + slot[:, None] * stride_kr
+        v_off = page * stride_vp + slot[:, None] * stride_vr
+    else:
+        k_off = page[:, None] * stride_kp + slot[:, None] * stride_kr
+        v_off = page[:, None] * stride_vp + slot[:, None] * stride_vr
+    k_mask = ok[:, None]
+    v_mask = ok[:, None]
+    if BLOCK_DQK != DQK:
+        k_mask = k_mask & (offs_dk[None, :] < DQK)
+    if BLOCK_DV != DV:
+        v_mask = v_mask & (offs_dv[None, :] < DV)
+    if KV_CODE == 0:
+        k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
+        v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
+    else:
+        zero_code = 128 if KV_CODE == 2 else 0
+        k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=zero_code)
+        v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=zero_code)
+    return k, v
+
+
+@triton.jit
 def _tile(
     acc, l_i, m_i, q, K, V, k_desc, v_desc, s, page, slot, ok, pos, lo_key, kv_len, window, qk_scale,
     stride_kp, stride_kr, stride_vp, stride_vr,
@@ -194,8 +227,6 @@ def _tile(
     non-finite V scale counts as a non-finite V entry (zeroed for the dot, NaN where seen), a
     non-finite K scale scores NaN, which only reaches scores the mask replaces (or a row that sees it)."""
     keys = s + tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     if MASK:
         ok = ok & (keys >= lo_key) & (keys < kv_len)
     if USE_TMA:  # an absent page (-1) reads page 0 instead, and everything read from it is masked
@@ -205,25 +236,12 @@ def _tile(
         if MASK:  # stale slots may hold NaN and 0 * NaN = NaN in the P @ V dot
             v = tl.where(ok[:, None], v, 0.0)
     else:
-        if BS % BLOCK_N == 0:
-            k_off = page * stride_kp + slot[:, None] * stride_kr
-            v_off = page * stride_vp + slot[:, None] * stride_vr
-        else:
-            k_off = page[:, None] * stride_kp + slot[:, None] * stride_kr
-            v_off = page[:, None] * stride_vp + slot[:, None] * stride_vr
-        k_mask = ok[:, None]
-        v_mask = ok[:, None]
-        if BLOCK_DQK != DQK:
-            k_mask = k_mask & (offs_dk[None, :] < DQK)
-        if BLOCK_DV != DV:
-            v_mask = v_mask & (offs_dv[None, :] < DV)
-        if KV_CODE == 0:
-            k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=0.0)
-            v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=0.0)
-        else:  # codes: what is not loaded reads as the code of 0
-            zero_code = 128 if KV_CODE == 2 else 0
-            k = _codes(tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=zero_code), q.dtype, KV_CODE)
-            v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=zero_code)
+        k, v = _load_kv_tile(
+            K, V, page, slot, ok, stride_kp, stride_kr, stride_vp, stride_vr,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, KV_CODE,
+        )  # fmt: skip
+        if KV_CODE != 0:  # codes: what is not loaded reads as the code of 0
+            k = _codes(k, q.dtype, KV_CODE)
             if F16_CODES == 1:  # V's codes in the model's bf16: P @ V as it was (no fp16 range to keep)
                 v = _codes(v, tl.bfloat16, KV_CODE)
             elif F16_CODES == 3:  # fp16, converted where loaded (GPU only): the same values as 2
@@ -329,24 +347,21 @@ def _tile_key_rows(
 ):  # fmt: skip
     """Decode's key tile ``[s, s + BLOCK_N)`` with the keys as the dots' rows: ``S^T = K q^T``
     (``[BLOCK_N, BLOCK_H]``) and ``acc^T [BLOCK_DV, BLOCK_H] += V^T P^T``; ``qt`` is ``q^T [BLOCK_DQK,
-    BLOCK_H]``, ``m_i`` / ``l_i`` ``[BLOCK_H]``. The same arithmetic as :func:`_tile` with ``ROWS_ALIKE``
-    (every row of a decode query sees the same keys), laid out for a small group of query heads: the
-    64-key tile fills the tensor cores' 16-row side instead of 4 query heads padded to 16, so each dot
-    takes a quarter of the MMAs, and the cache codes convert into the dots' A operand without the
-    query's operand being read again from shared memory every tile (sm_90 offline: 401 against 617
+    BLOCK_H]``, ``m_i`` ``[BLOCK_H]``. The same arithmetic as :func:`_tile` with ``ROWS_ALIKE`` (every
+    row of a decode query sees the same keys), laid out for a small group of query heads: the 64-key
+    tile fills the tensor cores' 16-row side instead of 4 query heads padded to 16, so each dot takes a
+    quarter of the MMAs, and the cache codes convert into the dots' A operand without the query's
+    operand being read again from shared memory every tile (sm_90 offline: 376 against 626
     instructions per 64-key tile of an e4m3 cache, benchmarks/NOTES.md).
 
-    ``l_i`` is ``[BLOCK_N, BLOCK_H]`` here: each key slot's share of the softmax sum, added up once after
-    the key loops (a sum over the keys each tile is a reduction across warps: shared memory and
-    barriers).
+    ``l_i`` is ``[BLOCK_N, BLOCK_H]``: each key slot's share of the softmax sum, added up once after the
+    key loops (a sum over the keys each tile is a reduction across warps: shared memory and barriers).
 
     Masked keys (outside ``[lo_key, kv_len)``, absent pages) are loaded as zeros and score ``-inf``:
     they contribute exactly nothing. Per-token V scales under fp16 codes: the running maximum ``m``
     is that of ``score + log2 |v_scale|``, so ``P^T * v_scale = 2^(score + log2 |v_scale| - m)`` is at
     most 1 in every column and keeps fp16's precision however small the scales are."""
     keys = s + tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     if MASK:
         ok = ok & (keys >= lo_key) & (keys < kv_len)
     if USE_TMA:  # an absent page (-1) reads page 0 instead, and everything read from it is masked
@@ -357,21 +372,10 @@ def _tile_key_rows(
             k = tl.where(ok[:, None], k, 0.0)
             v = tl.where(ok[:, None], v, 0.0)
     else:
-        if BS % BLOCK_N == 0:
-            k_off = page * stride_kp + slot[:, None] * stride_kr
-            v_off = page * stride_vp + slot[:, None] * stride_vr
-        else:
-            k_off = page[:, None] * stride_kp + slot[:, None] * stride_kr
-            v_off = page[:, None] * stride_vp + slot[:, None] * stride_vr
-        k_mask = ok[:, None]
-        v_mask = ok[:, None]
-        if BLOCK_DQK != DQK:
-            k_mask = k_mask & (offs_dk[None, :] < DQK)
-        if BLOCK_DV != DV:
-            v_mask = v_mask & (offs_dv[None, :] < DV)
-        zero_code = 128 if KV_CODE == 2 else 0  # codes: what is not loaded reads as the code of 0
-        k = tl.load(K + k_off + offs_dk[None, :], mask=k_mask, other=zero_code)
-        v = tl.load(V + v_off + offs_dv[None, :], mask=v_mask, other=zero_code)
+        k, v = _load_kv_tile(
+            K, V, page, slot, ok, stride_kp, stride_kr, stride_vp, stride_vr,
+            DQK, DV, BLOCK_DQK, BLOCK_DV, BLOCK_N, BS, KV_CODE,
+        )  # fmt: skip
         if KV_CODE != 0:
             if F16_CODES == 3:  # fp16, converted where loaded (GPU only)
                 k = _e4m3_as_f16_in_place(k)

@@ -204,14 +204,14 @@ def fp8_decode_setup(
 DECODE_KEY_ROWS: bool | None = None
 
 
-def key_rows_decode_setup(cfg: TileConfig, dqk: int, dv: int) -> tuple[TileConfig, int, int | None]:
-    """``(tile, F16_CODES, maxnreg)`` of the key-rows decode over an e4m3 cache under a bf16 model
-    (:data:`FP8_F16_CODES_DECODE` ``None``): the default tile, both code tiles converted where loaded
-    (mode 3), and a 128-register cap on 128 / 128 caches' 64-key / 4-warp and 32-key / 2-warp tiles
-    (sm_90 offline: 160-164 registers, three programs per SM, become 128 with no spill in the key loops,
-    four; MLA's 192 / 128 spills under it and keeps its 217)."""
+def key_rows_decode_setup(cfg: TileConfig, dqk: int, dv: int) -> tuple[int, int | None]:
+    """``(F16_CODES, maxnreg)`` of the key-rows decode over an e4m3 cache under a bf16 or fp16 model
+    (:data:`FP8_F16_CODES_DECODE` ``None``), on the default tile ``cfg``: both code tiles converted where
+    loaded (mode 3), and a 128-register cap on 128 / 128 caches' 64-key / 4-warp and 32-key / 2-warp
+    tiles (sm_90 offline: 160-164 registers, three programs per SM, become 128 with no spill in the key
+    loops, four; MLA's 192 / 128 spills under it and keeps its 217)."""
     capped = dqk == dv == 128 and (cfg.block_n, cfg.num_warps) in ((64, 4), (32, 2))
-    return cfg, 3, FP8_DECODE_AUTO_MAXNREG if capped else None
+    return 3, FP8_DECODE_AUTO_MAXNREG if capped else None
 
 
 MIN_TILES_PER_SPLIT = 4
@@ -632,11 +632,12 @@ class AttentionPlan:
             self.key_rows = bool(DECODE_KEY_ROWS)
         if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
             cap = FP8_DECODE_MAXNREG
+            setup = None
             if auto_codes and self.key_rows and model in ("bfloat16", "float16"):  # both read fp16 codes
-                self.decode_cfg, decode_codes, auto_cap = key_rows_decode_setup(self.decode_cfg, dqk, dv)
-                cap = auto_cap if cap is None else cap
+                setup = key_rows_decode_setup(self.decode_cfg, dqk, dv)
             elif auto_codes and decode_codes:
                 setup = fp8_decode_setup(self.decode_cfg, dqk, dv, bool(headwise), has_window)
+            if setup is not None:
                 decode_codes, auto_cap = setup
                 cap = auto_cap if cap is None else cap
             if cap is not None:
