@@ -208,37 +208,42 @@ def quant_prefill_kernel(batch: dict, fmt_name: str) -> str:
         return "portable"
 
 
-def _key_rows_layouts(rec: dict) -> list:
+def _key_rows_layouts(rec: dict, batch: dict, fmt_name: str, dv: int | None) -> list:
     """The decode layouts to time a quantized cache's ``rec`` under: the plan's own (``None``), and for
-    decode and mixed cases also the key-rows layout forced on (``True``) where the plan would not take
-    it (``kernels/paged_attention.py`` ``DECODE_KEY_ROWS``; a --src tree without it: the plan's only)."""
+    decode and mixed cases also the other one forced (``True``: key rows, ``False``: query rows;
+    ``kernels/paged_attention.py`` ``DECODE_KEY_ROWS``, ``key_rows_by_default``; a --src tree without
+    them: the plan's own only)."""
     from fastdeploy_paddlefleet import envs
     from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
 
     if rec.get("kind") not in ("decode", "mixed") or not hasattr(pa_mod, "DECODE_KEY_ROWS"):
         return [None]
-    forced = pa_mod.DECODE_KEY_ROWS
-    on = forced if forced is not None else envs.decode_key_rows()
-    return [None] if on else [None, True]
+    on = pa_mod.DECODE_KEY_ROWS
+    if on is None:
+        by_default = getattr(pa_mod, "key_rows_by_default", lambda *a: True)  # (an older tree: every cache)
+        dqk, dv = batch["q"].shape[2], dv or batch["vc"].shape[3]
+        on = envs.decode_key_rows() and by_default(fmt_name, bool(batch["headwise"]), dqk, dv)
+    return [None, not on]
 
 
 def emit_quant(fh, rec: dict, batch: dict, **run_kw) -> None:
     """Time ``rec``'s case again for each of :data:`KV_QUANTS` (``run_ours`` with ``run_kw``, the caches
     quantized) and emit a record beside it: the same case, kind and work, ``impl`` ``triton-<format>``,
     bytes read (decode), ``vs_bf16`` (ms of the unquantized run over this one's); decode and mixed cases
-    also under the key-rows decode where it is off (``impl`` ``triton-<format>-key-rows``)."""
+    also under the decode layout the plan did not take (``impl`` ``triton-<format>-key-rows`` or
+    ``-query-rows``)."""
     for fmt_name in KV_QUANTS:
-        for layout in _key_rows_layouts(rec):
+        for layout in _key_rows_layouts(rec, batch, fmt_name, run_kw.get("dv")):
             _emit_quant_one(fh, rec, batch, fmt_name, layout, **run_kw)
     batch.pop("_quant", None)
 
 
 def _emit_quant_one(fh, rec: dict, batch: dict, fmt_name: str, key_rows, **run_kw) -> None:
     """One record of :func:`emit_quant`: format ``fmt_name``, the decode layout forced to ``key_rows``
-    (``None``: the plan's own)."""
+    (``True``: key rows, ``False``: query rows, ``None``: the plan's own)."""
     from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
 
-    impl = f"triton-{fmt_name}" + ("-key-rows" if key_rows else "")
+    impl = f"triton-{fmt_name}" + {None: "", True: "-key-rows", False: "-query-rows"}[key_rows]
     kept = getattr(pa_mod, "DECODE_KEY_ROWS", None)
     if key_rows is not None:
         pa_mod.DECODE_KEY_ROWS = key_rows
@@ -1506,7 +1511,8 @@ def main(argv=None) -> int:
         choices=("auto", "on", "off"),
         default=None,
         help="decode's key tiles as the dots' rows (kernels/paged_attention.py DECODE_KEY_ROWS; on / off: "
-        "every cache; auto: quantized caches where FDFLEET_DECODE_KEY_ROWS is on; default: the module's)",
+        "every cache; auto: where key_rows_by_default and FDFLEET_DECODE_KEY_ROWS say so; default: the "
+        "module's)",
     )
     launch = ap.add_mutually_exclusive_group()
     launch.add_argument(

@@ -75,6 +75,37 @@ def test_gather_timing_runs_the_plans_own_gather(monkeypatch):
     assert set(got) == {"gather_ms"} and got["gather_ms"] > 0
 
 
+def test_quantized_decode_records_time_the_layout_the_plan_did_not_take(monkeypatch):
+    """``attention._key_rows_layouts``: a quantized decode or mixed case is timed under the plan's own
+    decode layout and the other one (key rows where the plan takes query rows, and back), following
+    ``paged_attention.key_rows_by_default``, ``FDFLEET_DECODE_KEY_ROWS`` and a forced module setting;
+    other kinds only under the plan's own."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import attention
+
+    from fastdeploy_paddlefleet.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "DECODE_KEY_ROWS", None)
+    monkeypatch.delenv("FDFLEET_DECODE_KEY_ROWS", raising=False)
+
+    def batch(d=128, headwise=False):
+        return {"q": torch.zeros(2, 8, d), "vc": torch.zeros(1, 2, 4, d), "headwise": headwise}
+
+    dec = {"kind": "decode"}
+    assert attention._key_rows_layouts(dec, batch(), "block_wise_fp8", None) == [None, False]
+    assert attention._key_rows_layouts({"kind": "mixed"}, batch(), "block_wise_fp8", None) == [None, False]
+    assert attention._key_rows_layouts(dec, batch(headwise=True), "block_wise_fp8", None) == [None, True]
+    assert attention._key_rows_layouts(dec, batch(64), "block_wise_fp8", None) == [None, True]
+    assert attention._key_rows_layouts(dec, batch(192), "block_wise_fp8", 128) == [None, False]  # MLA
+    assert attention._key_rows_layouts(dec, batch(), "int8", None) == [None, True]
+    assert attention._key_rows_layouts({"kind": "prefill"}, batch(), "block_wise_fp8", None) == [None]
+    monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "0")
+    assert attention._key_rows_layouts(dec, batch(), "block_wise_fp8", None) == [None, True]
+    monkeypatch.setattr(pa, "DECODE_KEY_ROWS", True)  # --decode-key-rows on
+    assert attention._key_rows_layouts(dec, batch(headwise=True), "int8", None) == [None, False]
+
+
 @pytest.mark.slow
 def test_attention_sweep_times_every_fp8_decode_variant(tmp_path):
     """``--sweep --cases decode --kv-cache-quant block_wise_fp8``: one record per listed fp8 decode variant

@@ -140,33 +140,49 @@ def test_gpu_decode_batch(dtype):
         run_and_check(s, num_splits=splits, sink_kind="learnable", **kw)
 
 
-def test_switch_reaches_only_quantized_plans(monkeypatch):
-    """Unforced (``DECODE_KEY_ROWS`` None), ``FDFLEET_DECODE_KEY_ROWS`` decides for quantized caches only
-    (default off); the key-rows setup caps 128 / 128 caches' GPU tiles at 128 registers and reads e4m3
-    codes in mode 3 (2 under the interpreter) under bf16 and fp16 models; a bad value is named."""
+def test_switch_takes_key_rows_where_timed_faster(monkeypatch):
+    """Unforced (``DECODE_KEY_ROWS`` None), the key-rows decode is the default exactly where it was timed
+    faster: block_wise_fp8 caches that are not head-wise, at 128 / 128 and MLA's 192 / 128; not bf16
+    caches, head-wise pages, static-scale fp8 or int8 caches, nor other head dims.
+    ``FDFLEET_DECODE_KEY_ROWS=0`` turns it off everywhere; a bad value is named. The key-rows setup caps
+    128 / 128 caches' GPU tiles at 128 registers and reads e4m3 codes in mode 3 (2 under the
+    interpreter) under bf16 and fp16 models."""
     from fastdeploy_paddlefleet.kernels import paged_attention as pa
 
     monkeypatch.setattr(pa, "DECODE_KEY_ROWS", None)
     monkeypatch.setattr(pa, "default_decode_config", lambda *a, **k: pa.TileConfig(16, 64, 4, 3))
-    codes = torch.zeros(6, 2, 64, 128, dtype=torch.uint8)
-    scales = torch.zeros(6, 2, 64, dtype=torch.bfloat16)
-    quant = dict(kv_quant="block_wise_fp8", key_scale=scales, value_scale=scales.clone())
 
-    def plan(cache=codes, dtype=torch.bfloat16, **kw):
-        q = torch.zeros(4, 8, 128, dtype=dtype)
-        return pa.AttentionPlan(cache, cache.clone(), q, scale=0.1, **kw)
+    def plan(kv_quant="block_wise_fp8", dqk=128, dv=128, dtype=torch.bfloat16, hq=8, **kw):
+        hkv = 2 if hq == 8 else hq
+        kc = torch.zeros(6, hkv, 64, dqk, dtype=torch.uint8)
+        vc = torch.zeros(6, hkv, 64, dv, dtype=torch.uint8)
+        if kv_quant == "block_wise_fp8":
+            scales = dict(key_scale=torch.zeros(6, hkv, 64), value_scale=torch.zeros(6, hkv, 64))
+        elif kv_quant is None:
+            kc, vc, scales = kc.to(torch.bfloat16), vc.to(torch.bfloat16), {}
+        elif kv_quant == "int8":  # static scales per channel
+            scales = dict(key_scale=torch.ones(hkv * dqk), value_scale=torch.ones(hkv * dv))
+        else:  # a static scale per kv head
+            scales = dict(key_scale=torch.ones(hkv), value_scale=torch.ones(hkv))
+        q = torch.zeros(4, hq, dqk, dtype=dtype)
+        return pa.AttentionPlan(kc, vc, q, scale=0.1, kv_quant=kv_quant, **scales, **kw)
 
-    bf16 = torch.zeros(6, 2, 64, 128, dtype=torch.bfloat16)
     monkeypatch.delenv("FDFLEET_DECODE_KEY_ROWS", raising=False)
-    assert not plan(**quant).key_rows and not plan(bf16).key_rows
-    monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "1")
-    on = plan(**quant)
+    on = plan()
     assert on.key_rows and on.decode_cfg.maxnreg == pa.FP8_DECODE_AUTO_MAXNREG and on.f16_codes[1] == 2
-    assert not plan(bf16).key_rows
-    assert plan(dtype=torch.float16, **quant).f16_codes[1] == 2  # an fp16 model's codes: mode 3 too
+    assert plan(dtype=torch.float16).f16_codes[1] == 2  # an fp16 model's codes: mode 3 too
+    assert plan(dqk=192, dv=128, hq=4).key_rows  # MLA
+    for kw in (dict(kv_quant=None), dict(headwise=True), dict(kv_quant="float8_e4m3fn"),
+               dict(kv_quant="int8"), dict(dqk=64, dv=64), dict(dqk=256, dv=256)):  # fmt: skip
+        assert not plan(**kw).key_rows, kw
+    assert pa.key_rows_by_default("block_wise_fp8", False, 128, 128)
+    assert not pa.key_rows_by_default("block_wise_fp8", True, 128, 128)
+    monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "0")
+    off = plan()
+    assert not off.key_rows and off.f16_codes[1] == 2  # the query-rows setup of a full 128 / 128 tile
     monkeypatch.setenv("FDFLEET_DECODE_KEY_ROWS", "maybe")
     with pytest.raises(ValueError, match="FDFLEET_DECODE_KEY_ROWS"):
-        plan(**quant)
+        plan()
 
 
 def test_a_changed_switch_builds_a_new_plan(monkeypatch):

@@ -12,7 +12,8 @@ tree's kernel (an A/B against an older commit, e.g. ``git archive`` into a direc
   split, 64-key tiles over 4 warps, 3 stages; ``--f16-codes`` picks how e4m3 codes are read:
   ``paged_attention.FP8_F16_CODES_DECODE``), with ``lds_u8`` (byte loads from shared memory: V's codes
   read one at a time) and the instructions of each innermost key loop (``inner_loops``; the middle one
-  is the unmasked loop).
+  is the unmasked loop); ``--key-rows on`` compiles the key-rows layout instead (``key_rows`` in the
+  record).
 
 Prints one line per case (``--json``: one JSON object). Needs torch and triton (Triton's bundled
 ``ptxas`` / ``cuobjdump``); no GPU.
@@ -49,8 +50,10 @@ def _catch_launch(direct, caught: list):
     return real
 
 
-def _decode_fp8(pa, direct, f16_codes: int) -> tuple:
-    """The fp8 decode case's caught launch: 4 requests of 4001 keys, block_wise_fp8 codes and scales."""
+def _decode_fp8(pa, direct, f16_codes: int, key_rows: bool) -> tuple:
+    """The fp8 decode case's caught launch: 4 requests of 4001 keys, block_wise_fp8 codes and scales, the
+    decode layout forced (``key_rows``: ``paged_attention.DECODE_KEY_ROWS``; an older tree without it: its
+    only layout)."""
     import torch
 
     from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant
@@ -59,6 +62,9 @@ def _decode_fp8(pa, direct, f16_codes: int) -> tuple:
     nb, bs = 70, 64
     caught = []
     real = _catch_launch(direct, caught)
+    kept = getattr(pa, "DECODE_KEY_ROWS", None)
+    if hasattr(pa, "DECODE_KEY_ROWS"):
+        pa.DECODE_KEY_ROWS = key_rows
     try:
         q = torch.zeros(4, hq, dqk, dtype=torch.bfloat16)
         kc = torch.zeros(nb, hkv, bs, dqk, dtype=torch.uint8)
@@ -73,11 +79,13 @@ def _decode_fp8(pa, direct, f16_codes: int) -> tuple:
         )  # fmt: skip
     finally:
         direct.KernelCache.launch = real
+        if hasattr(pa, "DECODE_KEY_ROWS"):
+            pa.DECODE_KEY_ROWS = kept
     kernel, grid, args, consts = caught[0]
     return kernel, grid, args, dict(consts, F16_CODES=f16_codes)  # CPU tensors: the plan takes 2 for 3
 
 
-def compile_case(name: str, f16_codes: int = 1) -> dict:
+def compile_case(name: str, f16_codes: int = 1, key_rows: bool = False) -> dict:
     """Compile case ``name`` of :data:`CASES` with the imported ``fastdeploy_paddlefleet`` and read its
     resources: registers, stack, ``LDL`` / ``STL`` (spills), SASS instructions."""
     import torch
@@ -90,11 +98,12 @@ def compile_case(name: str, f16_codes: int = 1) -> dict:
     except ImportError:  # an older tree: the launch machinery as one module
         from fastdeploy_paddlefleet.kernels import _launch as direct
     if name == "decode-fp8":
-        kernel, grid, args, consts = _decode_fp8(pa, direct, f16_codes)
+        kernel, grid, args, consts = _decode_fp8(pa, direct, f16_codes, key_rows)
         res, sass = read_cubin(kernel.warmup(*args, grid=grid, **consts).asm["cubin"])
         return dict(
-            case=name, f16_codes=f16_codes, regs=res["regs"], stack=res["stack"], ldl=sass.count(" LDL"),
-            stl=sass.count(" STL"), lds_u8=sass.count("LDS.U8"), inner_loops=inner_loop_sizes(sass),
+            case=name, f16_codes=f16_codes, key_rows=bool(consts.get("KEY_ROWS", False)), regs=res["regs"],
+            stack=res["stack"], ldl=sass.count(" LDL"), stl=sass.count(" STL"), lds_u8=sass.count("LDS.U8"),
+            inner_loops=inner_loop_sizes(sass),
         )  # fmt: skip
     hq, hkv, dqk, dv, window, (bm, bn, warps, stages) = CASES[name]
     caught = []
@@ -134,6 +143,11 @@ def main(argv=None) -> int:
         "--f16-codes", type=int, choices=(1, 2, 3), default=1,
         help="decode-fp8: how e4m3 codes are read under a bf16 model (paged_attention.FP8_F16_CODES_DECODE)",
     )  # fmt: skip
+    ap.add_argument(
+        "--key-rows", choices=("on", "off"), default="off",
+        help="decode-fp8: the key tiles as the dots' rows (paged_attention.DECODE_KEY_ROWS; default off: the "
+        "query-rows layout)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     for module in ("torch", "triton"):
         try:
@@ -151,7 +165,7 @@ def main(argv=None) -> int:
     rc = 0
     for name in args.case or list(CASES):
         try:
-            rec = compile_case(name, args.f16_codes)
+            rec = compile_case(name, args.f16_codes, args.key_rows == "on")
         except Exception as e:  # noqa: BLE001 - report every case
             rec, rc = {"case": name, "error": repr(e)[:500]}, 1
         if args.json or "error" in rec or name == "decode-fp8":

@@ -11,7 +11,7 @@ itself.
 * ``FDFLEET_DIRECT_LAUNCH``: boolean, default ``True``
 * ``FDFLEET_OWN_LAUNCHER``: boolean, default ``True``
 * ``FDFLEET_FUSED_DECODE_WRITE``: boolean, default ``False``
-* ``FDFLEET_DECODE_KEY_ROWS``: boolean, default ``False``
+* ``FDFLEET_DECODE_KEY_ROWS``: boolean, default ``True``
 * ``FDFLEET_DEQUANT_SCRATCH_MB``: an integer >= 0, default ``512``
 * ``FDFLEET_LOG_LEVEL``: ``DEBUG`` | ``INFO`` | ``WARNING`` (default) | ``ERROR`` | ``CRITICAL``
 * ``FDFLEET_MODEL_IMPL``: ``paddlefleet`` or unset; set by the plugin itself when
@@ -228,10 +228,11 @@ def fused_decode_write() -> bool:
 
 
 def decode_key_rows() -> bool:
-    """``FDFLEET_DECODE_KEY_ROWS``: decode over a quantized KV cache takes the key tiles as the dots'
-    rows (``kernels/attention_kernels._tile_key_rows``: 376 against 626 instructions per 64-key tile of
-    an fp8 cache on sm_90, compiled offline; default off until timed on a GPU, ``benchmarks/NOTES.md``)."""
-    return get_bool("FDFLEET_DECODE_KEY_ROWS", False)
+    """``FDFLEET_DECODE_KEY_ROWS``: decode over a block_wise_fp8 KV cache takes the key tiles as the dots'
+    rows (``kernels/attention_kernels._tile_key_rows``) where that was timed faster
+    (``kernels/paged_attention.key_rows_by_default``: 1.49x our bf16 decode against 1.33x at 64 x 4096 on an
+    H100, ``benchmarks/NOTES.md``); off: the query-rows layout everywhere. Default on."""
+    return get_bool("FDFLEET_DECODE_KEY_ROWS", True)
 
 
 DEQUANT_SCRATCH_MB_DEFAULT = 512
@@ -279,7 +280,7 @@ VARIABLES: dict[str, Variable] = {
         Variable("FDFLEET_DIRECT_LAUNCH", direct_launch, "on", "launch compiled Triton kernels directly"),
         Variable("FDFLEET_OWN_LAUNCHER", own_launcher, "on", "direct launches through the plugin's launcher"),
         Variable("FDFLEET_FUSED_DECODE_WRITE", fused_decode_write, "off", "decode launch writes the K/V"),
-        Variable("FDFLEET_DECODE_KEY_ROWS", decode_key_rows, "off", "quantized decode: key tiles as rows"),
+        Variable("FDFLEET_DECODE_KEY_ROWS", decode_key_rows, "on", "fp8 decode: key tiles as rows"),
         Variable(
             "FDFLEET_DEQUANT_SCRATCH_MB", dequant_scratch_mb, "512", "quantized caches' prefill scratch (MiB)"
         ),

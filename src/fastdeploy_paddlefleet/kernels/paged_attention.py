@@ -199,9 +199,23 @@ def fp8_decode_setup(
 
 
 #: decode launches take the key tiles as the dots' rows (``attention_kernels._tile_key_rows``): ``None``
-#: for quantized caches where ``FDFLEET_DECODE_KEY_ROWS`` is on (default off: the layout's instruction
-#: counts were measured offline only, benchmarks/NOTES.md), or a bool for every cache (tests, benchmarks)
+#: where :func:`key_rows_by_default` and ``FDFLEET_DECODE_KEY_ROWS`` (default on) say so, or a bool for
+#: every cache (tests, benchmarks)
 DECODE_KEY_ROWS: bool | None = None
+
+#: head dims ``(Dqk, Dv)`` whose block_wise_fp8 decode the key-rows layout was timed faster on
+KEY_ROWS_DIMS = ((128, 128), (192, 128))
+
+
+def key_rows_by_default(kv_quant: str | None, headwise: bool, dqk: int, dv: int) -> bool:
+    """Whether decode takes the key-rows layout when nothing forces it: block_wise_fp8 caches that are
+    not head-wise, at the head dims of :data:`KEY_ROWS_DIMS`, where it was timed faster than the
+    query-rows layout (H100, 64 x 4096, 32 / 8 heads, against our bf16 decode: full 1.49x against 1.33x,
+    window 1024 1.34x against 1.27x, window + sinks 1.34x against 1.21x, MLA 1.43x against 1.27x) and
+    checked on the GPU against the dense reference. Not head-wise pages (1.08x against 1.18x), and not
+    the static-scale formats: one of their GPU checks (fp8 per channel, 128 / 128) missed its bound
+    under key rows (benchmarks/NOTES.md)."""
+    return kv_quant == "block_wise_fp8" and not headwise and (dqk, dv) in KEY_ROWS_DIMS
 
 
 def key_rows_decode_setup(cfg: TileConfig, dqk: int, dv: int) -> tuple[int, int | None]:
@@ -627,7 +641,10 @@ class AttentionPlan:
         self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
         #: decode's key tiles as the dots' rows (attention_kernels._tile_key_rows)
         if DECODE_KEY_ROWS is None:
-            self.key_rows = quant is not None and envs.decode_key_rows()
+            self.key_rows = (
+                quant is not None and key_rows_by_default(quant.name, bool(headwise), dqk, dv)
+                and envs.decode_key_rows()
+            )  # fmt: skip
         else:
             self.key_rows = bool(DECODE_KEY_ROWS)
         if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
