@@ -30,6 +30,7 @@ import triton.language as tl  # noqa: E402
 from fastdeploy_paddlefleet.kernels.attention_kernels import _e4m3_as_f16_in_place, _q_for_codes  # noqa: E402
 from fastdeploy_paddlefleet.kernels.cache_write import write_kv_cache  # noqa: E402
 from fastdeploy_paddlefleet.kernels.dense_reference import dense_attention, gather_request_kv  # noqa: E402
+from fastdeploy_paddlefleet.kernels.hopper_prefill import choose_prefill_impl  # noqa: E402
 from fastdeploy_paddlefleet.kernels.paged_attention import paged_attention  # noqa: E402
 from fastdeploy_paddlefleet.kvcache.quant import kv_cache_quant  # noqa: E402
 
@@ -150,17 +151,35 @@ class QStep:
             value_scale=self.vs if vs is None else vs, **kw,
         )  # fmt: skip
 
+    def gathered_prefill(self) -> bool:
+        """Whether this step's prefill rows run the Hopper kernel on a scratch copy of the pages
+        dequantized and **rounded once to the model dtype** (``kernels/kv_dequant_gather.py``: a bf16 /
+        fp16 model on sm_90 with Gluon; its documented arithmetic), rather than on the codes."""
+        from fastdeploy_paddlefleet import envs
+
+        s = self.s
+        return (
+            s.q.is_cuda and envs.dequant_scratch_mb() > 0
+            and choose_prefill_impl(None, None, s.q, self.kc, self.vc, self.fmt) == "hopper"
+        )  # fmt: skip
+
     def check(self, out: torch.Tensor, *, scale: float, sinks=None, **kw) -> float:
-        """Max abs error of ``out [T, Hq, Dv]`` against the dense attention on the dequantized caches;
-        asserts it is within :data:`ATOL` / :data:`RTOL` and that the output is finite."""
+        """Max abs error of ``out [T, Hq, Dv]`` against the dense attention on the dequantized caches
+        (prefill rows of a :meth:`gathered_prefill` step: on those values rounded once to the model
+        dtype, as the gather writes them); asserts it is within :data:`ATOL` / :data:`RTOL` and that the
+        output is finite."""
         s = self.s
         worst = 0.0
+        rounded = None
+        if self.gathered_prefill():
+            rounded = tuple(c.float().to(s.q.dtype).double() for c in (self.deq_k, self.deq_v))
         for b, (_, n) in enumerate(s.reqs):
             if n == 0:
                 continue
             lo, hi = int(s.cu[b]), int(s.cu[b + 1])
+            kc, vc = rounded if rounded is not None and n > 1 else (None, None)
             want = dense_attention(
-                s.q[lo:hi].cpu(), self.history(b, "k"), self.history(b, "v"), scale=scale,
+                s.q[lo:hi].cpu(), self.history(b, "k", kc), self.history(b, "v", vc), scale=scale,
                 sinks=None if sinks is None else sinks.cpu(), compute_dtype=torch.float64, **kw,
             )  # fmt: skip
             got = out[lo:hi].cpu().double()
