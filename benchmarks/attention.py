@@ -211,19 +211,14 @@ def quant_prefill_kernel(batch: dict, fmt_name: str) -> str:
 def _key_rows_layouts(rec: dict, batch: dict, fmt_name: str, dv: int | None) -> list:
     """The decode layouts to time a quantized cache's ``rec`` under: the plan's own (``None``), and for
     decode and mixed cases also the other one forced (``True``: key rows, ``False``: query rows;
-    ``kernels/paged_attention.py`` ``DECODE_KEY_ROWS``, ``key_rows_by_default``; a --src tree without
-    them: the plan's own only)."""
-    from fastdeploy_paddlefleet import envs
+    ``kernels/paged_attention.py`` ``decode_takes_key_rows``; a --src tree without it: the plan's own
+    only)."""
     from fastdeploy_paddlefleet.kernels import paged_attention as pa_mod
 
-    if rec.get("kind") not in ("decode", "mixed") or not hasattr(pa_mod, "DECODE_KEY_ROWS"):
+    if rec.get("kind") not in ("decode", "mixed") or not hasattr(pa_mod, "decode_takes_key_rows"):
         return [None]
-    on = pa_mod.DECODE_KEY_ROWS
-    if on is None:
-        by_default = getattr(pa_mod, "key_rows_by_default", lambda *a: True)  # (an older tree: every cache)
-        dqk, dv = batch["q"].shape[2], dv or batch["vc"].shape[3]
-        on = envs.decode_key_rows() and by_default(fmt_name, bool(batch["headwise"]), dqk, dv)
-    return [None, not on]
+    dqk, dv = batch["q"].shape[2], dv or batch["vc"].shape[3]
+    return [None, not pa_mod.decode_takes_key_rows(fmt_name, bool(batch["headwise"]), dqk, dv)]
 
 
 def emit_quant(fh, rec: dict, batch: dict, **run_kw) -> None:

@@ -217,6 +217,15 @@ def key_rows_by_default(kv_quant: str | None, headwise: bool, dqk: int, dv: int)
     return kv_quant == "block_wise_fp8" and not headwise and (dqk, dv) in KEY_ROWS_DIMS
 
 
+def decode_takes_key_rows(kv_quant: str | None, headwise: bool, dqk: int, dv: int) -> bool:
+    """Whether a plan's decode takes the key-rows layout: :data:`DECODE_KEY_ROWS` where it is set, else
+    where :func:`key_rows_by_default` and ``FDFLEET_DECODE_KEY_ROWS`` say so (``kv_quant``: the cache's
+    format name, ``None`` unquantized)."""
+    if DECODE_KEY_ROWS is not None:
+        return bool(DECODE_KEY_ROWS)
+    return key_rows_by_default(kv_quant, headwise, dqk, dv) and envs.decode_key_rows()
+
+
 def key_rows_decode_setup(cfg: TileConfig, dqk: int, dv: int) -> tuple[int, int | None]:
     """``(F16_CODES, maxnreg)`` of the key-rows decode over an e4m3 cache under a bf16 or fp16 model
     (:data:`FP8_F16_CODES_DECODE` ``None``), on the default tile ``cfg``: both code tiles converted where
@@ -639,13 +648,7 @@ class AttentionPlan:
         self.all_slide = has_window and win_h0 <= 0 and win_h1 >= hkv
         self.decode_cfg = decode_config or default_decode_config(dqk, dv, q.device, elem, self.all_slide)
         #: decode's key tiles as the dots' rows (attention_kernels._tile_key_rows)
-        if DECODE_KEY_ROWS is None:
-            self.key_rows = (
-                quant is not None and key_rows_by_default(quant.name, bool(headwise), dqk, dv)
-                and envs.decode_key_rows()
-            )  # fmt: skip
-        else:
-            self.key_rows = bool(DECODE_KEY_ROWS)
+        self.key_rows = decode_takes_key_rows(None if quant is None else quant.name, bool(headwise), dqk, dv)
         if decode_config is None and fp8:  # the default decode tile of an fp8 cache: mode and register cap
             cap = FP8_DECODE_MAXNREG
             setup = None
